@@ -1,0 +1,29 @@
+# Everything a fresh CPU machine needs: `make test` creates .venv, installs, and runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel of torch; a plain "torch" would pull several GB of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: setup test bench plan clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/bench_memory.py
+
+plan: setup
+	$(VENV)/bin/fe-plan --preset factorengram-340m
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,40 @@
+"""ShortConv: the causal refinement of Eq. 10, ``SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ShortConv(nn.Module):
+    """RMSNorm, then a causal depthwise 1-D convolution (kernel ``K``, dilation ``r``), then SiLU.
+
+    Position t reads positions ``t, t-r, ..., t-(K-1)r`` only.  The caller adds the
+    residual (``m_t = v_t + ShortConv(v)_t``, Eq. 10).  The weight starts at zero, as in
+    Engram, so the branch starts as ``m_t = v_t`` and the convolution learns from there.
+
+    Parameters: ``norm.weight`` [C], ``weight`` [C, K] (tap ``K-1`` multiplies position t).
+    """
+
+    def __init__(self, channels: int, kernel_size: int, dilation: int, eps: float = 1e-5):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.dilation = dilation
+        self.norm = nn.RMSNorm(channels, eps=eps)
+        self.weight = nn.Parameter(torch.zeros(channels, kernel_size))
+
+    @property
+    def receptive_field(self) -> int:
+        """How many earlier positions an output depends on: ``(K - 1) * r``."""
+        return (self.kernel_size - 1) * self.dilation
+
+    def forward(self, values: torch.Tensor, history: int = 0) -> torch.Tensor:
+        """values: [batch, seq, C] -> [batch, seq - history, C].
+
+        ``history`` leading positions are context only (e.g. rows received from the
+        previous sequence-parallel rank); no output is produced for them.
+        """
+        normed = self.norm(values).transpose(1, 2)  # [B, C, T]
+        missing = self.receptive_field - history  # zero padding still needed on the left
+        padded = F.pad(normed, (missing, 0)) if missing >= 0 else normed[..., -missing:]
+        out = F.conv1d(padded, self.weight.unsqueeze(1), dilation=self.dilation, groups=self.weight.shape[0])
+        return F.silu(out).transpose(1, 2)

@@ -1,0 +1,223 @@
+"""Multi-head n-gram addressing (Eq. 1 and the address functions phi_b of Eq. 6).
+
+Scheme (after DeepSeek's public Engram code, made platform-independent):
+
+* Unigram heads index their table directly by (optionally compressed) token id.
+* Every insertion layer draws odd int64 multipliers ``m_0 .. m_{K-1}`` (K = largest
+  order) from a splitmix64 stream seeded by ``hash_seed + 10007 * layer``.  An order-n
+  suffix mixes as ``x_t*m_0 XOR x_{t-1}*m_1 XOR ... XOR x_{t-n+1}*m_{n-1}``.
+* Head j of order n reduces the mix modulo its own prime ``p`` >= the requested
+  capacity.  Primes are distinct across all heads, orders and layers, so heads of one
+  order collide on different n-gram pairs.
+* Positions before the sequence start read ``pad_id`` = the lookup vocabulary size, an
+  id no real token has.
+
+splitmix64 replaces NumPy's generator because NumPy promises no stream stability across
+versions; this way indices are identical on every machine and release (golden vectors
+in ``tests/test_hashing.py`` pin them).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from fe_megatron import ops
+from fe_megatron.config import MemoryConfig
+
+_INT64_MAX = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+_LAYER_SEED_STRIDE = 10007
+
+
+def _splitmix64(state: int):
+    state = (state + 0x9E3779B97F4A7C15) & _MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return state, z ^ (z >> 31)
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (covers every int64)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def layer_multipliers(hash_seed: int, layer: int, window: int, lookup_vocab: int) -> list:
+    """Odd multipliers for one layer, bounded so that ``x * m`` never overflows int64 for
+    every id ``x <= lookup_vocab`` (real ids and the pad id)."""
+    half_bound = max(1, (_INT64_MAX // (lookup_vocab + 1)) // 2)
+    state = (hash_seed + _LAYER_SEED_STRIDE * layer) & _MASK64
+    out = []
+    for _ in range(window):
+        state, r = _splitmix64(state)
+        out.append(2 * (r % half_bound) + 1)
+    return out
+
+
+@dataclass(frozen=True)
+class BranchLayout:
+    """Addressing constants of one layer's branches, in the fixed branch order."""
+
+    layer: int
+    orders: tuple
+    multipliers: tuple  # per branch, a tuple of `window` ints (zeros beyond its order)
+    moduli: tuple  # table rows per branch: capacity for unigrams, a prime for hashed heads
+    offsets: tuple  # first row of each branch inside the layer's single table buffer
+
+    @property
+    def total_rows(self) -> int:
+        return self.offsets[-1] + self.moduli[-1]
+
+
+@functools.lru_cache(maxsize=64)
+def _layouts(config_key: tuple) -> dict:
+    (orders, heads, capacity, layers, hash_seed, lookup_vocab) = config_key
+    window = max(orders)
+    seen_primes = set()
+    out = {}
+    for layer in layers:
+        mult = layer_multipliers(hash_seed, layer, window, lookup_vocab)
+        b_orders, b_mult, b_mod = [], [], []
+        for n, n_heads, cap in zip(orders, heads, capacity):
+            candidate = cap - 1
+            for _ in range(n_heads):
+                b_orders.append(n)
+                if n == 1:
+                    b_mult.append((1,) + (0,) * (window - 1))
+                    b_mod.append(cap)
+                    continue
+                candidate += 1
+                while not _is_prime(candidate) or candidate in seen_primes:
+                    candidate += 1
+                seen_primes.add(candidate)
+                b_mult.append(tuple(mult[:n]) + (0,) * (window - n))
+                b_mod.append(candidate)
+        offsets, total = [], 0
+        for rows in b_mod:
+            offsets.append(total)
+            total += rows
+        out[layer] = BranchLayout(layer, tuple(b_orders), tuple(b_mult), tuple(b_mod), tuple(offsets))
+    return out
+
+
+def lookup_vocab_size(config: MemoryConfig) -> int:
+    """Ids the addressing sees: the compressed vocabulary if compression is on."""
+    if config.token_compression is None:
+        return config.vocab_size
+    from fe_megatron.ngram.compression import load_token_compression
+
+    return load_token_compression(config.token_compression, config.vocab_size).num_compressed
+
+
+def branch_layouts(config: MemoryConfig) -> dict:
+    """``{layer: BranchLayout}`` for every insertion layer of ``config``."""
+    vocab = lookup_vocab_size(config)
+    if 1 in config.ngram_orders:
+        cap1 = config.table_capacity[config.ngram_orders.index(1)]
+        if cap1 < vocab:
+            raise ValueError(f"MemoryConfig.table_capacity: unigram capacity {cap1} is below the lookup "
+                             f"vocabulary ({vocab} ids after token compression); it must be >= {vocab}")
+    key = (tuple(config.ngram_orders), tuple(config.heads_per_order), tuple(config.table_capacity),
+           tuple(config.layers), config.hash_seed, vocab)
+    return _layouts(key)
+
+
+def validate_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
+    """Check dtype, shape and range of a ``[batch, seq]`` id tensor.
+
+    Costs one host synchronisation (``bool(bad.any())``) per call; callers hash once per
+    microbatch, so this is once per microbatch, not once per layer.
+    """
+    if not isinstance(token_ids, torch.Tensor):
+        raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
+    if token_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"token_ids must be an integer tensor (int64 or int32), got dtype {token_ids.dtype}")
+    if token_ids.dim() != 2:
+        raise ValueError(f"token_ids must have shape [batch, seq], got shape {tuple(token_ids.shape)}")
+    bad = (token_ids < 0) | (token_ids >= vocab_size)
+    if bool(bad.any()):
+        pos = bad.nonzero()[0].tolist()
+        value = int(token_ids[pos[0], pos[1]])
+        raise ValueError(f"token id {value} at [batch={pos[0]}, position={pos[1]}] is outside the vocabulary "
+                         f"range [0, {vocab_size}) of MemoryConfig.vocab_size={vocab_size}")
+
+
+class NgramHasher:
+    """Row indices into a layer's ``tables.weight`` (branch offsets included).
+
+    ``NgramHasher(config, layer_number)`` addresses one insertion layer (``layer_number``
+    is one of ``config.layers``); ``NgramHasher(config)`` addresses all insertion layers
+    in a single kernel launch (``indices_per_layer``), which is what a model does once
+    per microbatch.
+    """
+
+    def __init__(self, config: MemoryConfig, layer_number: Optional[int] = None):
+        if layer_number is not None and layer_number not in config.layers:
+            raise ValueError(f"layer_number {layer_number} is not an insertion layer; config.layers={config.layers}")
+        self.config = config
+        self.layers = list(config.layers) if layer_number is None else [layer_number]
+        layouts = branch_layouts(config)
+        self.layouts = [layouts[layer] for layer in self.layers]
+        self.pad_id = lookup_vocab_size(config)
+        self.compression = None
+        if config.token_compression is not None:
+            from fe_megatron.ngram.compression import load_token_compression
+
+            self.compression = load_token_compression(config.token_compression, config.vocab_size)
+        self._constants = {}
+
+    def total_rows(self, layer_number: int) -> int:
+        return self.layouts[self.layers.index(layer_number)].total_rows
+
+    def _device_constants(self, device: torch.device):
+        if device not in self._constants:
+            mult = [m for lay in self.layouts for m in lay.multipliers]
+            mod = [p for lay in self.layouts for p in lay.moduli]
+            off = [o for lay in self.layouts for o in lay.offsets]
+            as_long = functools.partial(torch.tensor, dtype=torch.int64, device=device)
+            lookup = None if self.compression is None else self.compression.lookup.to(device)
+            self._constants[device] = (as_long(mult), as_long(mod), as_long(off), lookup)
+        return self._constants[device]
+
+    def indices(self, token_ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """``[batch, seq]`` ids -> ``[batch, seq, branches]`` int64 row indices.
+
+        With several layers, the branches of all layers are concatenated in layer order.
+        """
+        if validate:
+            validate_token_ids(token_ids, self.config.vocab_size)
+        mult, mod, off, lookup = self._device_constants(token_ids.device)
+        ids = token_ids.to(torch.int64)
+        if lookup is not None:
+            ids = lookup[ids]
+        return ops.ngram_hash(ids, mult, mod, off, self.pad_id)
+
+    def indices_per_layer(self, token_ids: torch.Tensor, validate: bool = True) -> dict:
+        """``{layer: [batch, seq, branches]}``, hashed in one launch for all layers."""
+        flat = self.indices(token_ids, validate)
+        sizes = [len(lay.orders) for lay in self.layouts]
+        return dict(zip(self.layers, flat.split(sizes, dim=-1)))

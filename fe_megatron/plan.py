@@ -1,0 +1,34 @@
+"""``fe-plan``: print the parameter budget of a preset or a YAML config."""
+
+import argparse
+import sys
+
+from fe_megatron.budget import format_budget
+from fe_megatron.config import ConfigError, MemoryConfig
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fe-plan", description=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", help=f"one of: {', '.join(MemoryConfig.preset_names())}")
+    source.add_argument("--config", help="a YAML file of MemoryConfig fields (or with a top-level 'memory' key)")
+    args = parser.parse_args(argv)
+    try:
+        if args.preset:
+            config, name = MemoryConfig.from_preset(args.preset), args.preset
+        else:
+            import yaml
+
+            with open(args.config) as fh:
+                top = yaml.safe_load(fh)
+            key = "memory" if isinstance(top, dict) and "memory" in top else None
+            config, name = MemoryConfig.from_yaml(args.config, key=key), args.config
+    except (ConfigError, ValueError) as err:
+        print(f"fe-plan: error: {err}", file=sys.stderr)
+        return 2
+    print(format_budget(config, name))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

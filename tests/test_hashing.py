@@ -1,0 +1,185 @@
+import pytest
+import torch
+
+from fe_megatron.config import MemoryConfig
+from fe_megatron.ngram import NgramHasher, TokenCompression, branch_layouts, normalize_token_text
+from fe_megatron.ngram.hashing import _is_prime, _splitmix64, layer_multipliers
+from tests.conftest import small_config
+
+GOLDEN_CONFIG = dict(vocab_size=1000, hidden_size=32, num_layers=4, ffn_hidden_size=64, ngram_orders=[1, 2, 3],
+                     heads_per_order=2, table_capacity=[1000, 5000, 7000], coeff_width=24, memory_dim=16,
+                     layers=[0, 2], hash_seed=42)
+GOLDEN_IDS = [[5, 17, 999, 0, 5, 17, 999, 3]]
+# Frozen expected output: these must never change, on any machine or release.
+GOLDEN_INDICES = [[
+    [5, 1005, 2421, 10005, 15452, 20955, 5, 1005, 4444, 11808, 16554, 21794],
+    [17, 1017, 6487, 7611, 13699, 21807, 17, 1017, 2043, 9000, 12374, 21209],
+    [999, 1999, 2288, 10092, 13767, 24540, 999, 1999, 3635, 10985, 13262, 22679],
+    [0, 1000, 2106, 10206, 18367, 25517, 0, 1000, 2754, 11941, 15347, 23347],
+    [5, 1005, 6631, 9187, 12222, 25941, 5, 1005, 6290, 11286, 18741, 24931],
+    [17, 1017, 6487, 7611, 14601, 20392, 17, 1017, 2043, 9000, 17045, 21131],
+    [999, 1999, 2288, 10092, 13767, 24540, 999, 1999, 3635, 10985, 13262, 22679],
+    [3, 1003, 4176, 8681, 18286, 20460, 3, 1003, 2271, 8205, 15635, 23494],
+]]
+
+
+def test_splitmix64_reference_vector():
+    state, outs = 0, []
+    for _ in range(3):
+        state, z = _splitmix64(state)
+        outs.append(z)
+    assert outs == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def test_golden_vectors():
+    config = MemoryConfig(**GOLDEN_CONFIG)
+    layouts = branch_layouts(config)
+    assert layouts[0].moduli == (1000, 1000, 5003, 5009, 7001, 7013)
+    assert layouts[2].moduli == (1000, 1000, 5011, 5021, 7019, 7027)
+    assert layouts[0].multipliers[-1] == (2080322831400627, 2591141709272583, 4781461867510717)
+    got = NgramHasher(config).indices(torch.tensor(GOLDEN_IDS))
+    assert got.dtype == torch.int64 and got.tolist() == GOLDEN_INDICES
+    assert NgramHasher(config).indices(torch.tensor(GOLDEN_IDS, dtype=torch.int32)).tolist() == GOLDEN_INDICES
+
+
+def python_reference_indices(config, layer, ids):
+    """Token-by-token hashing with Python's unbounded ints: independent of the vectorized kernel."""
+    lay = branch_layouts(config)[layer]
+    pad = config.vocab_size
+    out = []
+    for row in ids:
+        seq = []
+        for t in range(len(row)):
+            per_branch = []
+            for n, mult, mod, off in zip(lay.orders, lay.multipliers, lay.moduli, lay.offsets):
+                if n == 1:
+                    per_branch.append(row[t] + off)
+                    continue
+                mix = 0
+                for k in range(n):
+                    token = row[t - k] if t - k >= 0 else pad
+                    product = token * mult[k]
+                    assert product < 2 ** 63  # the multiplier bound really prevents int64 overflow
+                    mix ^= product
+                per_branch.append(mix % mod + off)
+            seq.append(per_branch)
+        out.append(seq)
+    return out
+
+
+@pytest.mark.parametrize("vocab", [97, 32000, 1 << 20])
+def test_vectorized_hash_equals_python_reference(vocab):
+    config = small_config(vocab_size=vocab, table_capacity=[vocab, 211, 307])
+    ids = torch.randint(0, vocab, (3, 29))
+    ids[0, :4] = vocab - 1  # the largest ids, where overflow would show
+    for layer in config.layers:
+        got = NgramHasher(config, layer).indices(ids)
+        assert got.tolist() == python_reference_indices(config, layer, ids.tolist())
+
+
+def test_layout_primes_offsets_and_ranges():
+    config = small_config()
+    all_primes = []
+    for layer, lay in branch_layouts(config).items():
+        for n, mod, cap in zip(lay.orders, lay.moduli, [97, 97, 211, 211, 307, 307]):
+            if n == 1:
+                assert mod == cap
+            else:
+                assert mod >= cap and _is_prime(mod)
+                all_primes.append(mod)
+        assert list(lay.offsets) == [sum(lay.moduli[:i]) for i in range(len(lay.moduli))]
+        idx = NgramHasher(config, layer).indices(torch.randint(0, 97, (4, 50)))
+        for b, (off, mod) in enumerate(zip(lay.offsets, lay.moduli)):
+            assert idx[..., b].min() >= off and idx[..., b].max() < off + mod
+    assert len(all_primes) == len(set(all_primes))  # distinct across heads, orders and layers
+
+
+def test_multipliers_are_odd_and_layer_specific():
+    a = layer_multipliers(0, 10, 3, 32000)
+    b = layer_multipliers(0, 12, 3, 32000)
+    assert all(m % 2 == 1 and m * 32000 < 2 ** 63 for m in a + b) and a != b
+    assert layer_multipliers(1, 10, 3, 32000) != a
+
+
+def test_pad_before_sequence_start_and_shift_consistency():
+    config = small_config()
+    hasher = NgramHasher(config, 1)
+    ids = torch.randint(0, 97, (1, 20))
+    full = hasher.indices(ids)
+    # the trigram at position 5 depends only on tokens 3..5
+    window = hasher.indices(ids[:, 3:6])
+    assert torch.equal(full[0, 5], window[0, 2])
+    # at position 0 the bigram/trigram see the pad id, so they differ from a real left context
+    with_left = hasher.indices(torch.cat([torch.tensor([[0]]), ids], 1))
+    assert not torch.equal(full[0, 0, 2:], with_left[0, 1, 2:])
+    assert torch.equal(full[0, 0, :2], with_left[0, 1, :2])  # unigrams see no context
+
+
+def test_all_layers_in_one_call_equal_per_layer_hashers():
+    config = small_config()
+    ids = torch.randint(0, 97, (2, 33))
+    per_layer = NgramHasher(config).indices_per_layer(ids)
+    for layer in config.layers:
+        assert torch.equal(per_layer[layer], NgramHasher(config, layer).indices(ids))
+
+
+@pytest.mark.parametrize("ids, error, fragment", [
+    (torch.tensor([[1, 2, 97]]), ValueError, r"token id 97 at \[batch=0, position=2\] is outside the vocabulary range \[0, 97\)"),
+    (torch.tensor([[1, -3, 2]]), ValueError, r"token id -3 at \[batch=0, position=1\]"),
+    (torch.tensor([[1.0, 2.0]]), TypeError, "must be an integer tensor"),
+    (torch.tensor([1, 2, 3]), ValueError, r"must have shape \[batch, seq\], got shape \(3,\)"),
+    ([[1, 2]], TypeError, "must be a torch.Tensor"),
+])
+def test_bad_token_ids(ids, error, fragment):
+    with pytest.raises(error, match=fragment):
+        NgramHasher(small_config(), 1).indices(ids)
+
+
+def test_unknown_layer_rejected():
+    with pytest.raises(ValueError, match=r"layer_number 2 is not an insertion layer; config.layers=\[1, 3\]"):
+        NgramHasher(small_config(), 2)
+
+
+def test_normalization():
+    assert normalize_token_text(" The") == "the"
+    assert normalize_token_text("Ｃafé") == "cafe"  # NFKC full-width, accent stripped
+    assert normalize_token_text("  ") == " " and normalize_token_text("a \t\n b") == "a b"
+
+
+def test_compression_from_texts_merges_variants():
+    comp = TokenCompression.from_token_texts([None, " The", "the", "THE", "café", "cafe", None, "x"])
+    lookup = comp.lookup.tolist()
+    assert lookup[1] == lookup[2] == lookup[3] and lookup[4] == lookup[5]
+    assert lookup[0] != lookup[6]  # special tokens stay distinct
+    assert comp.num_compressed == 5 and max(lookup) == 4
+
+
+def test_compression_from_sentencepiece_drives_hashing(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(["The cat sat on the mat.", "THE CAT SAT.", "Café au lait, cafe noir."] * 50))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=60,
+                                   model_type="bpe", byte_fallback=False, minloglevel=2)
+    model = str(tmp_path / "sp.model")
+    comp = TokenCompression.from_sentencepiece(model)
+    assert comp.vocab_size == 60 and comp.num_compressed < 60
+    config = small_config(vocab_size=60, table_capacity=[60, 211, 307], token_compression=model)
+    sp = spm.SentencePieceProcessor(model_file=model)
+    upper = torch.tensor([sp.encode("THE CAT")])
+    lower = torch.tensor([sp.encode("the cat")])
+    hasher = NgramHasher(config, 1)
+    if upper.shape == lower.shape:
+        same = torch.equal(comp.lookup[upper], comp.lookup[lower])
+        assert torch.equal(hasher.indices(upper), hasher.indices(lower)) == same
+    with pytest.raises(ValueError, match="has 60 ids but MemoryConfig.vocab_size=97"):
+        NgramHasher(small_config(token_compression=model), 1)
+
+
+def test_compression_from_hf_tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {"[UNK]": 0, "The": 1, "the": 2, "Dog": 3, "dog": 4, "dög": 5}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    lookup = TokenCompression.from_hf_tokenizer(hf).lookup.tolist()
+    assert lookup[1] == lookup[2] and lookup[3] == lookup[4] == lookup[5] and lookup[0] not in lookup[1:]
