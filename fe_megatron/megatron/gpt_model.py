@@ -1,0 +1,79 @@
+"""`FactorEngramGPTModel`: Megatron's GPTModel with memory indices for every memory layer."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron.hasher import MicrobatchHasher
+from fe_megatron.megatron.transformer_layer import FactorEngramTransformerBlock, FactorEngramTransformerLayer
+
+
+class FactorEngramGPTModel(GPTModel):
+    """GPTModel whose forward hashes ``input_ids`` once per microbatch and passes the indices
+    to the memory layers of this pipeline stage.
+
+    Same constructor and forward as GPTModel, plus ``memory_config`` and an optional
+    ``memory_indices`` forward argument (precomputed ``{layer_index: [s, b, branches]}``,
+    e.g. hashed before a context-parallel split).  Every pipeline stage that holds a
+    memory layer needs ``input_ids`` (or ``memory_indices``), not only the first and last.
+    """
+
+    def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
+                 memory_config: MemoryConfig, **gpt_model_kwargs):
+        if memory_config.vocab_size > vocab_size:
+            raise ValueError(f"MemoryConfig.vocab_size={memory_config.vocab_size} exceeds the model's "
+                             f"vocab_size={vocab_size}")
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("context_parallel_size > 1: the memory branch's causal convolution does not "
+                                      "yet exchange neighbouring positions across context-parallel chunks")
+        super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, **gpt_model_kwargs)
+        # GPTModel builds a plain TransformerBlock. Our subclass adds methods only (no state),
+        # so re-classing the instance is exact and avoids building every layer twice.
+        self.decoder.__class__ = FactorEngramTransformerBlock
+        self.memory_config = memory_config
+        self.stage_memory_layers = [layer for layer in self.decoder.layers
+                                    if isinstance(layer, FactorEngramTransformerLayer) and layer.memory is not None]
+        self.hasher = MicrobatchHasher(memory_config, [layer.memory_index for layer in self.stage_memory_layers])
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None, extra_block_kwargs: Optional[dict] = None,
+                runtime_gather_output=None, *, memory_indices: Optional[dict] = None, **kwargs):
+        extra_block_kwargs = dict(extra_block_kwargs or {})
+        if self.stage_memory_layers:
+            if memory_indices is None:
+                if input_ids is None:
+                    raise ValueError("this pipeline stage holds memory layers "
+                                     f"{[layer.memory_index for layer in self.stage_memory_layers]} and needs "
+                                     "input_ids (or memory_indices); give token ids to every pipeline stage")
+                memory_indices = self.hasher(input_ids)
+            extra_block_kwargs["memory_indices"] = memory_indices
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
+                               inference_context=inference_context, packed_seq_params=packed_seq_params,
+                               extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
+                               **kwargs)
+
+    def set_sparsity_loss_scale(self, scale: float) -> None:
+        """Gradient scale of the sparsity aux loss; ``1 / num_microbatches`` under Megatron's schedules
+        (which divide each microbatch's LM loss by the number of microbatches)."""
+        for layer in self.stage_memory_layers:
+            layer.sparsity_loss_scale = scale
+
+    def pop_sparsity_loss(self) -> torch.Tensor:
+        """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the
+        last call, for this rank's TP share; sum over TP and PP ranks for the model's value."""
+        total = torch.zeros(())
+        for layer in self.stage_memory_layers:
+            value = layer.pop_tracked_sparsity_loss()
+            if value is not None:
+                total = total + value.float().cpu()
+        return total
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        # The memory branch lives on some layers only: store layers one by one.
+        metadata = dict(metadata or {})
+        metadata["non_homogeneous_layers"] = True
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
