@@ -15,7 +15,9 @@ megatron.core's own modules (user code and torch itself are left alone):
 3. Tensors created with ``device='cuda'`` (loss scale, clip_grads, l2 norm, schedules'
    token count) are created on the CPU.
 4. Legacy type-string checks (``param.type() == 'torch.cuda.FloatTensor'`` in the
-   optimizers and clip_grads) see CUDA-style names for CPU tensors when megatron.core asks.
+   optimizers and clip_grads) see CUDA-style names for CPU tensors, and ``tensor.cuda()``
+   (tied-embedding sync across pipeline stages, optimizer state loading) returns the
+   tensor itself -- both only when the caller is megatron.core.
 5. `torch.cuda.synchronize()` (dist checkpoint save, p2p) is a no-op.
 
 Each megatron module in `_MEGATRON_MODULES` gets a `torch` proxy that forwards every
@@ -44,6 +46,7 @@ _MEGATRON_MODULES = [
     "megatron.core.transformer.transformer_layer", "megatron.core.transformer.attention",
     "megatron.core.transformer.dot_product_attention", "megatron.core.transformer.mlp",
     "megatron.core.transformer.utils", "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.language_module.language_module",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.dist_checkpointing.exchange_utils", "megatron.core.dist_checkpointing.tensor_aware_state_dict",
     "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.dist_checkpointing.strategies.fully_parallel",
@@ -116,15 +119,26 @@ def _set_device_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
+def _called_from_megatron() -> bool:
+    return sys._getframe(2).f_globals.get("__name__", "").startswith("megatron.core")
+
+
+def _cpu_tensor_cuda(original):
+    def cuda(self, *args, **kwargs):
+        if self.device.type == "cpu" and _called_from_megatron():
+            return self
+        return original(self, *args, **kwargs)
+
+    return cuda
+
+
 def _cuda_style_type(original):
     names = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
              torch.bfloat16: "torch.cuda.BFloat16Tensor"}
 
     def type_(self, *args, **kwargs):
-        if not args and not kwargs and self.device.type == "cpu" and self.dtype in names:
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("megatron.core"):
-                return names[self.dtype]
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in names and _called_from_megatron():
+            return names[self.dtype]
         return original(self, *args, **kwargs)
 
     return type_
@@ -153,6 +167,7 @@ def enable_cpu_backend() -> bool:
     # CPU RNG is untouched inside a tracker fork would warn on every fork.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
     torch.Tensor.type = _cuda_style_type(torch.Tensor.type)
+    torch.Tensor.cuda = _cpu_tensor_cuda(torch.Tensor.cuda)
     _enabled = True
     return True
 

@@ -104,7 +104,10 @@ class FactorEngramTransformerLayer(TransformerLayer):
         memory_out, l1_share = self.memory(residual_stream, indices)
         mc = self.memory_config
         aux_loss = l1_share.mean() * (mc.sparsity_lambda / len(mc.layers))  # this layer's share of Eq. 12-13
-        self.tracked_sparsity_loss.append(aux_loss.detach())
+        # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad
+        # disabled), then again in backward with grad enabled. Record the value once.
+        if torch.is_grad_enabled() or not self.training:
+            self.tracked_sparsity_loss.append(aux_loss.detach())
         return memory_out, aux_loss
 
     def _indices(self, memory_indices: Optional[torch.Tensor]) -> torch.Tensor:
@@ -144,7 +147,9 @@ class FactorEngramTransformerLayer(TransformerLayer):
         normed = self._forward_pre_mlp_layernorm(hidden_states)
         if self.tp_group.size() > 1:  # the up-projection's columns are split over TP
             if self.config.sequence_parallel:  # [s/tp, b, f] -> [s, b, f/tp]
-                memory_out = mappings.all_to_all_sp2hp(memory_out, group=self.tp_group)
+                local_seq, batch, width = memory_out.shape
+                memory_out = mappings.all_to_all_sp2hp(memory_out.reshape(local_seq * batch, width),
+                                                       group=self.tp_group).reshape(-1, batch, width // self.tp_group.size())
             else:
                 memory_out = mappings.scatter_to_tensor_model_parallel_region(memory_out, group=self.tp_group)
         if self.recompute_mlp:

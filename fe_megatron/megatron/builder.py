@@ -1,0 +1,74 @@
+"""Build a pipeline stage's GPT model, wrap it in Megatron DDP, and make its optimizer."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+from megatron.core.optimizer_param_scheduler import ParamGroupOverride
+
+from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
+from fe_megatron.megatron.layer_specs import get_block_spec, get_gpt_layer_with_factorengram_spec, get_local_layer_spec
+
+
+def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: int,
+                    memory_config: Optional[MemoryConfig] = None, backend: str = "local",
+                    share_embeddings: bool = True):
+    """This pipeline stage's model: FactorEngram/Engram when ``memory_config`` is given, else the
+    plain Transformer with the same backbone (RoPE, RMSNorm, SwiGLU per ``transformer_config``)."""
+    kwargs = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                  post_process=parallel_state.is_pipeline_last_stage(),
+                  share_embeddings_and_output_weights=share_embeddings, position_embedding_type="rope")
+    if memory_config is None:
+        if backend == "te":
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+            spec = get_gpt_layer_with_transformer_engine_spec()
+        else:
+            spec = get_local_layer_spec()
+        return GPTModel(transformer_config, get_block_spec(spec, transformer_config), vocab_size,
+                        max_sequence_length, **kwargs)
+    spec = get_block_spec(get_gpt_layer_with_factorengram_spec(memory_config, backend=backend), transformer_config)
+    model = FactorEngramGPTModel(transformer_config, spec, vocab_size, max_sequence_length, memory_config, **kwargs)
+    for layer in model.stage_memory_layers:
+        layer.memory.tables.weight.is_memory_table = True
+    return model
+
+
+def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,
+             overlap_grad_reduce: bool = False) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+    ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model)
+    ddp.broadcast_params()  # Megatron DDP does not broadcast initial parameters itself
+    return ddp
+
+
+def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table_lr_mult: float = 1.0,
+                    table_weight_decay_mult: float = 0.0):
+    """Megatron's optimizer with the usual groups (no weight decay on norms and biases) plus one for
+    the memory tables: learning-rate multiplier ``table_lr_mult``, weight decay multiplier
+    ``table_weight_decay_mult`` (0 by default: decaying rarely-seen rows towards zero every step
+    would erase them between visits)."""
+    len1 = ParamPredicate(name="param_len_1", fn=lambda p: len(p.shape) == 1)
+    overrides = {ParamKey(name="*.bias", predicate=len1): ParamGroupOverride(wd_mult=0.0)}
+    table_override = ParamGroupOverride(wd_mult=table_weight_decay_mult)
+    if table_lr_mult != 1.0:
+        table_override["max_lr"] = optimizer_config.lr * table_lr_mult
+        table_override["min_lr"] = (optimizer_config.min_lr or 0.0) * table_lr_mult
+    overrides[ParamKey(attr="is_memory_table")] = table_override
+    return get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)
+
+
+def connect_schedule_hooks(transformer_config, model_chunks: list, optimizer) -> None:
+    """What Megatron-LM's setup does so that its schedules finalize gradients and scale losses."""
+    transformer_config.finalize_model_grads_func = finalize_model_grads
+    transformer_config.grad_scale_func = optimizer.scale_loss
+    transformer_config.no_sync_func = model_chunks[0].no_sync if len(model_chunks) == 1 else [
+        m.no_sync for m in model_chunks]

@@ -1,0 +1,102 @@
+"""One training or evaluation step through Megatron's pipeline schedules."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
+
+
+def causal_mask(seq_length: int, device=None) -> torch.Tensor:
+    """Megatron's boolean mask (True = masked) for causal attention, built on ``device``
+    (passing it avoids megatron's default mask, which is built on CUDA)."""
+    return torch.triu(torch.ones(1, 1, seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)
+
+
+def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean next-token loss over unmasked positions; the schedule divides it by the microbatch count."""
+    mask = loss_mask.float()
+    loss = (output_tensor.float() * mask).sum() / mask.sum().clamp_min(1)
+    return loss, {"lm loss": loss.detach()}
+
+
+def forward_step(data_iterator, model):
+    """Batches are dicts with ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, ``attention_mask``
+    (all ``[b, s]`` but the mask). Every pipeline stage receives the tokens: memory layers need them."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(lm_loss, batch["loss_mask"])
+
+
+def set_sparsity_loss_scale(model_chunks: list, num_microbatches: int) -> None:
+    for chunk in model_chunks:
+        inner = get_attr_wrapped_model(chunk, "set_sparsity_loss_scale", allow_none=True, return_model_obj=True)
+        if inner is not None and hasattr(inner, "set_sparsity_loss_scale"):
+            inner.set_sparsity_loss_scale(1.0 / num_microbatches)
+
+
+def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
+    """lambda * L_sparsity for the ``num_microbatches`` microbatches since the last call, averaged
+    over them and over data-parallel ranks, summed over TP shares and pipeline stages."""
+    total = torch.zeros(())
+    for chunk in model_chunks:
+        inner = get_attr_wrapped_model(chunk, "pop_sparsity_loss", allow_none=True, return_model_obj=True)
+        if inner is not None and hasattr(inner, "pop_sparsity_loss"):
+            total = total + inner.pop_sparsity_loss()
+    total = total.reshape(1).to(_device())
+    torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return float(total) / (num_microbatches * parallel_state.get_data_parallel_world_size())
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def mean_lm_loss(losses: list) -> float:
+    """Average of the microbatch LM losses, over data-parallel ranks, known on every rank."""
+    value = torch.zeros(2, device=_device())
+    if losses:
+        value[0] = torch.stack([entry["lm loss"] for entry in losses]).float().sum()
+        value[1] = len(losses)
+    torch.distributed.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    return float(value[0] / value[1].clamp_min(1))
+
+
+def run_microbatches(model_chunks: list, batches: list, seq_length: int, micro_batch_size: int,
+                     forward_only: bool) -> list:
+    set_sparsity_loss_scale(model_chunks, len(batches))
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(batches), model=model_chunks,
+        num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
+        decoder_seq_length=seq_length, forward_only=forward_only)
+
+
+def train_step(model_chunks: list, optimizer, batches: list, seq_length: int, micro_batch_size: int):
+    """Forward and backward over ``batches`` (the microbatches of one global batch on this DP rank),
+    then one optimizer step. Returns ``(lm_loss, sparsity_loss, grad_norm, update_successful)``."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = run_microbatches(model_chunks, batches, seq_length, micro_batch_size, forward_only=False)
+    update_successful, grad_norm, _ = optimizer.step()
+    return mean_lm_loss(losses), pop_sparsity_loss(model_chunks, len(batches)), grad_norm, update_successful
+
+
+@torch.no_grad()
+def eval_step(model_chunks: list, batches: list, seq_length: int, micro_batch_size: int) -> float:
+    """Mean LM loss over ``batches`` without updating anything."""
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        losses = run_microbatches(model_chunks, batches, seq_length, micro_batch_size, forward_only=True)
+        pop_sparsity_loss(model_chunks, len(batches))
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+    return mean_lm_loss(losses)

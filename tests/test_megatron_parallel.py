@@ -1,0 +1,29 @@
+"""Parallel layouts against single-process references, on CPU with gloo and 2 processes."""
+
+import pytest
+
+from tests.torchrun_util import torchrun
+
+pytestmark = pytest.mark.distributed
+
+
+def test_memory_branches_tp2_with_and_without_sp_match_plain_modules():
+    out = torchrun("check_memory_tp.py")
+    assert "0 failures" in out
+
+
+@pytest.mark.parametrize("a, b, extra", [
+    ("2,1,0", "1,1,0", []),                                            # TP=2 -> TP=1
+    ("1,1,0", "2,1,0", []),                                            # TP=1 -> TP=2
+    ("2,1,1", "1,1,0", ["--recompute", "full"]),                       # TP=2 + SP + full recompute
+    ("1,2,0", "1,1,0", []),                                            # PP=2 -> PP=1
+    ("1,1,0", "1,2,0", ["--recompute", "full"]),                       # PP=1 (recompute) -> PP=2
+    ("2,1,1", "1,1,0", ["--memory", "placement=before_ffn"]),
+    ("2,1,1", "1,1,0", ["--memory", "placement=inside_ffn"]),
+    ("2,1,0", "1,1,0", ["--memory", "placement=inside_ffn;gate=scalar"]),
+    ("2,1,1", "1,1,0", ["--memory", "representation=dense;gate=none;memory_dim=24"]),
+], ids=["tp2-tp1", "tp1-tp2", "sp-recompute", "pp2-pp1", "pp1-pp2", "before_ffn", "inside_ffn-sp",
+        "inside_ffn-scalar", "engram-sp"])
+def test_gpt_layouts_match_through_resharded_checkpoints(tmp_path, a, b, extra):
+    out = torchrun("check_gpt_parallel.py", "--a", a, "--b", b, "--ckpt", str(tmp_path), *extra)
+    assert "0 failures" in out

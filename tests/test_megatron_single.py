@@ -1,0 +1,185 @@
+"""Single-process Megatron checks: the sparsity aux loss, build-time errors, what the branch reads."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
+from common import tiny_memory_config, tiny_transformer_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    from fe_megatron.megatron.parallel import initialize, shutdown
+
+    os.environ["MASTER_PORT"] = "29611"
+    initialize()
+    yield
+    shutdown()
+
+
+def build(memory_config=None, **transformer_overrides):
+    from fe_megatron.megatron.builder import build_gpt_model
+
+    cfg = tiny_transformer_config(**transformer_overrides)
+    return build_gpt_model(cfg, 128, 32, memory_config)
+
+
+def batches(n, seq=32, mbs=2):
+    from fe_megatron.megatron.step import causal_mask
+
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, 128, (mbs, seq + 1))
+        out.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=(torch.rand(mbs, seq) > 0.2).float(),
+                        position_ids=torch.arange(seq).expand(mbs, seq), attention_mask=causal_mask(seq)))
+    return out
+
+
+def test_sparsity_aux_loss_gradients_equal_direct_lm_plus_lambda_l1(megatron_world):
+    """Megatron schedule with the aux-loss autoscaler vs. an explicit (LM + lambda * L1) backward."""
+    from fe_megatron.megatron.builder import build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.step import lm_loss, pop_sparsity_loss, run_microbatches
+    from megatron.core.optimizer import OptimizerConfig
+
+    mc = tiny_memory_config(sparsity_lambda=0.05)
+    torch.manual_seed(3)
+    model = build(mc)
+    cfg = model.config
+    ddp = wrap_ddp(model, cfg)
+    opt = build_optimizer([ddp], OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0,
+                                                 clip_grad=0.0))
+    connect_schedule_hooks(cfg, [ddp], opt)
+    data = batches(3)
+    ddp.zero_grad_buffer()
+    run_microbatches([ddp], data, 32, 2, forward_only=False)
+    scheduled = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    reported = pop_sparsity_loss([ddp], len(data))
+
+    # direct: the same objective written out, gradients by one plain backward
+    l1_terms = []
+    hooks = [layer.memory.register_forward_hook(lambda m, i, o: l1_terms.append(o[1]))
+             for layer in model.stage_memory_layers]
+    model.set_sparsity_loss_scale(0.0)  # disable the autoscaler: the loss below carries the term
+    ddp.zero_grad_buffer()  # DDP's hooks accumulate the direct backward into main_grad as well
+    total, direct_sparsity = 0.0, 0.0
+    for batch in data:
+        l1_terms.clear()
+        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        sparsity = mc.sparsity_lambda * torch.stack([t.mean() for t in l1_terms]).mean()  # Eq. 12-13
+        total = total + (lm_loss(batch["loss_mask"], out)[0] + sparsity) / len(data)
+        direct_sparsity += float(sparsity.detach()) / len(data)
+    total.backward()
+    for hook in hooks:
+        hook.remove()
+    model.pop_sparsity_loss()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(scheduled[name], p.main_grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert reported == pytest.approx(direct_sparsity, rel=1e-6) and reported > 0
+    # the tables' gradients really contain the L1 term
+    assert all(layer.memory.tables.weight.main_grad.abs().sum() > 0 for layer in model.stage_memory_layers)
+
+
+def test_branch_reads_the_pre_norm_residual_stream(megatron_world):
+    mc = tiny_memory_config(layers=[1])
+    model = build(mc)
+    layer = model.stage_memory_layers[0]
+    seen = {}
+    def record_branch_input(module, inputs, output):
+        seen["h"] = inputs[0].detach()
+
+    layer.memory.register_forward_hook(record_branch_input)
+    def record_layer_input(module, args, kwargs):
+        seen["x"] = kwargs["hidden_states"].detach()
+
+    layer.register_forward_pre_hook(record_layer_input, with_kwargs=True)
+    batch = batches(1)[0]
+    model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    assert torch.equal(seen["h"], seen["x"])  # the layer input, before input_layernorm
+
+
+def test_te_spec_branch_sees_same_hidden_state():
+    pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed (GPU-only)")
+    from fe_megatron.megatron import get_gpt_layer_with_factorengram_spec
+
+    spec = get_gpt_layer_with_factorengram_spec(tiny_memory_config(), backend="te")
+    assert spec.params["memory_config"].layers == [1, 2]
+
+
+def test_te_backend_without_te_names_the_problem():
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("Transformer Engine is installed")
+    except ImportError:
+        pass
+    from fe_megatron.megatron import get_gpt_layer_with_factorengram_spec
+
+    with pytest.raises(ImportError, match="backend='te' needs Transformer Engine"):
+        get_gpt_layer_with_factorengram_spec(tiny_memory_config(), backend="te")
+
+
+@pytest.mark.parametrize("memory_overrides, transformer_overrides, fragment", [
+    (dict(layers=[1, 2], num_layers=8), {}, r"MemoryConfig.num_layers=8 does not match TransformerConfig.num_layers=4"),
+    (dict(hidden_size=48), {}, "MemoryConfig.hidden_size=48 does not match"),
+    (dict(placement="inside_ffn"), dict(gated_linear_unit=False, activation_func=F.gelu),
+     "placement='inside_ffn' adds the memory to the SwiGLU up-projection"),
+    (dict(placement="inside_ffn", ffn_hidden_size=96), {}, "MemoryConfig.ffn_hidden_size=96 does not match"),
+])
+def test_bad_configuration_fails_at_build_time(megatron_world, memory_overrides, transformer_overrides, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        build(tiny_memory_config(**memory_overrides), **transformer_overrides)
+
+
+def test_layer_beyond_model_depth_fails_at_build_time(megatron_world):
+    # the config is valid for a 24-layer model, the Megatron model has 4 layers
+    mc = tiny_memory_config(num_layers=24, layers=[10, 12])
+    with pytest.raises(ValueError, match=r"layer 10 \(0-based\) is beyond the model's num_layers=4"):
+        build(mc)
+
+
+def test_tp_size_must_divide_branch_width():
+    from fe_megatron.megatron.transformer_layer import validate_against_transformer_config
+
+    mc = tiny_memory_config(coeff_width=18)  # s_b = 3
+    cfg = tiny_transformer_config(tp=2)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 does not divide the branch width s_b=3"):
+        validate_against_transformer_config(mc, cfg)
+
+
+def test_missing_token_ids_on_a_memory_stage(megatron_world):
+    model = build(tiny_memory_config())
+    batch = batches(1)[0]
+    with pytest.raises(ValueError, match="needs input_ids"):
+        model(None, batch["position_ids"], batch["attention_mask"], decoder_input=torch.randn(32, 2, 32))
+
+
+def test_cpu_backend_is_enabled_and_idempotent(megatron_world):
+    from fe_megatron.megatron import enable_cpu_backend
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    assert enable_cpu_backend() is (not torch.cuda.is_available())
+    assert enable_cpu_backend() is (not torch.cuda.is_available())
+    if not torch.cuda.is_available():
+        state = mcore_random._get_cuda_rng_state()
+        assert torch.equal(state, torch.get_rng_state())
+        assert torch.zeros(1).type() == "torch.FloatTensor"  # outside megatron.core nothing changes
+
+
+def test_megatron_lm_spec_module_reads_the_environment(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import warnings; warnings.filterwarnings('ignore');"
+            "from fe_megatron.megatron import megatron_lm_spec as m;"
+            "print(m.factorengram_local_spec.module.__name__, m.memory_config.layers, m.memory_config.hidden_size)")
+    env = dict(os.environ, FE_MEMORY_PRESET="factorengram-tiny")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "FactorEngramTransformerLayer" and "[1, 2] 128" in out
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("memory:\n  preset: factorengram-tiny\n  layers: [3]\n")
+    env = dict(os.environ, FE_MEMORY_CONFIG=str(cfg))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert "[3] 128" in out
