@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup test bench plan clean
+.PHONY: setup test demo bench plan clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,9 @@ $(VENV)/.installed: setup.py pyproject.toml
 test: setup
 	$(PY) -m pytest -q tests
 
+demo: setup
+	$(PY) -m fe_megatron.demo --out runs/demo
+
 bench: setup
 	$(PY) benchmarks/bench_memory.py
 
@@ -26,4 +29,4 @@ plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info runs

@@ -23,12 +23,19 @@ setup(
         "megatron-core>=0.16.1,<0.18",
         "psutil>=5.9",
         "tensorboard>=2.14",
+        "matplotlib>=3.7",
+        "tqdm>=4.60",
     ],
     extras_require={
         "triton": ["triton>=3.1"],
         "hf": ["transformers>=4.46", "datasets>=2.19"],
         "deepspeed": ["deepspeed>=0.16"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.46"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.46", "pyarrow>=14"],
     },
-    entry_points={"console_scripts": ["fe-plan=fe_megatron.plan:main"]},
+    entry_points={"console_scripts": [
+        "fe-plan=fe_megatron.plan:main",
+        "fe-pretrain=fe_megatron.train:main",
+        "fe-data=fe_megatron.data.cli:main",
+        "fe-demo=fe_megatron.demo:main",
+    ]},
 )

@@ -15,10 +15,12 @@ from common import tiny_memory_config, tiny_transformer_config  # noqa: E402
 def megatron_world():
     from fe_megatron.megatron.parallel import initialize, shutdown
 
-    os.environ["MASTER_PORT"] = "29611"
+    saved = dict(os.environ)
     initialize()
     yield
     shutdown()
+    os.environ.clear()
+    os.environ.update(saved)  # no RANK / MASTER_PORT leaks into later tests' subprocesses
 
 
 def build(memory_config=None, **transformer_overrides):

@@ -178,7 +178,7 @@ class ParallelFactorEngram(_ParallelMemoryBase):
                 nn.init.normal_(self.dictionary, std=1.0 / math.sqrt(mc.coeff_width))
             if mc.gate != "none":
                 nn.init.normal_(self.query_proj.weight, std=mc.init_std)
-            nn.init.normal_(self.value_proj.weight, std=mc.init_std / math.sqrt(2.0 * mc.num_layers))
+            nn.init.zeros_(self.value_proj.weight)
 
     def forward(self, hidden_states: torch.Tensor, indices: torch.Tensor):
         mc = self.memory_config
@@ -223,8 +223,8 @@ class ParallelEngram(_ParallelMemoryBase):
         if config.perform_initialization:
             from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+            nn.init.zeros_(self.value_proj.weight)  # as in fe_megatron.memory.Engram
             with get_cuda_rng_tracker().fork():
-                nn.init.normal_(self.value_proj.weight, std=mc.init_std / math.sqrt(2.0 * mc.num_layers))
                 if mc.gate == "scalar":
                     nn.init.normal_(self.key_proj.weight, std=mc.init_std)
 

@@ -24,6 +24,14 @@ def _env_from_slurm() -> None:
             os.environ["MASTER_ADDR"] = nodelist.split(",")[0].split("[")[0]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 1234,
                context_parallel_size: int = 1) -> None:
     """Start torch.distributed (nccl on GPU, gloo on CPU), megatron's groups and its RNG streams.
@@ -35,7 +43,8 @@ def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, s
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
+    if "MASTER_PORT" not in os.environ:  # no launcher: a single process on a free local port
+        os.environ["MASTER_PORT"] = str(_free_port())
     on_gpu = not enable_cpu_backend()
     if on_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -7,7 +7,6 @@ from functools import partial
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_attr_wrapped_model
 
 
 def causal_mask(seq_length: int, device=None) -> torch.Tensor:
@@ -20,7 +19,8 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Mean next-token loss over unmasked positions; the schedule divides it by the microbatch count."""
     mask = loss_mask.float()
     loss = (output_tensor.float() * mask).sum() / mask.sum().clamp_min(1)
-    return loss, {"lm loss": loss.detach()}
+    # clone: the schedule divides the returned loss by the microbatch count in place
+    return loss, {"lm loss": loss.detach().clone()}
 
 
 def forward_step(data_iterator, model):
@@ -31,10 +31,17 @@ def forward_step(data_iterator, model):
     return output, partial(lm_loss, batch["loss_mask"])
 
 
+def _unwrap(chunk):
+    """The model inside DDP (and any other ``.module`` wrappers)."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk
+
+
 def set_sparsity_loss_scale(model_chunks: list, num_microbatches: int) -> None:
     for chunk in model_chunks:
-        inner = get_attr_wrapped_model(chunk, "set_sparsity_loss_scale", allow_none=True, return_model_obj=True)
-        if inner is not None and hasattr(inner, "set_sparsity_loss_scale"):
+        inner = _unwrap(chunk)
+        if hasattr(inner, "set_sparsity_loss_scale"):
             inner.set_sparsity_loss_scale(1.0 / num_microbatches)
 
 
@@ -43,8 +50,8 @@ def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
     over them and over data-parallel ranks, summed over TP shares and pipeline stages."""
     total = torch.zeros(())
     for chunk in model_chunks:
-        inner = get_attr_wrapped_model(chunk, "pop_sparsity_loss", allow_none=True, return_model_obj=True)
-        if inner is not None and hasattr(inner, "pop_sparsity_loss"):
+        inner = _unwrap(chunk)
+        if hasattr(inner, "pop_sparsity_loss"):
             total = total + inner.pop_sparsity_loss()
     total = total.reshape(1).to(_device())
     torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())

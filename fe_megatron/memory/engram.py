@@ -29,7 +29,7 @@ class Engram(nn.Module):
     Linear layers have no bias (Megatron convention) where the demo's nn.Linear has one.
 
     Parameters: tables.weight N(0, 1); key_proj N(0, init_std); key_norm, query_norm ones;
-    value_proj N(0, init_std / sqrt(2 num_layers)); conv.* (weight zeros).
+    value_proj zeros (the branch starts as an exact identity, see docs/method.md); conv.* (weight zeros).
     """
 
     def __init__(self, config: MemoryConfig, layer_number: int):
@@ -53,7 +53,7 @@ class Engram(nn.Module):
         self.tables.reset_parameters()
         if cfg.gate == "scalar":
             nn.init.normal_(self.key_proj.weight, std=cfg.init_std)
-        nn.init.normal_(self.value_proj.weight, std=cfg.init_std / math.sqrt(2.0 * cfg.num_layers))
+        nn.init.zeros_(self.value_proj.weight)  # the branch starts as an exact identity
 
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
                 indices: Optional[torch.Tensor] = None):

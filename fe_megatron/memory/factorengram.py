@@ -42,8 +42,8 @@ class FactorEngram(nn.Module):
       dictionary     [s, d_m]     D, N(0, 1/s): reconstruction with gates ~0.5 has O(1) entries.
       query_proj     [d_m, d]     Q^T, N(0, init_std); scale-free because RMSNorm follows.
       query_norm     [d_m]        ones.
-      value_proj     [out, d_m]   V, N(0, init_std / sqrt(2 num_layers)), Megatron's output-layer init.
-      conv.*                      ShortConv: norm ones, weight zeros (branch starts as m = v).
+      value_proj     [out, d_m]   V, zeros: the branch starts as an exact identity (m = 0).
+      conv.*                      ShortConv: norm ones, weight zeros (as in Engram).
     """
 
     def __init__(self, config: MemoryConfig, layer_number: int):
@@ -69,7 +69,7 @@ class FactorEngram(nn.Module):
         nn.init.normal_(self.dictionary, std=1.0 / math.sqrt(cfg.coeff_width))
         if cfg.gate != "none":
             nn.init.normal_(self.query_proj.weight, std=cfg.init_std)
-        nn.init.normal_(self.value_proj.weight, std=cfg.init_std / math.sqrt(2.0 * cfg.num_layers))
+        nn.init.zeros_(self.value_proj.weight)  # the branch starts as an exact identity
 
     def query(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Eq. 7: ``q_t = RMSNorm(Q^T h_t)``."""

@@ -44,7 +44,12 @@ def build(layout, memory_overrides, transformer_overrides, seed):
     initialize(tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=seed)
     mc = tiny_memory_config(**memory_overrides)
     cfg = tiny_transformer_config(tp=tp, pp=pp, sp=sp, **transformer_overrides)
-    model = wrap_ddp(build_gpt_model(cfg, 128, SEQ, mc), cfg)
+    inner = build_gpt_model(cfg, 128, SEQ, mc)
+    with torch.no_grad():  # V and the conv start at zero: perturb them so step 1 reaches every parameter
+        for layer in inner.stage_memory_layers:
+            layer.memory.value_proj.weight.normal_(std=0.05)
+            layer.memory.conv.weight.normal_(std=0.1)
+    model = wrap_ddp(inner, cfg)
     opt = build_optimizer([model], OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, weight_decay=0.0,
                                                    clip_grad=0.0))
     connect_schedule_hooks(cfg, [model], opt)

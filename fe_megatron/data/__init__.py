@@ -1,0 +1,1 @@
+from fe_megatron.data.sources import DataError

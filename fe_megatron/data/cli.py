@@ -1,0 +1,56 @@
+"""``fe-data``: train a tokenizer, preprocess a corpus into Megatron indexed datasets."""
+
+import argparse
+import json
+import sys
+
+from fe_megatron.data.sources import DataError, iter_documents
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="fe-data")
+    sub = parser.add_subparsers(dest="command", required=True)
+    tok = sub.add_parser("train-tokenizer", help="train a sentencepiece BPE model")
+    tok.add_argument("--input", nargs="+", required=True, help="txt / jsonl / jsonl.gz / parquet files, or hf:NAME")
+    tok.add_argument("--output-prefix", required=True, help="writes PREFIX.model and PREFIX.vocab")
+    tok.add_argument("--vocab-size", type=int, default=32000)
+    tok.add_argument("--text-key", default="text")
+    tok.add_argument("--max-documents", type=int, default=None)
+    pre = sub.add_parser("preprocess", help="tokenize into PREFIX.bin / PREFIX.idx")
+    pre.add_argument("--input", nargs="+", required=True)
+    pre.add_argument("--tokenizer-model", required=True, help="a sentencepiece .model file")
+    pre.add_argument("--output-prefix", required=True)
+    pre.add_argument("--text-key", default="text")
+    pre.add_argument("--hf-split", default="train")
+    pre.add_argument("--max-documents", type=int, default=None)
+    pre.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train-tokenizer":
+            from fe_megatron.data.sources import validate_inputs
+            from fe_megatron.data.tokenizer import train_sentencepiece
+
+            validate_inputs(args.input, args.text_key)
+
+            def limited():
+                for i, text in enumerate(iter_documents(args.input, args.text_key)):
+                    if args.max_documents is not None and i >= args.max_documents:
+                        return
+                    yield text
+
+            path = train_sentencepiece(limited(), args.output_prefix, args.vocab_size)
+            print(json.dumps({"tokenizer_model": path, "vocab_size": args.vocab_size}))
+        else:
+            from fe_megatron.data.preprocess import preprocess
+
+            stats = preprocess(args.input, args.tokenizer_model, args.output_prefix, args.text_key, args.hf_split,
+                               args.max_documents, progress=not args.no_progress)
+            print(json.dumps(stats))
+    except (DataError, FileNotFoundError, ValueError) as err:
+        print(f"fe-data: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

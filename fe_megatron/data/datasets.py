@@ -1,0 +1,52 @@
+"""Train/valid/test GPT datasets through megatron.core's BlendedMegatronDatasetBuilder, and
+the deterministic batches each data-parallel rank reads at a given iteration."""
+
+from __future__ import annotations
+
+import os
+from typing import List
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+
+from fe_megatron.data.sources import DataError
+
+
+def _parse_blend(train_data: List):
+    """``[prefix]`` or ``[weight, prefix, weight, prefix, ...]`` -> (prefixes, weights or None)."""
+    if len(train_data) == 1:
+        return [str(train_data[0])], None
+    if len(train_data) % 2:
+        raise DataError(f"data.train_data {train_data} must be one prefix or weight/prefix pairs")
+    weights = [float(w) for w in train_data[0::2]]
+    prefixes = [str(p) for p in train_data[1::2]]
+    return prefixes, weights
+
+
+def build_datasets(train_data: List, tokenizer, seq_length: int, split: str, sizes: List[int], seed: int,
+                   cache_dir: str = None):
+    prefixes, weights = _parse_blend(train_data)
+    for prefix in prefixes:
+        for path in (get_bin_path(prefix), get_idx_path(prefix)):
+            if not os.path.isfile(path):
+                raise DataError(f"data.train_data: {path} does not exist; create it with fe-data preprocess")
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
+                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                              eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
+                              mid_level_dataset_surplus=0.005)
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+def microbatches(dataset, start_sample: int, num_microbatches: int, micro_batch_size: int, attention_mask):
+    """``num_microbatches`` batches of ``micro_batch_size`` consecutive samples from ``start_sample``."""
+    out = []
+    for j in range(num_microbatches):
+        first = start_sample + j * micro_batch_size
+        samples = [dataset[(first + k) % len(dataset)] for k in range(micro_batch_size)]
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in
+                 ("tokens", "labels", "loss_mask", "position_ids")}
+        batch["attention_mask"] = attention_mask
+        out.append(batch)
+    return out

@@ -1,0 +1,98 @@
+"""Read documents from txt / jsonl / jsonl.gz / parquet files or a Hugging Face dataset.
+
+Bad input fails before any output is written, naming the file and line: a malformed
+JSON line, a line without the text field, a non-string text, an empty corpus.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from typing import Iterator, List
+
+
+class DataError(ValueError):
+    """A problem with the input data, naming where it is."""
+
+
+def _open_text(path: str):
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def iter_jsonl(path: str, text_key: str) -> Iterator[str]:
+    with _open_text(path) as fh:
+        for line_no, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict) or text_key not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"{path}:{line_no}: no '{text_key}' field (found: {keys}); "
+                                "choose the field with --text-key")
+            text = record[text_key]
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{line_no}: field '{text_key}' is a {type(text).__name__}, expected a string")
+            yield text
+
+
+def iter_txt(path: str) -> Iterator[str]:
+    """A .txt file holds one document per line."""
+    with _open_text(path) as fh:
+        for line in fh:
+            if line.strip():
+                yield line.rstrip("\n")
+
+
+def iter_parquet(path: str, text_key: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(path)
+    if text_key not in table.schema.names:
+        raise DataError(f"{path}: no '{text_key}' column (columns: {table.schema.names})")
+    for batch in table.iter_batches(columns=[text_key]):
+        for text in batch.column(0).to_pylist():
+            if text:
+                yield text
+
+
+def iter_hf_dataset(name: str, text_key: str, split: str = "train", subset: str = None) -> Iterator[str]:
+    from datasets import load_dataset
+
+    for record in load_dataset(name, subset, split=split, streaming=True):
+        if text_key not in record:
+            raise DataError(f"dataset {name}: records have no '{text_key}' field (fields: {sorted(record)})")
+        yield record[text_key]
+
+
+def iter_documents(inputs: List[str], text_key: str = "text", hf_split: str = "train") -> Iterator[str]:
+    """Documents from every input in order; ``hf:NAME[:SUBSET]`` names a Hugging Face dataset (streamed)."""
+    for source in inputs:
+        if source.startswith("hf:"):
+            parts = source[3:].split(":")
+            yield from iter_hf_dataset(parts[0], text_key, hf_split, parts[1] if len(parts) > 1 else None)
+            continue
+        if not os.path.isfile(source):
+            raise DataError(f"{source}: no such file")
+        if source.endswith((".jsonl", ".jsonl.gz", ".json.gz", ".json")):
+            yield from iter_jsonl(source, text_key)
+        elif source.endswith((".txt", ".txt.gz")):
+            yield from iter_txt(source)
+        elif source.endswith(".parquet"):
+            yield from iter_parquet(source, text_key)
+        else:
+            raise DataError(f"{source}: unknown format; expected .txt, .jsonl, .jsonl.gz or .parquet "
+                            "(or hf:DATASET_NAME)")
+
+
+def validate_inputs(inputs: List[str], text_key: str) -> int:
+    """Read local files once, fully, so bad input fails before anything is written. Returns the document count."""
+    count = 0
+    for _ in iter_documents([s for s in inputs if not s.startswith("hf:")], text_key):
+        count += 1
+    if count == 0 and not any(s.startswith("hf:") for s in inputs):
+        raise DataError(f"empty corpus: no documents in {', '.join(inputs)}")
+    return count

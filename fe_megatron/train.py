@@ -1,0 +1,263 @@
+"""``fe-pretrain``: pretrain a FactorEngram, Engram or plain Transformer GPT with megatron.core.
+
+    torchrun --nproc_per_node N -m fe_megatron.train --config examples/configs/demo_cpu.yaml \
+        training.train_steps=200 save=runs/x
+
+Every ``log_interval`` steps it prints and records (TensorBoard and ``<save>/metrics.jsonl``)
+the LM loss, the sparsity loss (lambda * Eq. 12), the learning rate, the gradient norm,
+tokens/s and memory; every ``eval_interval`` the validation perplexity; every
+``save_interval`` a distributed checkpoint. ``load=DIR`` resumes from DIR's latest one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+
+def _silence_optional_dependency_warnings():
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def transformer_config_for(cfg, on_gpu: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and on_gpu)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if t.recompute == "full" else {}
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        ffn_hidden_size=m.ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        add_bias_linear=False, bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        masked_softmax_fusion=on_gpu, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, use_cpu_initialization=not on_gpu, tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline, sequence_parallel=p.sequence_parallel, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, init_method_std=0.02, **recompute)
+
+
+def count_parameters(model) -> int:
+    """Parameters of the whole model (summed over TP shards and pipeline stages, tied weights once)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    local = 0
+    for name, param in model.named_parameters():
+        if name.endswith("output_layer.weight") and getattr(model, "share_embeddings_and_output_weights", False):
+            continue  # the last stage's copy of the tied embedding
+        if param_is_not_tensor_parallel_duplicate(param):
+            local += param.numel()
+    total = torch.tensor([local], dtype=torch.float64, device=_device())
+    torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
+    return int(total)
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _memory_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2 ** 20
+
+
+class MetricsWriter:
+    """JSON lines in ``<save>/metrics.jsonl`` and TensorBoard scalars, written by global rank 0."""
+
+    def __init__(self, save_dir, tensorboard_dir):
+        self.enabled = torch.distributed.get_rank() == 0
+        self.file = self.tb = None
+        if not self.enabled:
+            return
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+            self.file = open(os.path.join(save_dir, "metrics.jsonl"), "a")
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(tensorboard_dir)
+
+    def write(self, record: dict):
+        if not self.enabled:
+            return
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.tb and "step" in record:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+            self.tb.flush()
+
+    def close(self):
+        if self.tb:
+            self.tb.close()
+        if self.file:
+            self.file.close()
+
+
+def log(message: str):
+    if torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def pretrain(cfg) -> dict:
+    """Run (or resume) the configured pretraining; returns the final metrics."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from fe_megatron.data.datasets import build_datasets, microbatches
+    from fe_megatron.data.sources import DataError
+    from fe_megatron.data.tokenizer import SentencePieceTokenizer
+    from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
+    from fe_megatron.megatron.parallel import initialize
+    from fe_megatron.megatron.step import causal_mask, eval_step, train_step
+
+    m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
+    initialize(p.tensor, p.pipeline, seed=t.seed)
+    on_gpu = torch.cuda.is_available()
+    tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+    if tokenizer.vocab_size > m.vocab_size:
+        raise DataError(f"data.tokenizer_model {cfg.data.tokenizer_model} has {tokenizer.vocab_size} tokens but "
+                        f"model.vocab_size={m.vocab_size}; the embedding must cover the tokenizer "
+                        f"(set model.vocab_size >= {tokenizer.vocab_size})")
+    dp = parallel_state.get_data_parallel_world_size()
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ValueError(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
+                         f"data-parallel size = {t.micro_batch_size} x {dp}")
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    evals = t.train_steps // max(t.eval_interval, 1) + 2
+    sizes = [t.train_steps * t.global_batch_size, evals * t.eval_steps * t.global_batch_size,
+             t.eval_steps * t.global_batch_size]
+    train_ds, valid_ds, test_ds = build_datasets(cfg.data.train_data, tokenizer, m.seq_length, cfg.data.split,
+                                                 sizes, t.seed, cfg.data.cache_dir)
+
+    tconfig = transformer_config_for(cfg, on_gpu)
+    model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory_config, backend=m.backend)
+    if on_gpu:
+        model.cuda()
+    ddp = wrap_ddp(model, tconfig, use_distributed_optimizer=p.distributed_optimizer)
+    optimizer = build_optimizer([ddp], OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+        adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=tconfig.bf16,
+        params_dtype=tconfig.params_dtype, use_distributed_optimizer=p.distributed_optimizer),
+        table_lr_mult=o.table_lr_mult, table_weight_decay_mult=o.table_weight_decay_mult)
+    connect_schedule_hooks(tconfig, [ddp], optimizer)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=t.train_steps, lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=t.train_steps, wd_incr_style="constant")
+    start = 0
+    if cfg.load:
+        start = load_checkpoint(cfg.load, [ddp], optimizer, scheduler, p.distributed_optimizer)
+        log(f"resumed from {cfg.load} at iteration {start}")
+
+    params = count_parameters(model)
+    metrics = MetricsWriter(cfg.save, cfg.tensorboard_dir)
+    metrics.write({"event": "start", "kind": m.kind, "parameters": params, "start_step": start,
+                   "world_size": torch.distributed.get_world_size(), "dp": dp, "tp": p.tensor, "pp": p.pipeline})
+    log(f"model {m.kind}: {params:,} parameters; TP={p.tensor} PP={p.pipeline} DP={dp}; "
+        f"{num_micro} microbatches of {t.micro_batch_size} x {m.seq_length} tokens per rank and step")
+    mask = causal_mask(m.seq_length, _device())
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_rank = num_micro * t.micro_batch_size
+
+    def to_device(batches):
+        return [{k: v.to(_device()) for k, v in b.items()} for b in batches] if on_gpu else batches
+
+    def evaluate(dataset, index):
+        batches = microbatches(dataset, index * t.global_batch_size * t.eval_steps + dp_rank * per_rank,
+                               num_micro * t.eval_steps, t.micro_batch_size, mask)
+        return eval_step([ddp], to_device(batches), m.seq_length, t.micro_batch_size)
+
+    last = {}
+    tokens_per_step = t.global_batch_size * m.seq_length
+    window_start, window_steps = time.time(), 0
+    for step in range(start, t.train_steps):
+        batches = microbatches(train_ds, step * t.global_batch_size + dp_rank * per_rank, num_micro,
+                               t.micro_batch_size, mask)
+        lm, sparsity, grad_norm, ok = train_step([ddp], optimizer, to_device(batches), m.seq_length,
+                                                 t.micro_batch_size)
+        scheduler.step(increment=1)
+        window_steps += 1
+        done = step + 1
+        if done % t.log_interval == 0 or done == t.train_steps:
+            elapsed = time.time() - window_start
+            last = {"step": done, "lm_loss": lm, "sparsity_loss": sparsity,
+                    "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
+                    "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9), "memory_mb": _memory_mb()}
+            metrics.write(last)
+            log(f"step {done:>6}/{t.train_steps} | lm loss {lm:.4f} | sparsity {sparsity:.4f} | lr {last['lr']:.2e} | "
+                f"grad norm {last['grad_norm']:.3f} | {last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB")
+            window_start, window_steps = time.time(), 0
+        if done % t.eval_interval == 0 or done == t.train_steps:
+            val = evaluate(valid_ds, done // max(t.eval_interval, 1))
+            metrics.write({"step": done, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+            log(f"step {done:>6} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+            window_start = time.time()
+        if cfg.save and (done % t.save_interval == 0 or done == t.train_steps):
+            path = save_checkpoint(cfg.save, [ddp], optimizer, scheduler, done, p.distributed_optimizer)
+            log(f"saved {path}")
+            window_start = time.time()
+        if t.exit_after and done >= t.exit_after:
+            log(f"exiting after step {done} (training.exit_after)")
+            metrics.close()
+            return {"event": "exit", "step": done}
+    test = evaluate(test_ds, 0)
+    final = {"event": "final", "step": t.train_steps, "test_loss": test, "test_ppl": math.exp(min(test, 50)),
+             "parameters": params, "tokens_per_s": last.get("tokens_per_s")}
+    metrics.write(final)
+    log(f"test loss {test:.4f} | perplexity {final['test_ppl']:.2f}")
+    metrics.close()
+    return final
+
+
+def main(argv=None) -> int:
+    _silence_optional_dependency_warnings()
+    parser = argparse.ArgumentParser(prog="fe-pretrain", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML training config (examples/configs/)")
+    parser.add_argument("--load", help="resume from the latest checkpoint in this directory")
+    parser.add_argument("--save", help="checkpoint and metrics directory")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.train_steps=100")
+    args = parser.parse_args(argv)
+    from fe_megatron.config import ConfigError
+    from fe_megatron.data.sources import DataError
+    from fe_megatron.train_config import load_train_config
+
+    overrides = list(args.overrides)
+    if args.load:
+        overrides.append(f"load={args.load}")
+    if args.save:
+        overrides.append(f"save={args.save}")
+    try:
+        cfg = load_train_config(args.config, overrides)
+        pretrain(cfg)
+    except (ConfigError, DataError, FileNotFoundError) as err:
+        print(f"fe-pretrain: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        from fe_megatron.megatron.parallel import shutdown
+
+        if torch.distributed.is_initialized():
+            shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

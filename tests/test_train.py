@@ -1,0 +1,135 @@
+"""fe-pretrain end to end: single process, DP=2 and TP=2 under torchrun, resume exactness, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from fe_megatron.config import ConfigError
+from fe_megatron.train_config import load_train_config
+from tests.test_data_pipeline import small_data  # noqa: F401  (session fixture)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")
+
+
+def small_overrides(data, **extra):
+    values = {"data.tokenizer_model": data["tokenizer"], "data.train_data": f"[{data['prefix']}]",
+              "model.vocab_size": 512, "memory.table_capacity": "[512, 4096, 4096]", "model.seq_length": 64,
+              "training.train_steps": 8, "training.log_interval": 2, "training.eval_interval": 4,
+              "training.eval_steps": 2, "training.save_interval": 4, "training.micro_batch_size": 2,
+              "training.global_batch_size": 8, "optimizer.warmup_steps": 2}
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def pretrain_cmd(nproc=1):
+    if nproc == 1:
+        return [sys.executable, "-W", "ignore", "-m", "fe_megatron.train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "fe_megatron.train"]
+
+
+def run_pretrain(args, nproc=1, check=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(pretrain_cmd(nproc) + args, capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def metrics(save_dir):
+    with open(os.path.join(save_dir, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def curve(rows):
+    return [(r["step"], r.get("lm_loss"), r.get("sparsity_loss"), r.get("val_loss"))
+            for r in rows if "step" in r and "event" not in r]
+
+
+def test_resume_reproduces_the_uninterrupted_curve_exactly(small_data, tmp_path):
+    full, half = str(tmp_path / "full"), str(tmp_path / "half")
+    run_pretrain(["--config", CONFIG, "--save", full] + small_overrides(small_data))
+    run_pretrain(["--config", CONFIG, "--save", half] + small_overrides(small_data, **{"training.exit_after": 4}))
+    assert open(os.path.join(half, "latest_checkpointed_iteration.txt")).read() == "4"
+    out = run_pretrain(["--config", CONFIG, "--save", half, "--load", half] + small_overrides(small_data)).stdout
+    assert "resumed from" in out and "at iteration 4" in out
+    assert curve(metrics(full)) == curve(metrics(half))  # bit-identical floats
+    rows = metrics(full)
+    logged = [r for r in rows if "lm_loss" in r]
+    assert len(logged) == 4 and all(set(r) >= {"lm_loss", "sparsity_loss", "lr", "grad_norm", "tokens_per_s",
+                                               "memory_mb"} for r in logged)
+    assert logged[0]["sparsity_loss"] > 0 and any("val_ppl" in r for r in rows)
+    assert os.listdir(os.path.join(tmp_path, "full"))  # checkpoints written
+    assert not any(name.endswith(".tmp") for name in os.listdir(full))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel", [["parallel.tensor=1"], ["parallel.tensor=2", "parallel.sequence_parallel=true"]],
+                         ids=["dp2", "tp2-sp"])
+def test_torchrun_two_processes(small_data, tmp_path, parallel):
+    save = str(tmp_path / "run")
+    out = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **{
+        "training.train_steps": 4, "training.save_interval": 4}) + parallel, nproc=2).stdout
+    dp = 2 if parallel == ["parallel.tensor=1"] else 1
+    assert f"DP={dp}" in out
+    rows = metrics(save)
+    final = [r for r in rows if r.get("event") == "final"][0]
+    assert final["test_loss"] > 0 and rows[1]["lm_loss"] < 7.0
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "4"
+
+
+@pytest.mark.parametrize("kind", ["engram", "transformer"])
+def test_other_model_kinds_train(small_data, tmp_path, kind):
+    extra = {"model.kind": kind, "training.train_steps": 4}
+    if kind == "engram":
+        extra.update({"memory.preset": "engram-340m", "memory.ngram_orders": "[2, 3]",
+                      "memory.table_capacity": "[4096, 4096]", "memory.coeff_width": 64, "memory.memory_dim": 64,
+                      "memory.layers": "[1, 2]", "memory.heads_per_order": 2})
+    run_pretrain(["--config", CONFIG, "--save", str(tmp_path)] + small_overrides(small_data, **extra))
+    assert [r for r in metrics(str(tmp_path)) if r.get("event") == "final"]
+
+
+def test_tokenizer_larger_than_model_vocab_fails_at_start(small_data, tmp_path):
+    proc = run_pretrain(["--config", CONFIG] + small_overrides(small_data, **{"model.vocab_size": 256,
+                                                                              "memory.table_capacity": "[256, 4096, 4096]"}),
+                        check=False)
+    assert proc.returncode == 2
+    assert "has 512 tokens but model.vocab_size=256" in proc.stderr
+
+
+def test_missing_dataset_fails_at_start(small_data, tmp_path):
+    proc = run_pretrain(["--config", CONFIG] + small_overrides(small_data, **{"data.train_data": "[/nonexistent/x]"}),
+                        check=False)
+    assert proc.returncode == 2 and "/nonexistent/x.bin does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["model.kind=mamba"], "model.kind"),
+    (["memory.hidden_size=64"], "memory.hidden_size"),
+    (["training.bogus=1"], "training.bogus"),
+    (["optimizer.warmup_steps=500"], "optimizer.warmup_steps"),
+    (["model.kind=engram"], "memory.representation"),
+    (["memory.preset=nope"], "memory.preset"),
+])
+def test_train_config_errors(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        load_train_config(CONFIG, overrides)
+    assert info.value.field == field
+
+
+def test_paper_configs_load():
+    folder = os.path.join(ROOT, "examples", "configs")
+    names = [n for n in os.listdir(folder) if n.endswith(".yaml")]
+    assert len(names) >= 8
+    for name in names:
+        cfg = load_train_config(os.path.join(folder, name))
+        if name.startswith("paper_340m"):
+            assert cfg.model.hidden_size == 1024 and cfg.model.seq_length == 8192
