@@ -1,10 +1,7 @@
 """fe-data on the bundled corpus, and every bad-input case naming file and line."""
 
-import gzip
 import json
 import os
-import subprocess
-import sys
 
 import numpy
 import pytest
@@ -14,23 +11,6 @@ from fe_megatron.data.sources import DataError, iter_documents, validate_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORPUS = os.path.join(ROOT, "data", "sotu.jsonl.gz")
-
-
-@pytest.fixture(scope="session")
-def small_data(tmp_path_factory):
-    """A 512-piece tokenizer and an indexed dataset from the first 40 bundled addresses."""
-    out = tmp_path_factory.mktemp("data")
-    subset = out / "subset.jsonl"
-    with gzip.open(CORPUS, "rt") as src, open(subset, "w") as dst:
-        for i, line in enumerate(src):
-            if i >= 40:
-                break
-            dst.write(line)
-    assert fe_data(["train-tokenizer", "--input", str(subset), "--output-prefix", str(out / "tok"),
-                    "--vocab-size", "512"]) == 0
-    assert fe_data(["preprocess", "--input", str(subset), "--tokenizer-model", str(out / "tok.model"),
-                    "--output-prefix", str(out / "corpus"), "--no-progress"]) == 0
-    return dict(tokenizer=str(out / "tok.model"), prefix=str(out / "corpus"), subset=str(subset))
 
 
 def test_bundled_corpus_is_readable_and_not_eval_data():

@@ -6,11 +6,9 @@ import subprocess
 import sys
 
 import pytest
-import yaml
 
 from fe_megatron.config import ConfigError
 from fe_megatron.train_config import load_train_config
-from tests.test_data_pipeline import small_data  # noqa: F401  (session fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")

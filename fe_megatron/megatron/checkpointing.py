@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 
-import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

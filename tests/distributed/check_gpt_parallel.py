@@ -22,7 +22,7 @@ from common import Checker, tiny_memory_config, tiny_transformer_config
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.optimizer import OptimizerConfig
 from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-from fe_megatron.megatron.parallel import initialize, set_seed
+from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, mean_lm_loss, pop_sparsity_loss, run_microbatches
 
 SEQ, MBS, MICROBATCHES, LR, STEPS = 32, 2, 2, 0.5, 3
