@@ -12,6 +12,11 @@ def test_memory_branches_tp2_with_and_without_sp_match_plain_modules():
     assert "0 failures" in out
 
 
+def test_memory_branch_context_parallel_matches_plain_module():
+    out = torchrun("check_memory_cp.py")
+    assert "0 failures" in out
+
+
 @pytest.mark.parametrize("a, b, extra", [
     ("2,1,0", "1,1,0", []),                                            # TP=2 -> TP=1
     ("1,1,0", "2,1,0", []),                                            # TP=1 -> TP=2

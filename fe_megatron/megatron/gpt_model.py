@@ -27,9 +27,6 @@ class FactorEngramGPTModel(GPTModel):
         if memory_config.vocab_size > vocab_size:
             raise ValueError(f"MemoryConfig.vocab_size={memory_config.vocab_size} exceeds the model's "
                              f"vocab_size={vocab_size}")
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("context_parallel_size > 1: the memory branch's causal convolution does not "
-                                      "yet exchange neighbouring positions across context-parallel chunks")
         super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, **gpt_model_kwargs)
         # GPTModel builds a plain TransformerBlock. Our subclass adds methods only (no state),
         # so re-classing the instance is exact and avoids building every layer twice.
@@ -45,6 +42,9 @@ class FactorEngramGPTModel(GPTModel):
         extra_block_kwargs = dict(extra_block_kwargs or {})
         if self.stage_memory_layers:
             if memory_indices is None:
+                if self.config.context_parallel_size > 1:
+                    raise ValueError("with context parallelism the n-grams must be hashed on the full sequence before "
+                                     "the split: pass memory_indices=hash_then_split_for_context_parallel(...)")
                 if input_ids is None:
                     raise ValueError("this pipeline stage holds memory layers "
                                      f"{[layer.memory_index for layer in self.stage_memory_layers]} and needs "
@@ -57,8 +57,9 @@ class FactorEngramGPTModel(GPTModel):
                                **kwargs)
 
     def set_sparsity_loss_scale(self, scale: float) -> None:
-        """Gradient scale of the sparsity aux loss; ``1 / num_microbatches`` under Megatron's schedules
-        (which divide each microbatch's LM loss by the number of microbatches)."""
+        """Gradient scale of the sparsity aux loss; ``cp_size / num_microbatches`` under Megatron's schedules
+        (which divide each microbatch's LM loss by the number of microbatches and multiply it by the
+        context-parallel size before gradients are averaged over data- and context-parallel ranks)."""
         for layer in self.stage_memory_layers:
             layer.sparsity_loss_scale = scale
 

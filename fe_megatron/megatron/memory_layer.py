@@ -19,8 +19,12 @@ Engram (dense) splits the embedding columns the same way, together with the inpu
 columns of the key and value projections: two all-reduces (or reduce-scatters) of d
 forward, none backward.
 
-Layout: Megatron's sequence-first ``[s, b, h]``; indices ``[s, b, branches]`` always
-cover the full sequence (the tables are split by columns, not by tokens).
+Context parallelism: each CP rank holds two load-balanced sequence chunks; everything is
+per token except the convolution, which receives each chunk's predecessor rows from
+the rank holding them (`_ContextParallelHalos`).
+
+Layout: Megatron's sequence-first ``[s, b, h]``; indices ``[s, b, branches]`` cover the
+rank's whole (CP-local) sequence, also under SP (the tables are split by columns, not by tokens).
 """
 
 from __future__ import annotations
@@ -66,6 +70,46 @@ class _PreviousRankRows(torch.autograd.Function):
         return (gathered[rank + 1] if rank + 1 < size else torch.zeros_like(grad)), None
 
 
+class _ContextParallelHalos(torch.autograd.Function):
+    """Megatron's load-balanced context parallelism gives CP rank r the sequence chunks r and
+    2cp-1-r. Each chunk's causal convolution needs the last rows of the chunk before it,
+    which lives on another rank (or is zero padding for chunk 0). Forward all-gathers both
+    chunks' tails from every rank and returns the two halos this rank needs; backward
+    scatters the halos' gradients back to their owners with one all-reduce. Every rank runs
+    the same collectives."""
+
+    @staticmethod
+    def forward(ctx, tails: torch.Tensor, group):  # tails: [2, R, b, C]
+        ctx.group = group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        gathered = [torch.empty_like(tails) for _ in range(size)]
+        dist.all_gather(gathered, tails.contiguous(), group=group)
+        ctx.sources = [_cp_chunk_location(chunk - 1, size) for chunk in _cp_local_chunks(rank, size)]
+        halos = [torch.zeros_like(tails[0]) if src is None else gathered[src[0]][src[1]] for src in ctx.sources]
+        return torch.stack(halos)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size = dist.get_world_size(ctx.group)
+        buffer = torch.zeros((size,) + tuple(grad.shape), dtype=grad.dtype, device=grad.device)
+        for halo, src in enumerate(ctx.sources):
+            if src is not None:
+                buffer[src[0], src[1]] += grad[halo]
+        dist.all_reduce(buffer, group=ctx.group)
+        return buffer[dist.get_rank(ctx.group)], None
+
+
+def _cp_local_chunks(rank: int, size: int):
+    return (rank, 2 * size - 1 - rank)
+
+
+def _cp_chunk_location(chunk: int, size: int):
+    """(rank, local slot) holding global chunk ``chunk`` in the load-balanced layout, None for chunk -1."""
+    if chunk < 0:
+        return None
+    return (chunk, 0) if chunk < size else (2 * size - 1 - chunk, 1)
+
+
 class BranchShardedLinear(nn.Module):
     """A linear map whose input is the branch-major local coefficient slice (Engram's projections).
 
@@ -96,6 +140,10 @@ class _ParallelMemoryBase(MegatronModule):
         self.tp_size = dist.get_world_size(self.tp_group)
         self.tp_rank = dist.get_rank(self.tp_group)
         self.sequence_parallel = bool(config.sequence_parallel) and self.tp_size > 1
+        self.cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
+        if self.cp_group is not None and self.sequence_parallel:
+            raise NotImplementedError("context parallelism together with sequence parallelism is not supported by "
+                                      "the memory branch yet; use one of them")
         hasher = NgramHasher(memory_config, layer_index)
         self.tables = ParallelCoefficientTables(hasher.total_rows(layer_index), memory_config.branch_width,
                                                 self.tp_size, perform_initialization=config.perform_initialization)
@@ -124,6 +172,8 @@ class _ParallelMemoryBase(MegatronModule):
 
     def _short_conv(self, values: torch.Tensor) -> torch.Tensor:
         """Eq. 10's refinement on ``[s_local, b, C]``, with the previous rank's rows as history under SP."""
+        if self.cp_group is not None:
+            return self._short_conv_context_parallel(values)
         history = 0
         if self.sequence_parallel:
             reach = self.conv.receptive_field
@@ -134,6 +184,18 @@ class _ParallelMemoryBase(MegatronModule):
             values = torch.cat([_PreviousRankRows.apply(values[-reach:], self.tp_group), values], 0)
             history = reach
         return self.conv(values.transpose(0, 1), history=history).transpose(0, 1)
+
+    def _short_conv_context_parallel(self, values: torch.Tensor) -> torch.Tensor:
+        """The convolution over this CP rank's two load-balanced chunks, each with its predecessor's rows."""
+        reach = self.conv.receptive_field
+        chunks = values.chunk(2, dim=0)
+        if chunks[0].shape[0] < reach:
+            raise ValueError(f"context-parallel chunk of {chunks[0].shape[0]} tokens is shorter than the "
+                             f"convolution's reach (K-1)*dilation={reach}; use a longer sequence or smaller CP")
+        halos = _ContextParallelHalos.apply(torch.stack([chunk[-reach:] for chunk in chunks]), self.cp_group)
+        outs = [self.conv(torch.cat([halo, chunk], 0).transpose(0, 1), history=reach).transpose(0, 1)
+                for halo, chunk in zip(halos, chunks)]  # zero halo rows = zero padding (RMSNorm(0) = 0)
+        return torch.cat(outs, 0)
 
     # ----------------------------------------------------------------- checkpointing
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

@@ -42,7 +42,7 @@ def set_sparsity_loss_scale(model_chunks: list, num_microbatches: int) -> None:
     for chunk in model_chunks:
         inner = _unwrap(chunk)
         if hasattr(inner, "set_sparsity_loss_scale"):
-            inner.set_sparsity_loss_scale(1.0 / num_microbatches)
+            inner.set_sparsity_loss_scale(parallel_state.get_context_parallel_world_size() / num_microbatches)
 
 
 def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
