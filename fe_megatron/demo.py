@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -80,8 +81,6 @@ def main(argv=None) -> int:
     for kind in KINDS:
         run_dir = os.path.join(out, kind)
         if os.path.isdir(run_dir):
-            import shutil
-
             shutil.rmtree(run_dir)
         cmd = [py, "-W", "ignore", "-m", "fe_megatron.train", "--config", CONFIG, f"model.kind={kind}",
                f"data.tokenizer_model={tokenizer}", f"data.train_data=[{prefix}]", f"save={run_dir}",

@@ -51,19 +51,17 @@ def count_parameters(model) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+    from fe_megatron.megatron.step import current_device
+
     local = 0
     for name, param in model.named_parameters():
         if name.endswith("output_layer.weight") and getattr(model, "share_embeddings_and_output_weights", False):
             continue  # the last stage's copy of the tied embedding
         if param_is_not_tensor_parallel_duplicate(param):
             local += param.numel()
-    total = torch.tensor([local], dtype=torch.float64, device=_device())
+    total = torch.tensor([local], dtype=torch.float64, device=current_device())
     torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
     return int(total)
-
-
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _memory_mb() -> float:
@@ -126,7 +124,7 @@ def pretrain(cfg) -> dict:
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
     from fe_megatron.megatron.parallel import initialize
-    from fe_megatron.megatron.step import causal_mask, eval_step, train_step
+    from fe_megatron.megatron.step import causal_mask, current_device, eval_step, train_step
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed)
@@ -173,12 +171,12 @@ def pretrain(cfg) -> dict:
                    "world_size": torch.distributed.get_world_size(), "dp": dp, "tp": p.tensor, "pp": p.pipeline})
     log(f"model {m.kind}: {params:,} parameters; TP={p.tensor} PP={p.pipeline} DP={dp}; "
         f"{num_micro} microbatches of {t.micro_batch_size} x {m.seq_length} tokens per rank and step")
-    mask = causal_mask(m.seq_length, _device())
+    mask = causal_mask(m.seq_length, current_device())
     dp_rank = parallel_state.get_data_parallel_rank()
     per_rank = num_micro * t.micro_batch_size
 
     def to_device(batches):
-        return [{k: v.to(_device()) for k, v in b.items()} for b in batches] if on_gpu else batches
+        return [{k: v.to(current_device()) for k, v in b.items()} for b in batches] if on_gpu else batches
 
     def evaluate(dataset, index):
         batches = microbatches(dataset, index * t.global_batch_size * t.eval_steps + dp_rank * per_rank,

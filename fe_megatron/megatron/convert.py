@@ -14,13 +14,14 @@ import torch
 from fe_megatron.config import MemoryConfig
 
 
-def _per_branch_axis(name: str):
-    """(how to view the plain tensor per branch, the shard axis in that view) for sharded tensors."""
+def _per_branch_axis(name: str, dense: bool):
+    """(how to view the plain tensor per branch, the shard axis in that view); (None, None) for
+    tensors that every rank holds whole (FactorEngram's value_proj maps d_m -> out: not split)."""
     if name.endswith("tables.weight"):
         return None, 1
     if name.endswith("dictionary"):
         return "rows", 1
-    if name.endswith("value_proj.weight") or name.endswith("key_proj.weight"):
+    if dense and (name.endswith("value_proj.weight") or name.endswith("key_proj.weight")):
         return "cols", 2
     return None, None
 
@@ -32,9 +33,7 @@ def shard_plain_state_dict(plain: dict, memory_config: MemoryConfig, tp_rank: in
     w = s_b // tp_size
     out = {}
     for name, tensor in plain.items():
-        view, axis = _per_branch_axis(name)
-        if view == "cols" and not dense:
-            view, axis = None, None  # FactorEngram's value_proj maps d_m -> out and is not split
+        view, axis = _per_branch_axis(name, dense)
         if axis is None:
             out[name] = tensor.clone()
             continue
@@ -51,9 +50,7 @@ def unshard_to_plain_state_dict(shards: list, memory_config: MemoryConfig) -> di
     dense = memory_config.representation == "dense"
     out = {}
     for name, first in shards[0].items():
-        view, axis = _per_branch_axis(name)
-        if view == "cols" and not dense:
-            view, axis = None, None
+        view, axis = _per_branch_axis(name, dense)
         if axis is None:
             out[name] = first.clone()
             continue

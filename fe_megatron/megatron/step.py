@@ -53,20 +53,21 @@ def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
         inner = _unwrap(chunk)
         if hasattr(inner, "pop_sparsity_loss"):
             total = total + inner.pop_sparsity_loss()
-    total = total.reshape(1).to(_device())
+    total = total.reshape(1).to(current_device())
     torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
     torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return float(total) / (num_microbatches * parallel_state.get_data_parallel_world_size())
 
 
-def _device():
+def current_device() -> torch.device:
+    """The device this rank computes on: its CUDA device, or the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def mean_lm_loss(losses: list) -> float:
     """Average of the microbatch LM losses, over data-parallel ranks, known on every rank."""
-    value = torch.zeros(2, device=_device())
+    value = torch.zeros(2, device=current_device())
     if losses:
         value[0] = torch.stack([entry["lm loss"] for entry in losses]).float().sum()
         value[1] = len(losses)

@@ -13,7 +13,7 @@ from common import Checker, tiny_memory_config, tiny_transformer_config
 from fe_megatron.megatron.convert import shard_plain_state_dict
 from fe_megatron.megatron.hasher import MicrobatchHasher, hash_then_split_for_context_parallel
 from fe_megatron.megatron.memory_layer import build_parallel_memory
-from fe_megatron.megatron.parallel import initialize, shutdown
+from fe_megatron.megatron.parallel import initialize
 from fe_megatron.memory import build_memory
 
 VARIANTS = [dict(), dict(gate="scalar"), dict(placement="inside_ffn"), dict(representation="dense", gate="none",
@@ -67,10 +67,7 @@ def main():
             dist.all_reduce(grad, group=group)
             ref_grad = dict(ref.named_parameters())[n].grad
             check.close(f"{name}: grad {n}", grad, shard_plain_state_dict({n: ref_grad}, mc, 0, 1)[n])
-    try:
-        check.finish()
-    finally:
-        shutdown()
+    check.finish()
 
 
 if __name__ == "__main__":

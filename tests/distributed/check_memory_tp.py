@@ -5,13 +5,15 @@ Compares forward outputs, the L1 term, input gradients, gathered parameter gradi
 parameters after 3 Adam steps, all within 1e-5 relative in fp32.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from common import Checker, tiny_memory_config, tiny_transformer_config
 from fe_megatron.megatron.convert import shard_plain_state_dict, unshard_to_plain_state_dict
 from fe_megatron.megatron.memory_layer import build_parallel_memory
-from fe_megatron.megatron.parallel import initialize, shutdown
+from fe_megatron.megatron.parallel import initialize
 from fe_megatron.memory import build_memory
 from fe_megatron.ngram import NgramHasher
 
@@ -98,21 +100,12 @@ def run_variant(check: Checker, variant: dict, sp: bool, dtype=torch.float32):
 def main():
     initialize(tensor_parallel_size=2)
     check = Checker()
-    import os
-
     only = os.environ.get("FE_CHECK_ONLY")  # e.g. "0:1" runs VARIANTS[0] with sp=True, for debugging
     for i, variant in enumerate(VARIANTS):
         for sp in (False, True):
             if only is None or only == f"{i}:{int(sp)}":
                 run_variant(check, variant, sp, torch.float64 if i in FLOAT64_VARIANTS else torch.float32)
-    shutdown_and_exit(check)
-
-
-def shutdown_and_exit(check):
-    try:
-        check.finish()
-    finally:
-        shutdown()
+    check.finish()
 
 
 if __name__ == "__main__":

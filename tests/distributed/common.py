@@ -44,6 +44,9 @@ class Checker:
             self.failures.append(name)
 
     def finish(self):
+        """Report every rank's failures, tear down the process groups, exit non-zero on any failure."""
+        from fe_megatron.megatron.parallel import shutdown
+
         rank = dist.get_rank()
         flag = torch.tensor([len(self.failures)], dtype=torch.int64)
         dist.all_reduce(flag)
@@ -52,6 +55,7 @@ class Checker:
         if rank == 0:
             print(f"{self.checks} checks on rank 0, {int(flag)} failures over all ranks", flush=True)
         dist.barrier()
+        shutdown()
         sys.exit(1 if int(flag) else 0)
 
 
