@@ -5,11 +5,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench plan clean
+.PHONY: setup test demo bench bench-kernels cuda-check plan clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py pyproject.toml
+$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -24,6 +24,13 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/bench_memory.py
+
+bench-kernels: setup
+	$(PY) benchmarks/bench_kernels.py
+
+# Compile every CUDA source for sm_90 (no GPU needed); fails on a compile error.
+cuda-check: setup
+	bash csrc/check_cuda_sources.sh $(PY)
 
 plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m

@@ -2,9 +2,38 @@
 
 Dependency ranges are chosen so that both torch 2.13 on Python 3.11 (CPU) and the
 torch 2.11 GPU image on Python 3.12 satisfy them without reinstalling torch.
+
+Kernels (install with ``pip install --no-build-isolation -e .`` so the build sees torch):
+* ``fe_megatron._C_cpu``: OpenMP C++ kernels, built on every machine;
+* ``fe_megatron._C_cuda``: CUDA kernels, built where torch has CUDA and nvcc is found
+  (``FE_MEGATRON_CUDA_ARCH`` overrides the target list, default ``8.0;9.0``).
+Without torch at build time nothing is compiled and ``fe_megatron.ops`` uses its torch reference.
 """
 
+import os
+
 from setuptools import find_packages, setup
+
+
+def kernel_extensions():
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return [], {}
+    openmp = ["-fopenmp"] if os.name != "nt" else ["/openmp"]
+    extensions = [cpp_extension.CppExtension(
+        "fe_megatron._C_cpu", ["csrc/cpu/ngram_ops_cpu.cpp"],
+        extra_compile_args=["-O3", *openmp], extra_link_args=openmp)]
+    if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("FE_MEGATRON_CUDA_ARCH", "8.0;9.0"))
+        extensions.append(cpp_extension.CUDAExtension(
+            "fe_megatron._C_cuda", ["csrc/cuda/ngram_ops_cuda.cpp", "csrc/cuda/ngram_ops_kernels.cu"],
+            extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]}))
+    return extensions, {"build_ext": cpp_extension.BuildExtension}
+
+
+ext_modules, cmdclass = kernel_extensions()
 
 setup(
     name="fe_megatron",
@@ -15,6 +44,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["fe_megatron", "fe_megatron.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     install_requires=[
         "torch>=2.6,<2.14",
         "numpy>=1.24",
@@ -30,7 +61,7 @@ setup(
         "triton": ["triton>=3.1"],
         "hf": ["transformers>=4.46", "datasets>=2.19"],
         "deepspeed": ["deepspeed>=0.16"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.46", "pyarrow>=14"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.46", "pyarrow>=14", "triton>=3.1"],
     },
     entry_points={"console_scripts": [
         "fe-plan=fe_megatron.plan:main",

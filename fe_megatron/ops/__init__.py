@@ -1,41 +1,95 @@
-"""One dispatch for every kernel: ``ngram_hash`` and ``gather_rows``.
+"""One dispatch for every kernel: ``ngram_hash`` and ``gather_rows`` (forward and backward).
 
-Backends (``torch`` is always present and is the reference; faster ones register
-themselves when they are built): ``torch``, ``cpp``, ``cuda``, ``triton``.  With no
-forcing, the fastest backend available for the tensors' device is used; force one with
-``use_backend(name)``.
+Backends: ``torch`` (`fe_megatron.ops.reference`, always present: it defines the
+semantics), ``cpp`` (OpenMP C++ built by setup.py on every machine), ``cuda`` (built
+where CUDA torch is installed) and ``triton`` (where Triton can launch: a GPU, or
+``TRITON_INTERPRET=1`` on CPU).  With no forcing, the fastest backend available for the
+tensors' device is used; ``use_backend(name)`` forces one.
+
+Two run-time switches, both off the hot path:
+
+* ``set_deterministic_backward(False)`` lets the table backward use atomic adds (cuda,
+  triton) instead of the sorted, deterministic reduction.  ``torch.use_deterministic_algorithms``
+  overrides it back to sorted.
+* ``debug_checks()`` (or ``FE_MEGATRON_DEBUG_KERNELS=1``) range-checks every row index on
+  the host before a kernel reads it, and names the offending value and position.  The
+  C++ backend checks ranges always (it costs nothing measurable there).
 """
 
 import contextlib
+import dataclasses
+import logging
+import os
 import threading
 
 import torch
 
 from fe_megatron.ops import reference
 
-_ORDER = ("torch", "cpp", "cuda", "triton")
-# preference per device type, fastest first
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("torch", "cpp", "cuda", "triton")
+# fastest first, per device type
 _PREFERENCE = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpp", "torch")}
-_BACKENDS = {"torch": reference}
+DEBUG_ENV = "FE_MEGATRON_DEBUG_KERNELS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    module: object  # has ngram_hash, gather_rows_forward, gather_rows_backward
+    devices: tuple  # device types whose tensors it accepts
+
+
+_backends = {"torch": Backend("torch", reference, ("cpu", "cuda"))}
+_discovered = False
 _state = threading.local()
+_settings = {"deterministic": True, "debug": os.environ.get(DEBUG_ENV, "0") not in ("", "0")}
 
 
-def register_backend(name: str, module) -> None:
-    """Make ``module`` (with ``ngram_hash`` and ``gather_rows``) available as ``name``."""
-    if name not in _ORDER:
-        raise ValueError(f"unknown backend {name!r}; expected one of {_ORDER}")
-    _BACKENDS[name] = module
+def _discover() -> None:
+    """Import the compiled backends once; log one line if none is built."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    try:
+        from fe_megatron import _C_cpu
+
+        _backends["cpp"] = Backend("cpp", _C_cpu, ("cpu",))
+    except ImportError as error:
+        logger.debug("cpp backend not built: %s", error)
+    if torch.cuda.is_available():
+        try:
+            from fe_megatron import _C_cuda
+
+            _backends["cuda"] = Backend("cuda", _C_cuda, ("cuda",))
+        except ImportError as error:
+            logger.debug("cuda backend not built: %s", error)
+    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if torch.cuda.is_available() or interpret:
+        try:
+            from fe_megatron.ops import triton_backend
+
+            _backends["triton"] = Backend("triton", triton_backend, ("cpu",) if interpret else ("cuda",))
+        except ImportError as error:
+            logger.debug("triton backend unavailable: %s", error)
+    if "cpp" not in _backends and "cuda" not in _backends:
+        logger.warning("fe_megatron.ops: no compiled kernels are built (install with `pip install -e .` "
+                       "where torch is installed); using the torch reference")
 
 
 def available_backends() -> list:
-    """Names of the backends that are built and importable here, from torch, cpp, cuda, triton."""
-    return [name for name in _ORDER if name in _BACKENDS]
+    """The built backends, in the order torch, cpp, cuda, triton."""
+    _discover()
+    return [name for name in BACKEND_NAMES if name in _backends]
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Force one backend inside the ``with`` block."""
-    if name not in _BACKENDS:
+    """Force one backend inside the ``with`` block (thread-local)."""
+    _discover()
+    if name not in _backends:
         raise ValueError(f"backend {name!r} is not available here; available: {available_backends()}")
     previous = getattr(_state, "forced", None)
     _state.forced = name
@@ -45,23 +99,108 @@ def use_backend(name: str):
         _state.forced = previous
 
 
+def set_deterministic_backward(enabled: bool) -> None:
+    """Sorted, run-to-run reproducible table gradients (default) or atomic adds."""
+    _settings["deterministic"] = bool(enabled)
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True):
+    """Range-check row indices on the host before every gather (one device sync per call)."""
+    previous = _settings["debug"]
+    _settings["debug"] = enabled
+    try:
+        yield
+    finally:
+        _settings["debug"] = previous
+
+
 def current_backend(device: torch.device) -> str:
+    """The backend a call on ``device`` uses now: the forced one, else the fastest built."""
+    _discover()
     forced = getattr(_state, "forced", None)
     if forced is not None:
+        if device.type not in _backends[forced].devices:
+            raise ValueError(f"backend {forced!r} (forced by use_backend) cannot run on {device.type} tensors; "
+                             f"it accepts {_backends[forced].devices}")
         return forced
     for name in _PREFERENCE.get(device.type, ("torch",)):
-        if name in _BACKENDS:
+        if name in _backends and device.type in _backends[name].devices:
             return name
     return "torch"
 
 
-def ngram_hash(token_ids, multipliers, moduli, offsets, pad_id: int):
-    """See `fe_megatron.ops.reference.ngram_hash`."""
-    backend = _BACKENDS[current_backend(token_ids.device)]
-    return backend.ngram_hash(token_ids, multipliers, moduli, offsets, pad_id)
+def _backend_for(device: torch.device):
+    return _backends[current_backend(device)].module
 
 
-def gather_rows(weight, indices):
-    """See `fe_megatron.ops.reference.gather_rows`."""
-    backend = _BACKENDS[current_backend(weight.device)]
-    return backend.gather_rows(weight, indices)
+def ngram_hash(token_ids: torch.Tensor, multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor,
+               pad_id: int) -> torch.Tensor:
+    """All branches of all insertion layers in one launch.  See `fe_megatron.ops.reference.ngram_hash`."""
+    for name, tensor in (("token_ids", token_ids), ("multipliers", multipliers), ("moduli", moduli),
+                         ("offsets", offsets)):
+        if tensor.dtype != torch.int64:
+            raise TypeError(f"ngram_hash: {name} must be int64, got {tensor.dtype}")
+    branches = (multipliers.shape[0],) if multipliers.dim() == 2 else None
+    if token_ids.dim() != 2 or branches is None or moduli.shape != branches or offsets.shape != branches:
+        raise ValueError(f"ngram_hash: expected token_ids [B, T], multipliers [nb, K], moduli and offsets [nb]; got "
+                         f"{tuple(token_ids.shape)}, {tuple(multipliers.shape)}, {tuple(moduli.shape)}, "
+                         f"{tuple(offsets.shape)}")
+    backend = _backend_for(token_ids.device)
+    return backend.ngram_hash(token_ids.contiguous(), multipliers.contiguous(), moduli.contiguous(),
+                              offsets.contiguous(), int(pad_id))
+
+
+def check_row_indices(flat_indices: torch.Tensor, num_rows: int, shape: tuple) -> None:
+    """Raise a ValueError naming the first index outside ``[0, num_rows)`` and its position in ``shape``."""
+    bad = (flat_indices < 0) | (flat_indices >= num_rows)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        position = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape))
+        raise ValueError(f"gather_rows: row index {int(flat_indices[first])} at position {position} of the "
+                         f"indices (shape {tuple(shape)}) is outside the table's rows [0, {num_rows})")
+
+
+class _GatherRows(torch.autograd.Function):
+    """``weight[indices]`` whose backward reduces each unique row once.
+
+    Under Megatron's DDP (parameters with ``main_grad`` and ``grad_added_to_main_grad``)
+    the backward adds straight into ``main_grad``, touching only the looked-up rows, and
+    hands autograd an unfilled placeholder, as Megatron's fused weight-gradient
+    accumulation does.  Elsewhere it returns a dense gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, indices):
+        flat = indices.reshape(-1)
+        if _settings["debug"]:
+            check_row_indices(flat, weight.shape[0], tuple(indices.shape))
+        rows = _backend_for(weight.device).gather_rows_forward(weight, flat)
+        ctx.save_for_backward(weight, flat)
+        return rows.view(*indices.shape, weight.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        weight, flat = ctx.saved_tensors
+        grad_rows = grad_output.reshape(flat.numel(), weight.shape[1]).contiguous()
+        deterministic = _settings["deterministic"] or torch.are_deterministic_algorithms_enabled()
+        backend = _backend_for(weight.device)
+        if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
+            backend.gather_rows_backward(grad_rows, flat, weight.main_grad, deterministic)
+            weight.grad_added_to_main_grad = True
+            grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+        else:
+            grad_weight = torch.zeros_like(weight)
+            backend.gather_rows_backward(grad_rows, flat, grad_weight, deterministic)
+        return grad_weight, None
+
+
+def gather_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``weight[indices]``: [rows, w] and [..., nb] int64 -> [..., nb, w], differentiable in ``weight``."""
+    if weight.dim() != 2:
+        raise ValueError(f"gather_rows: weight must be [rows, width], got shape {tuple(weight.shape)}")
+    if indices.dtype != torch.int64:
+        raise TypeError(f"gather_rows: indices must be int64, got {indices.dtype}")
+    if indices.device != weight.device:
+        raise ValueError(f"gather_rows: indices on {indices.device} but weight on {weight.device}")
+    return _GatherRows.apply(weight.contiguous(), indices)

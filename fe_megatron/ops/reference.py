@@ -1,8 +1,18 @@
 """Reference implementations of every kernel, in plain torch.
 
-These define the semantics that faster backends must match bit for bit (hash) or to
-the stated tolerance (gradients).  They are vectorized over the whole batch: the only
-Python loop runs over the n-gram window (at most the largest order), never over tokens.
+These define the semantics that the compiled backends (`cpp`, `cuda`, `triton`) must
+match: bit for bit for the hash and the forward gather, within 1e-6 relative for the
+table gradient in fp32 (only the summation order of duplicate rows may differ).  They
+are vectorized over the whole batch: the only Python loop runs over the n-gram window
+(at most the largest order), never over tokens.
+
+Every backend module provides the same three functions:
+
+* ``ngram_hash(token_ids, multipliers, moduli, offsets, pad_id)``
+* ``gather_rows_forward(weight, flat_indices) -> [M, w]``
+* ``gather_rows_backward(grad_rows, flat_indices, out, deterministic)``, which adds the
+  gradient of every looked-up row into ``out`` ([rows, w]) in place, summing the
+  duplicates of a row in fp32 and writing each unique row once.
 """
 
 import torch
@@ -31,9 +41,24 @@ def ngram_hash(token_ids: torch.Tensor, multipliers: torch.Tensor, moduli: torch
     return torch.remainder(mix, moduli) + offsets
 
 
-def gather_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``weight[indices]`` with the embedding backward (a deterministic index_add on CPU).
+def gather_rows_forward(weight: torch.Tensor, flat_indices: torch.Tensor) -> torch.Tensor:
+    """``weight[flat_indices]``: [rows, w], [M] int64 -> [M, w]."""
+    return weight.index_select(0, flat_indices)
 
-    weight: [rows, s_b]; indices: [..., nb]. Returns [..., nb, s_b].
+
+def gather_rows_backward(grad_rows: torch.Tensor, flat_indices: torch.Tensor, out: torch.Tensor,
+                         deterministic: bool = True) -> None:
+    """``out[i] += sum_{m: flat_indices[m] = i} grad_rows[m]`` for every looked-up row ``i``.
+
+    fp32 ``out``: one ``index_add_`` (sequential, so deterministic, on CPU; atomic on CUDA).
+    Other dtypes: duplicates are summed in fp32 first, then each unique row of ``out`` is
+    updated once, so a bf16 gradient is rounded once per row, not once per duplicate.
     """
-    return F.embedding(indices, weight)
+    del deterministic  # the reference has one order per device
+    if out.dtype == torch.float32:
+        out.index_add_(0, flat_indices, grad_rows.to(torch.float32))
+        return
+    unique, inverse = torch.unique(flat_indices, return_inverse=True)
+    sums = torch.zeros(unique.numel(), grad_rows.shape[1], dtype=torch.float32, device=grad_rows.device)
+    sums.index_add_(0, inverse, grad_rows.to(torch.float32))
+    out.index_copy_(0, unique, (out.index_select(0, unique).to(torch.float32) + sums).to(out.dtype))

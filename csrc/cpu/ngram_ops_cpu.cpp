@@ -1,0 +1,174 @@
+// CPU (OpenMP) kernels behind fe_megatron.ops: the multi-head n-gram hash, the row gather
+// and the deduplicated table backward.  Semantics: fe_megatron/ops/reference.py.  The
+// backward follows the same chunked, sorted reduction as the CUDA and Triton kernels
+// (docs/kernels.md), so the three compiled backends give bit-identical gradients.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+namespace {
+
+// Positions of the sorted index array reduced by one task; also the CUDA/Triton chunk.
+constexpr int64_t kChunk = 32;
+// Largest n-gram order the hash kernels accept (the paper uses 3).
+constexpr int64_t kMaxWindow = 16;
+
+void check_long(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt64, "fe_megatron cpp: ", name, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), "fe_megatron cpp: ", name, " must be contiguous");
+  TORCH_CHECK(t.device().is_cpu(), "fe_megatron cpp: ", name, " must be a CPU tensor");
+}
+
+// index[t, b] = (XOR_k x_{t-k} * m[b, k]) mod p_b + offset_b, x_{t-k} = pad before the start (Eq. 1, 6).
+torch::Tensor ngram_hash(torch::Tensor token_ids, torch::Tensor multipliers, torch::Tensor moduli,
+                         torch::Tensor offsets, int64_t pad_id) {
+  for (auto* pair : {&token_ids, &multipliers, &moduli, &offsets}) check_long(*pair, "hash input");
+  const int64_t batch = token_ids.size(0), seq = token_ids.size(1);
+  const int64_t branches = multipliers.size(0), window = multipliers.size(1);
+  TORCH_CHECK(window <= kMaxWindow, "ngram_hash: n-gram window ", window, " exceeds the supported ", kMaxWindow);
+  auto out = torch::empty({batch, seq, branches}, token_ids.options());
+  const int64_t* ids = token_ids.data_ptr<int64_t>();
+  const int64_t* mult = multipliers.data_ptr<int64_t>();
+  const int64_t* mod = moduli.data_ptr<int64_t>();
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, batch * seq, 2048, [&](int64_t begin, int64_t end) {
+    uint64_t history[kMaxWindow];
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t t = token % seq;
+      const int64_t* row = ids + (token - t);
+      for (int64_t k = 0; k < window; ++k) history[k] = static_cast<uint64_t>(t >= k ? row[t - k] : pad_id);
+      for (int64_t b = 0; b < branches; ++b) {
+        uint64_t mix = 0;  // unsigned: wraps like torch's int64 multiply, with no undefined behaviour
+        for (int64_t k = 0; k < window; ++k) mix ^= history[k] * static_cast<uint64_t>(mult[b * window + k]);
+        int64_t r = static_cast<int64_t>(mix) % mod[b];
+        if (r < 0) r += mod[b];  // torch.remainder: the sign of the divisor
+        dst[token * branches + b] = r + off[b];
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor gather_rows_forward(torch::Tensor weight, torch::Tensor flat_indices) {
+  check_long(flat_indices, "flat_indices");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
+              "fe_megatron cpp: weight must be a contiguous CPU [rows, width] tensor");
+  const int64_t count = flat_indices.numel(), rows = weight.size(0), width = weight.size(1);
+  auto out = torch::empty({count, width}, weight.options());
+  const int64_t* idx = flat_indices.data_ptr<int64_t>();
+  const size_t row_bytes = static_cast<size_t>(width) * weight.element_size();
+  const char* src = static_cast<const char*>(weight.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  std::atomic<int64_t> first_bad{count};
+  at::parallel_for(0, count, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t r = idx[i];
+      if (r < 0 || r >= rows) {  // never read out of bounds; report after the loop
+        int64_t seen = first_bad.load();
+        while (i < seen && !first_bad.compare_exchange_weak(seen, i)) {}
+        continue;
+      }
+      std::memcpy(dst + i * row_bytes, src + r * row_bytes, row_bytes);
+    }
+  });
+  const int64_t bad = first_bad.load();
+  TORCH_CHECK(bad == count, "gather_rows: row index ", (bad < count ? idx[bad] : 0), " at flat position ", bad,
+              " is outside the table's rows [0, ", rows, ")");
+  return out;
+}
+
+template <typename scalar_t>
+void add_row(scalar_t* out_row, const float* acc, int64_t width) {
+  for (int64_t j = 0; j < width; ++j) out_row[j] = static_cast<scalar_t>(static_cast<float>(out_row[j]) + acc[j]);
+}
+
+template <typename grad_t, typename out_t>
+void sorted_backward(const grad_t* grad, const int64_t* sorted, const int64_t* perm, out_t* out, int64_t count,
+                     int64_t width) {
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+  // Fragments of runs that cross a chunk boundary: the chunk's leading continuation and
+  // its trailing run that starts here and goes on past the chunk.
+  std::vector<float> first(chunks * width), last(chunks * width);
+  at::parallel_for(0, chunks, 16, [&](int64_t c_begin, int64_t c_end) {
+    std::vector<float> acc(width);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t lo = c * kChunk, hi = std::min(lo + kChunk, count);
+      int64_t start = lo;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = lo; i < hi; ++i) {
+        const grad_t* g = grad + perm[i] * width;
+        for (int64_t j = 0; j < width; ++j) acc[j] += static_cast<float>(g[j]);
+        if (i + 1 < hi && sorted[i + 1] == sorted[i]) continue;
+        const int64_t row = sorted[i];
+        const bool starts_here = start > 0 ? sorted[start - 1] != row : true;
+        const bool ends_here = i + 1 == count || sorted[i + 1] != row;
+        if (starts_here && ends_here) {
+          add_row(out + row * width, acc.data(), width);
+        } else {
+          std::copy(acc.begin(), acc.end(), (starts_here ? last : first).begin() + c * width);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        start = i + 1;
+      }
+    }
+  });
+  // Each run that crosses a boundary is finished by the chunk holding its head, in chunk order.
+  at::parallel_for(0, chunks, 64, [&](int64_t c_begin, int64_t c_end) {
+    std::vector<float> total(width);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t lo = c * kChunk, e = std::min(lo + kChunk, count) - 1;
+      const int64_t row = sorted[e];
+      const bool continues = e + 1 < count && sorted[e + 1] == row;
+      const bool head_here = lo == 0 || sorted[lo - 1] != row;
+      if (!continues || !head_here) continue;
+      std::copy(last.begin() + c * width, last.begin() + (c + 1) * width, total.begin());
+      for (int64_t k = c + 1; k < chunks && sorted[k * kChunk] == row; ++k) {
+        for (int64_t j = 0; j < width; ++j) total[j] += first[k * width + j];
+        const int64_t ek = std::min((k + 1) * kChunk, count) - 1;
+        if (sorted[ek] != row || ek + 1 == count || sorted[ek + 1] != row) break;
+      }
+      add_row(out + row * width, total.data(), width);
+    }
+  });
+}
+
+// out[i] += sum over duplicates of row i (fp32 sums, one write per unique row).  The CPU
+// backend is always deterministic; `deterministic` is accepted for a uniform contract.
+void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, torch::Tensor out,
+                          bool deterministic) {
+  (void)deterministic;
+  check_long(flat_indices, "flat_indices");
+  TORCH_CHECK(grad_rows.is_contiguous() && out.is_contiguous() && out.dim() == 2 && grad_rows.dim() == 2 &&
+                  grad_rows.size(1) == out.size(1) && grad_rows.size(0) == flat_indices.numel(),
+              "fe_megatron cpp: gather_rows_backward expects grad_rows [M, w], flat_indices [M], out [rows, w]");
+  const int64_t count = flat_indices.numel();
+  if (count == 0) return;
+  auto sorted_and_perm = flat_indices.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const auto& sorted = std::get<0>(sorted_and_perm);
+  const auto& perm = std::get<1>(sorted_and_perm);
+  const int64_t lo = sorted[0].item<int64_t>(), hi = sorted[count - 1].item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < out.size(0), "gather_rows backward: row index ", (lo < 0 ? lo : hi),
+              " is outside the table's rows [0, ", out.size(0), ")");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {
+    using grad_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "out", [&] {
+      sorted_backward<grad_t, scalar_t>(grad_rows.data_ptr<grad_t>(), sorted.data_ptr<int64_t>(),
+                                        perm.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), count, grad_rows.size(1));
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fe_megatron CPU kernels: n-gram hash, row gather, deduplicated table backward";
+  m.attr("CHUNK") = kChunk;
+  m.def("ngram_hash", &ngram_hash, "multi-head n-gram hash of all branches (Eq. 1, 6)");
+  m.def("gather_rows_forward", &gather_rows_forward, "weight[flat_indices]");
+  m.def("gather_rows_backward", &gather_rows_backward, "out[i] += deduplicated row gradients");
+}

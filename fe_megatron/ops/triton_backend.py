@@ -1,0 +1,171 @@
+"""Triton kernels for `fe_megatron.ops`: hash, gather and the deduplicated table backward.
+
+Same contract and algorithms as the C++ and CUDA backends (docs/kernels.md); on CPU they
+run under ``TRITON_INTERPRET=1`` (the CI path), on a GPU compiled.  The sort of the
+backward is ``torch.sort`` (a radix sort on GPU): a well-kept primitive, not ours.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Sorted positions reduced by one program: equal to the C++/CUDA chunk so that all
+# compiled backends sum duplicates in the same order.
+CHUNK = 32
+
+
+@triton.jit
+def _columns_if(column_mask, condition):
+    """``column_mask & condition`` for a scalar condition, kept boolean (the interpreter
+    widens a plain ``&`` of a vector and a scalar to int32, which it refuses as a mask)."""
+    return tl.where(condition, column_mask, False)
+
+
+@triton.jit
+def _ngram_hash_kernel(ids_ptr, mult_ptr, mod_ptr, off_ptr, out_ptr, total, seq, branches, pad_id,
+                       WINDOW: tl.constexpr, BLOCK: tl.constexpr):
+    element = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = element < total
+    token = element // branches
+    branch = element % branches
+    t = token % seq
+    mix = tl.zeros([BLOCK], dtype=tl.int64)
+    for k in tl.static_range(WINDOW):
+        x = tl.load(ids_ptr + token - k, mask=mask & (t >= k), other=pad_id)
+        m = tl.load(mult_ptr + branch * WINDOW + k, mask=mask, other=0)
+        mix = mix ^ (x * m)
+    modulus = tl.load(mod_ptr + branch, mask=mask, other=1)
+    r = mix % modulus
+    r = tl.where(r < 0, r + modulus, r)  # torch.remainder takes the divisor's sign
+    tl.store(out_ptr + element, r + tl.load(off_ptr + branch, mask=mask, other=0), mask=mask)
+
+
+@triton.jit
+def _gather_kernel(weight_ptr, idx_ptr, out_ptr, count, width, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    row_mask = rows < count
+    mask = row_mask[:, None] & (cols < width)[None, :]
+    src = tl.load(idx_ptr + rows, mask=row_mask, other=0)
+    values = tl.load(weight_ptr + src[:, None] * width + cols[None, :], mask=mask)
+    tl.store(out_ptr + rows[:, None] * width + cols[None, :], values, mask=mask)
+
+
+@triton.jit
+def _reduce_chunks_kernel(grad_ptr, sorted_ptr, perm_ptr, out_ptr, first_ptr, last_ptr, count, width,
+                          CHUNK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Pass 1: each program sums the runs of equal rows in its chunk of sorted positions.
+    Whole runs go to ``out``; a leading continuation goes to ``first[c]``, a trailing run
+    that goes on past the chunk to ``last[c]``."""
+    chunk = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    cmask = cols < width
+    lo = chunk * CHUNK_SIZE
+    hi = tl.minimum(lo + CHUNK_SIZE, count)
+    acc = tl.zeros([BLOCK_W], dtype=tl.float32)
+    start = lo
+    for i in range(lo, hi):
+        row = tl.load(sorted_ptr + i)
+        acc += tl.load(grad_ptr + tl.load(perm_ptr + i) * width + cols, mask=cmask, other=0.0).to(tl.float32)
+        nxt = tl.load(sorted_ptr + i + 1, mask=i + 1 < count, other=-1)
+        prev = tl.load(sorted_ptr + start - 1, mask=start > 0, other=-1)
+        run_end = (i + 1 == hi) | (nxt != row)
+        starts_here = prev != row
+        ends_here = nxt != row
+        direct = run_end & starts_here & ends_here
+        dst = out_ptr + row * width + cols
+        old = tl.load(dst, mask=_columns_if(cmask, direct), other=0.0).to(tl.float32)
+        tl.store(dst, (old + acc).to(out_ptr.dtype.element_ty), mask=_columns_if(cmask, direct))
+        tl.store(last_ptr + chunk * width + cols, acc, mask=_columns_if(cmask, run_end & starts_here & (nxt == row)))
+        tl.store(first_ptr + chunk * width + cols, acc, mask=_columns_if(cmask, run_end & (prev == row)))
+        acc = tl.where(run_end, 0.0, acc)
+        start = tl.where(run_end, i + 1, start)
+
+
+@triton.jit
+def _finish_runs_kernel(sorted_ptr, out_ptr, first_ptr, last_ptr, count, width, chunks,
+                        CHUNK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Pass 2: the chunk holding the head of a run that crosses chunk boundaries adds its
+    ``last`` part and the following chunks' ``first`` parts, in chunk order, to ``out``."""
+    chunk = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    cmask = cols < width
+    lo = chunk * CHUNK_SIZE
+    e = tl.minimum(lo + CHUNK_SIZE, count) - 1
+    row = tl.load(sorted_ptr + e)
+    nxt = tl.load(sorted_ptr + e + 1, mask=e + 1 < count, other=-1)
+    prev = tl.load(sorted_ptr + lo - 1, mask=lo > 0, other=-1)
+    own = (nxt == row) & (prev != row)
+    total = tl.load(last_ptr + chunk * width + cols, mask=_columns_if(cmask, own), other=0.0)
+    k = chunk + 1
+    go = own
+    while go:
+        total += tl.load(first_ptr + k * width + cols, mask=cmask, other=0.0)
+        ek = tl.minimum((k + 1) * CHUNK_SIZE, count) - 1
+        tail = tl.load(sorted_ptr + ek)
+        after = tl.load(sorted_ptr + ek + 1, mask=ek + 1 < count, other=-1)
+        go = (tail == row) & (after == row)
+        k += 1
+    dst = out_ptr + row * width + cols
+    old = tl.load(dst, mask=_columns_if(cmask, own), other=0.0).to(tl.float32)
+    tl.store(dst, (old + total).to(out_ptr.dtype.element_ty), mask=_columns_if(cmask, own))
+
+
+@triton.jit
+def _atomic_scatter_kernel(grad_ptr, idx_ptr, out_ptr, count, width, BLOCK_M: tl.constexpr,
+                           BLOCK_W: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    row_mask = rows < count
+    mask = row_mask[:, None] & (cols < width)[None, :]
+    dst = tl.load(idx_ptr + rows, mask=row_mask, other=0)
+    values = tl.load(grad_ptr + rows[:, None] * width + cols[None, :], mask=mask, other=0.0)
+    tl.atomic_add(out_ptr + dst[:, None] * width + cols[None, :], values.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _column_block(width: int) -> int:
+    return min(triton.next_power_of_2(width), 256)
+
+
+def ngram_hash(token_ids, multipliers, moduli, offsets, pad_id):
+    batch, seq = token_ids.shape
+    branches, window = multipliers.shape
+    out = torch.empty(batch, seq, branches, dtype=torch.int64, device=token_ids.device)
+    total = out.numel()
+    if total:
+        block = 1024
+        _ngram_hash_kernel[(triton.cdiv(total, block),)](token_ids, multipliers, moduli, offsets, out, total, seq,
+                                                        branches, pad_id, WINDOW=window, BLOCK=block)
+    return out
+
+
+def gather_rows_forward(weight, flat_indices):
+    count, width = flat_indices.numel(), weight.shape[1]
+    out = torch.empty(count, width, dtype=weight.dtype, device=weight.device)
+    if count:
+        block_w = _column_block(width)
+        block_m = max(1, 4096 // block_w)
+        _gather_kernel[(triton.cdiv(count, block_m), triton.cdiv(width, block_w))](
+            weight, flat_indices, out, count, width, BLOCK_M=block_m, BLOCK_W=block_w)
+    return out
+
+
+def gather_rows_backward(grad_rows, flat_indices, out, deterministic=True):
+    count, width = grad_rows.shape
+    if count == 0:
+        return
+    block_w = _column_block(width)
+    if not deterministic:
+        block_m = max(1, 4096 // block_w)
+        _atomic_scatter_kernel[(triton.cdiv(count, block_m), triton.cdiv(width, block_w))](
+            grad_rows, flat_indices, out, count, width, BLOCK_M=block_m, BLOCK_W=block_w)
+        return
+    sorted_rows, perm = torch.sort(flat_indices, stable=True)
+    chunks = triton.cdiv(count, CHUNK)
+    first = torch.empty(chunks, width, dtype=torch.float32, device=out.device)
+    last = torch.empty_like(first)
+    grid = (chunks, triton.cdiv(width, block_w))
+    _reduce_chunks_kernel[grid](grad_rows, sorted_rows, perm, out, first, last, count, width,
+                                CHUNK_SIZE=CHUNK, BLOCK_W=block_w)
+    _finish_runs_kernel[grid](sorted_rows, out, first, last, count, width, chunks,
+                              CHUNK_SIZE=CHUNK, BLOCK_W=block_w)
