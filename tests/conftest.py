@@ -8,6 +8,10 @@ import torch
 
 from fe_megatron.config import MemoryConfig
 
+# Without a GPU, Triton kernels run in its interpreter (set before fe_megatron.ops looks for backends).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
 
 

@@ -17,6 +17,12 @@ constexpr int64_t kChunk = 32;
 // Largest n-gram order the hash kernels accept (the paper uses 3).
 constexpr int64_t kMaxWindow = 16;
 
+void check_float(const torch::Tensor& t, const char* name) {
+  const auto type = t.scalar_type();
+  TORCH_CHECK(type == torch::kFloat32 || type == torch::kBFloat16 || type == torch::kFloat16, "fe_megatron cpp: ", name,
+              " must be float32, bfloat16 or float16 (fp32 accumulation), got ", type);
+}
+
 void check_long(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kInt64, "fe_megatron cpp: ", name, " must be int64, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), "fe_megatron cpp: ", name, " must be contiguous");
@@ -58,6 +64,7 @@ torch::Tensor gather_rows_forward(torch::Tensor weight, torch::Tensor flat_indic
   check_long(flat_indices, "flat_indices");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
               "fe_megatron cpp: weight must be a contiguous CPU [rows, width] tensor");
+  check_float(weight, "weight");
   const int64_t count = flat_indices.numel(), rows = weight.size(0), width = weight.size(1);
   auto out = torch::empty({count, width}, weight.options());
   const int64_t* idx = flat_indices.data_ptr<int64_t>();
@@ -146,6 +153,8 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   TORCH_CHECK(grad_rows.is_contiguous() && out.is_contiguous() && out.dim() == 2 && grad_rows.dim() == 2 &&
                   grad_rows.size(1) == out.size(1) && grad_rows.size(0) == flat_indices.numel(),
               "fe_megatron cpp: gather_rows_backward expects grad_rows [M, w], flat_indices [M], out [rows, w]");
+  check_float(grad_rows, "grad_rows");
+  check_float(out, "out");
   const int64_t count = flat_indices.numel();
   if (count == 0) return;
   auto sorted_and_perm = flat_indices.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
@@ -154,7 +163,7 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   const int64_t lo = sorted[0].item<int64_t>(), hi = sorted[count - 1].item<int64_t>();
   TORCH_CHECK(lo >= 0 && hi < out.size(0), "gather_rows backward: row index ", (lo < 0 ? lo : hi),
               " is outside the table's rows [0, ", out.size(0), ")");
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {  // double: refused above
     using grad_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "out", [&] {
       sorted_backward<grad_t, scalar_t>(grad_rows.data_ptr<grad_t>(), sorted.data_ptr<int64_t>(),

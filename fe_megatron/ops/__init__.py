@@ -18,6 +18,7 @@ Two run-time switches, both off the hot path:
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 import threading
@@ -39,9 +40,10 @@ class Backend:
     name: str
     module: object  # has ngram_hash, gather_rows_forward, gather_rows_backward
     devices: tuple  # device types whose tensors it accepts
+    dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)  # table dtypes it accepts
 
 
-_backends = {"torch": Backend("torch", reference, ("cpu", "cuda"))}
+_backends = {"torch": Backend("torch", reference, ("cpu", "cuda"), dtypes=(torch.float64,) + Backend.dtypes)}
 _discovered = False
 _state = threading.local()
 _settings = {"deterministic": True, "debug": os.environ.get(DEBUG_ENV, "0") not in ("", "0")}
@@ -54,23 +56,18 @@ def _discover() -> None:
         return
     _discovered = True
     try:
-        from fe_megatron import _C_cpu
-
-        _backends["cpp"] = Backend("cpp", _C_cpu, ("cpu",))
+        _backends["cpp"] = Backend("cpp", importlib.import_module("fe_megatron._C_cpu"), ("cpu",))
     except ImportError as error:
         logger.debug("cpp backend not built: %s", error)
     if torch.cuda.is_available():
         try:
-            from fe_megatron import _C_cuda
-
-            _backends["cuda"] = Backend("cuda", _C_cuda, ("cuda",))
+            _backends["cuda"] = Backend("cuda", importlib.import_module("fe_megatron._C_cuda"), ("cuda",))
         except ImportError as error:
             logger.debug("cuda backend not built: %s", error)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if torch.cuda.is_available() or interpret:
         try:
-            from fe_megatron.ops import triton_backend
-
+            triton_backend = importlib.import_module("fe_megatron.ops.triton_backend")
             _backends["triton"] = Backend("triton", triton_backend, ("cpu",) if interpret else ("cuda",))
         except ImportError as error:
             logger.debug("triton backend unavailable: %s", error)
@@ -115,23 +112,30 @@ def debug_checks(enabled: bool = True):
         _settings["debug"] = previous
 
 
-def current_backend(device: torch.device) -> str:
-    """The backend a call on ``device`` uses now: the forced one, else the fastest built."""
+def current_backend(device: torch.device, dtype: torch.dtype = None) -> str:
+    """The backend a call on ``device`` (with tables of ``dtype``) uses now: the forced one,
+    else the fastest built one that accepts them.  float64 tables use the reference: the
+    compiled kernels accumulate in fp32."""
     _discover()
     forced = getattr(_state, "forced", None)
     if forced is not None:
-        if device.type not in _backends[forced].devices:
+        backend = _backends[forced]
+        if device.type not in backend.devices:
             raise ValueError(f"backend {forced!r} (forced by use_backend) cannot run on {device.type} tensors; "
-                             f"it accepts {_backends[forced].devices}")
+                             f"it accepts {backend.devices}")
+        if dtype is not None and dtype not in backend.dtypes:
+            raise TypeError(f"backend {forced!r} (forced by use_backend) does not take {dtype} tables; "
+                            f"it accepts {backend.dtypes}")
         return forced
     for name in _PREFERENCE.get(device.type, ("torch",)):
-        if name in _backends and device.type in _backends[name].devices:
+        backend = _backends.get(name)
+        if backend and device.type in backend.devices and (dtype is None or dtype in backend.dtypes):
             return name
     return "torch"
 
 
-def _backend_for(device: torch.device):
-    return _backends[current_backend(device)].module
+def _backend_for(device: torch.device, dtype: torch.dtype = None):
+    return _backends[current_backend(device, dtype)].module
 
 
 def ngram_hash(token_ids: torch.Tensor, multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor,
@@ -175,7 +179,7 @@ class _GatherRows(torch.autograd.Function):
         flat = indices.reshape(-1)
         if _settings["debug"]:
             check_row_indices(flat, weight.shape[0], tuple(indices.shape))
-        rows = _backend_for(weight.device).gather_rows_forward(weight, flat)
+        rows = _backend_for(weight.device, weight.dtype).gather_rows_forward(weight, flat)
         ctx.save_for_backward(weight, flat)
         return rows.view(*indices.shape, weight.shape[1])
 
@@ -184,11 +188,13 @@ class _GatherRows(torch.autograd.Function):
         weight, flat = ctx.saved_tensors
         grad_rows = grad_output.reshape(flat.numel(), weight.shape[1]).contiguous()
         deterministic = _settings["deterministic"] or torch.are_deterministic_algorithms_enabled()
-        backend = _backend_for(weight.device)
+        backend = _backend_for(weight.device, weight.dtype)
         if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
             backend.gather_rows_backward(grad_rows, flat, weight.main_grad, deterministic)
             weight.grad_added_to_main_grad = True
-            grad_weight = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+            # DDP adds this placeholder to main_grad only when zero_out_wgrad is set: then it must be zeros.
+            placeholder = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            grad_weight = placeholder(weight.shape, dtype=weight.dtype, device=weight.device)
         else:
             grad_weight = torch.zeros_like(weight)
             backend.gather_rows_backward(grad_rows, flat, grad_weight, deterministic)

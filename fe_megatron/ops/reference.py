@@ -50,13 +50,13 @@ def gather_rows_backward(grad_rows: torch.Tensor, flat_indices: torch.Tensor, ou
                          deterministic: bool = True) -> None:
     """``out[i] += sum_{m: flat_indices[m] = i} grad_rows[m]`` for every looked-up row ``i``.
 
-    fp32 ``out``: one ``index_add_`` (sequential, so deterministic, on CPU; atomic on CUDA).
-    Other dtypes: duplicates are summed in fp32 first, then each unique row of ``out`` is
-    updated once, so a bf16 gradient is rounded once per row, not once per duplicate.
+    fp32 and fp64 ``out``: one ``index_add_`` (sequential, so deterministic, on CPU; atomic
+    on CUDA).  bf16 and fp16: duplicates are summed in fp32 first, then each unique row of
+    ``out`` is updated once, so the gradient is rounded once per row, not once per duplicate.
     """
     del deterministic  # the reference has one order per device
-    if out.dtype == torch.float32:
-        out.index_add_(0, flat_indices, grad_rows.to(torch.float32))
+    if out.dtype in (torch.float32, torch.float64):
+        out.index_add_(0, flat_indices, grad_rows.to(out.dtype))
         return
     unique, inverse = torch.unique(flat_indices, return_inverse=True)
     sums = torch.zeros(unique.numel(), grad_rows.shape[1], dtype=torch.float32, device=grad_rows.device)

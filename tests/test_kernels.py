@@ -1,0 +1,320 @@
+"""Every kernel backend against the torch reference (`fe_megatron.ops.reference`).
+
+Contract (docs/kernels.md): hash indices and gathered values are bit-identical; table
+gradients agree within 1e-6 relative in fp32; bf16 gradients within one bf16 rounding
+(Triton's interpreter truncates on fp32 -> bf16 stores where torch rounds to nearest even).
+On CPU the Triton kernels run in the interpreter (conftest sets TRITON_INTERPRET=1), so
+their cases are kept small; on a GPU the same tests cover the cuda and triton backends.
+"""
+
+import logging
+import random
+import sys
+
+import pytest
+import torch
+
+from fe_megatron import ops
+from fe_megatron.config import MemoryConfig
+from fe_megatron.memory import FactorEngram
+from fe_megatron.ngram import NgramHasher
+from fe_megatron.ops import reference
+from tests.conftest import small_config
+from tests.test_hashing import GOLDEN_CONFIG, GOLDEN_IDS, GOLDEN_INDICES
+
+COMPILED = ("cpp", "cuda", "triton")
+CUDA = torch.cuda.is_available()
+SKIP_REASON = {
+    "cpp": "the C++ extension is not built",
+    "cuda": "needs a CUDA device and the _C_cuda extension (built by setup.py where torch has CUDA)",
+    "triton": "needs Triton with a GPU, or TRITON_INTERPRET=1 on CPU",
+}
+DEVICE = {"torch": "cuda" if CUDA else "cpu", "cpp": "cpu", "cuda": "cuda", "triton": "cuda" if CUDA else "cpu"}
+
+
+def device_of(backend: str) -> torch.device:
+    if backend not in ops.available_backends():
+        pytest.skip(f"backend {backend!r}: {SKIP_REASON[backend]}")
+    return torch.device(DEVICE[backend])
+
+
+def small(backend: str, large: int, interpreted: int) -> int:
+    """Problem size: Triton's interpreter pays per program and per loop step, so it gets less."""
+    return interpreted if backend == "triton" and not CUDA else large
+
+
+def random_hash_constants(branches: int, window: int, vocab: int, device):
+    """Branches of random orders: odd multipliers below the int64-safe bound, zero past the order."""
+    bound = (2 ** 63 - 1) // (vocab + 1)
+    mult = torch.zeros(branches, window, dtype=torch.int64)
+    for b in range(branches):
+        for k in range(random.randint(1, window)):
+            mult[b, k] = random.randrange(1, bound) | 1
+    moduli = torch.tensor([random.randint(vocab, 50 * vocab) for _ in range(branches)])
+    offsets = torch.cumsum(moduli, 0) - moduli
+    return mult.to(device), moduli.to(device), offsets.to(device)
+
+
+def test_cpp_backend_is_built():
+    assert "cpp" in ops.available_backends(), (
+        "fe_megatron._C_cpu is missing: install with `pip install --no-build-isolation -e .` where torch is installed")
+    assert ops.available_backends()[0] == "torch"
+    assert set(ops.available_backends()) <= set(ops.BACKEND_NAMES)
+
+
+def test_default_is_fastest_and_use_backend_forces_and_restores():
+    cpu = torch.device("cpu")
+    assert ops.current_backend(cpu) == "cpp"
+    with ops.use_backend("torch"):
+        assert ops.current_backend(cpu) == "torch"
+        with ops.use_backend("cpp"):
+            assert ops.current_backend(cpu) == "cpp"
+        assert ops.current_backend(cpu) == "torch"
+    assert ops.current_backend(cpu) == "cpp"
+    with pytest.raises(ValueError, match="backend 'fortran' is not available here; available: \\['torch'"):
+        with ops.use_backend("fortran"):
+            pass
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device to check device refusal of the cpp backend")
+def test_forced_backend_refuses_other_device():
+    with ops.use_backend("cpp"), pytest.raises(ValueError, match="cannot run on cuda tensors"):
+        ops.gather_rows(torch.randn(4, 2, device="cuda"), torch.zeros(3, 1, dtype=torch.int64, device="cuda"))
+
+
+def test_no_compiled_backend_logs_one_line(monkeypatch, caplog):
+    monkeypatch.setattr(ops, "_backends", {"torch": ops._backends["torch"]})
+    monkeypatch.setattr(ops, "_discovered", False)
+    monkeypatch.setitem(sys.modules, "fe_megatron._C_cpu", None)  # import fails as if never built
+    monkeypatch.setitem(sys.modules, "fe_megatron._C_cuda", None)
+    with caplog.at_level(logging.WARNING, logger="fe_megatron.ops"):
+        assert "cpp" not in ops.available_backends() and "cuda" not in ops.available_backends()
+        ops.available_backends()  # asked again: no second line
+    lines = [r.getMessage() for r in caplog.records if r.name == "fe_megatron.ops"]
+    assert len(lines) == 1 and "no compiled kernels are built" in lines[0] and "torch reference" in lines[0]
+    assert ops.current_backend(torch.device("cpu")) == "torch"
+
+
+@pytest.mark.parametrize("backend", ("torch",) + COMPILED)
+def test_hash_matches_reference(backend):
+    device = device_of(backend)
+    for _ in range(4):
+        window, vocab = random.randint(1, 4), random.randint(2, 70_000)
+        batch, seq = random.randint(1, 3), random.choice([1, window - 1 or 1, random.randint(2, 300)])
+        ids = torch.randint(0, vocab, (batch, seq), device=device)
+        constants = random_hash_constants(random.randint(1, 30), window, vocab, device)
+        expected = reference.ngram_hash(ids, *constants, vocab)
+        with ops.use_backend(backend):
+            got = ops.ngram_hash(ids, *constants, vocab)
+        assert got.dtype == torch.int64 and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("backend", ("torch",) + COMPILED)
+def test_hash_golden_vectors_and_all_layers_in_one_launch(backend):
+    device = device_of(backend)
+    config = MemoryConfig(**GOLDEN_CONFIG)
+    with ops.use_backend(backend):
+        got = NgramHasher(config).indices(torch.tensor(GOLDEN_IDS, device=device))
+        per_layer = NgramHasher(config).indices_per_layer(torch.tensor(GOLDEN_IDS, device=device))
+    assert got.cpu().tolist() == GOLDEN_INDICES
+    assert torch.equal(torch.cat([per_layer[layer] for layer in config.layers], -1), got)
+
+
+@pytest.mark.parametrize("backend", ("torch",) + COMPILED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_forward_bit_identical(backend, dtype):
+    device = device_of(backend)
+    for width in (24, 37, 256):  # ragged column blocks
+        rows = random.randint(50, 400)
+        count = small(backend, random.randint(3000, 9000), random.randint(300, 900))  # ragged last block
+        weight = torch.randn(rows, width, device=device).to(dtype)
+        indices = torch.randint(0, rows, (count,), device=device)
+        with ops.use_backend(backend):
+            got = ops.gather_rows(weight, indices.view(-1, 1))
+        assert got.shape == (count, 1, width) and torch.equal(got.view(count, width), weight[indices])
+
+
+def duplicate_heavy_indices(rows: int, count: int, device) -> torch.Tensor:
+    """Random rows plus a hot row that spans many chunks, a run at the very end, and isolated rows."""
+    indices = torch.randint(0, rows, (count,))
+    hot = torch.rand(count) < 0.3
+    indices[hot] = 7
+    indices[-5:] = rows - 1
+    return indices.to(device)
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+@pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                  (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_table_backward_matches_reference(backend, grad_dtype, out_dtype, deterministic):
+    device = device_of(backend)
+    if not deterministic and out_dtype == torch.bfloat16 and device.type == "cpu" and backend == "triton":
+        pytest.skip("Triton's interpreter has no bf16 atomic_add")
+    rows, width = random.randint(40, 300), random.choice([24, 40])
+    count = small(backend, random.randint(5000, 20000), random.randint(400, 700))
+    indices = duplicate_heavy_indices(rows, count, device)
+    grad_rows = torch.randn(count, width, device=device).to(grad_dtype)
+    start = torch.randn(rows, width, device=device).to(out_dtype)  # accumulate into a non-zero buffer
+    expected, got = start.clone(), start.clone()
+    reference.gather_rows_backward(grad_rows, indices, expected)
+    ops._backends[backend].module.gather_rows_backward(grad_rows, indices, got, deterministic)
+    if out_dtype == torch.float32:
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * scale)
+    else:  # bf16: the fp32 sums agree; the stored value may differ by one bf16 rounding step
+        torch.testing.assert_close(got.float(), expected.float(), rtol=2 ** -7, atol=1e-6)
+    untouched = torch.ones(rows, dtype=torch.bool)
+    untouched[indices.cpu()] = False
+    assert torch.equal(got[untouched.to(device)], start[untouched.to(device)])
+
+
+def test_compiled_backends_sum_in_the_same_order():
+    """Deterministic mode: every compiled backend gives the same bits, run after run."""
+    present = [b for b in COMPILED if b in ops.available_backends() and (DEVICE[b] == "cpu" or CUDA)]
+    if len(present) < 2:
+        pytest.skip(f"needs two compiled backends, found {present}")
+    rows, width, count = 60, 24, small("triton", 8000, 500)
+    indices = duplicate_heavy_indices(rows, count, "cpu")
+    grad_rows = torch.randn(count, width)
+    results = []
+    for backend in present + present[:1]:
+        device = torch.device(DEVICE[backend])
+        out = torch.zeros(rows, width, device=device)
+        ops._backends[backend].module.gather_rows_backward(grad_rows.to(device), indices.to(device), out, True)
+        results.append(out.cpu())
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_autograd_gradient_and_main_grad_accumulation(backend):
+    """Dense path: weight.grad equals the reference.  Megatron-DDP path: two microbatches
+    accumulate into main_grad, grad_added_to_main_grad is set, and nothing else is written."""
+    device = device_of(backend)
+    rows, width = 97, 40
+    weight = torch.randn(rows, width, device=device, requires_grad=True)
+    batches = [duplicate_heavy_indices(rows, small(backend, 3000, 300), device).view(-1, 3) for _ in range(2)]
+    upstream = [torch.randn(*b.shape, width, device=device) for b in batches]
+
+    with ops.use_backend("torch"):
+        for idx, up in zip(batches, upstream):
+            (ops.gather_rows(weight, idx) * up).sum().backward()
+    expected = weight.grad.clone()
+    weight.grad = None
+    with ops.use_backend(backend):
+        for idx, up in zip(batches, upstream):
+            (ops.gather_rows(weight, idx) * up).sum().backward()
+    torch.testing.assert_close(weight.grad, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+
+    weight.grad = None
+    start = torch.randn(rows, width, device=device)
+    weight.main_grad = start.clone()
+    weight.grad_added_to_main_grad = False
+    weight.zero_out_wgrad = True
+    with ops.use_backend(backend):
+        for idx, up in zip(batches, upstream):
+            (ops.gather_rows(weight, idx) * up).sum().backward()
+    assert weight.grad_added_to_main_grad is True
+    assert torch.equal(weight.grad, torch.zeros_like(weight))  # zero_out_wgrad: the placeholder is zeros
+    accumulated = start + expected
+    torch.testing.assert_close(weight.main_grad, accumulated, rtol=1e-6, atol=1e-6 * float(accumulated.abs().max()))
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_factorengram_steps_match_reference_backend(backend):
+    """Outputs, every gradient and the parameters after three Adam steps of a whole
+    FactorEngram branch, kernels against the torch reference."""
+    device = device_of(backend)
+    config = small_config()
+    results = []
+    for name in ("torch", backend):
+        torch.manual_seed(0)
+        branch = FactorEngram(config, config.layers[0]).to(device)
+        torch.nn.init.normal_(branch.value_proj.weight, std=0.1)  # so that gradients reach the tables
+        optimizer = torch.optim.Adam(branch.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(1)
+        outputs, grads = [], None
+        with ops.use_backend(name):
+            for _ in range(3):
+                h = torch.randn(2, small(backend, 48, 16), config.hidden_size, generator=generator).to(device)
+                ids = torch.randint(0, config.vocab_size, h.shape[:2], generator=generator).to(device)
+                optimizer.zero_grad()
+                memory, l1 = branch(h, ids)
+                (memory.square().sum() + 1e-2 * l1.sum()).backward()
+                outputs.append(memory.detach())
+                grads = grads or {n: p.grad.clone() for n, p in branch.named_parameters()}
+                optimizer.step()
+        results.append((outputs, grads, {n: p.detach().clone() for n, p in branch.named_parameters()}))
+    (out_a, grad_a, param_a), (out_b, grad_b, param_b) = results
+    for a, b in zip(out_a, out_b):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for name in grad_a:
+        torch.testing.assert_close(grad_b[name], grad_a[name], rtol=1e-5, atol=1e-6, msg=f"gradient of {name}")
+        torch.testing.assert_close(param_b[name], param_a[name], rtol=1e-5, atol=1e-6, msg=f"{name} after 3 steps")
+
+
+@pytest.mark.parametrize("backend", ("torch",) + COMPILED)
+@pytest.mark.parametrize("bad", [-1, 300])
+def test_out_of_range_index_is_a_clear_error_in_debug_mode(backend, bad):
+    device = device_of(backend)
+    weight = torch.randn(300, 8, device=device, requires_grad=True)
+    indices = torch.randint(0, 300, (2, 5, 3), device=device)
+    indices[1, 3, 2] = bad
+    with ops.use_backend(backend), ops.debug_checks():
+        with pytest.raises(ValueError, match=rf"row index {bad} at position \(1, 3, 2\) of the indices "
+                                             rf"\(shape \(2, 5, 3\)\) is outside the table's rows \[0, 300\)"):
+            ops.gather_rows(weight, indices)
+
+
+@pytest.mark.parametrize("bad", [-3, 10])
+def test_cpp_checks_ranges_without_debug_mode(bad):
+    indices = torch.tensor([[1], [bad], [2]])
+    with ops.use_backend("cpp"), pytest.raises(RuntimeError, match=rf"row index {bad} at flat position 1 is "
+                                                                   r"outside the table's rows \[0, 10\)"):
+        ops.gather_rows(torch.randn(10, 4), indices)
+
+
+def test_bad_dtypes_and_shapes_are_named():
+    with pytest.raises(TypeError, match="gather_rows: indices must be int64, got torch.int32"):
+        ops.gather_rows(torch.randn(4, 2), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"weight must be \[rows, width\], got shape \(4,\)"):
+        ops.gather_rows(torch.randn(4), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(TypeError, match="ngram_hash: moduli must be int64"):
+        ops.ngram_hash(torch.zeros(1, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64),
+                       torch.ones(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64), 5)
+    with pytest.raises(ValueError, match=r"moduli and offsets \[nb\]"):
+        ops.ngram_hash(torch.zeros(1, 2, dtype=torch.int64), torch.ones(2, 2, dtype=torch.int64),
+                       torch.ones(3, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "cuda", "triton"])
+def test_table_beyond_2_to_the_31_elements(backend):
+    """Offsets are int64: rows past element 2^31 are read and written correctly.
+    The table is allocated but never filled, so only the touched pages cost memory."""
+    device = device_of(backend)
+    if backend == "triton" and device.type == "cpu":
+        pytest.skip("Triton's interpreter copies whole tensors; the >2^31-element table is checked on GPU")
+    width = 256
+    rows = (1 << 31) // width + 1000
+    weight = torch.empty(rows, width, dtype=torch.bfloat16, device=device)
+    indices = torch.tensor([rows - 1, 5, rows - 1000, rows - 1], device=device)
+    weight[indices] = torch.randn(len(indices), width, device=device).to(torch.bfloat16)
+    with ops.use_backend(backend):
+        got = ops._backends[backend].module.gather_rows_forward(weight, indices)
+        assert torch.equal(got, weight[indices])
+        grad = torch.randn(len(indices), width, device=device).to(torch.bfloat16)
+        touched = indices.unique()
+        weight[touched] = 0
+        ops._backends[backend].module.gather_rows_backward(grad, indices, weight, True)
+    expected = torch.zeros(len(touched), width, device=device).index_add_(0, torch.searchsorted(touched, indices), grad.float())
+    torch.testing.assert_close(weight[touched].float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+
+def test_float64_tables_use_the_reference_and_forcing_them_is_refused():
+    weight = torch.randn(20, 4, dtype=torch.float64)
+    assert ops.current_backend(weight.device, weight.dtype) == "torch"
+    assert ops.current_backend(weight.device, torch.float32) == "cpp"
+    with ops.use_backend("cpp"), pytest.raises(TypeError, match="backend 'cpp' .* does not take torch.float64 tables"):
+        ops.gather_rows(weight, torch.zeros(2, 1, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="weight must be float32, bfloat16 or float16"):
+        ops._backends["cpp"].module.gather_rows_forward(weight, torch.zeros(2, dtype=torch.int64))
