@@ -16,6 +16,8 @@ namespace {
 constexpr int64_t kChunk = 32;
 // Largest n-gram order the hash kernels accept (the paper uses 3).
 constexpr int64_t kMaxWindow = 16;
+// Gathered rows ahead of the current one whose first cache line is prefetched.
+constexpr int64_t kPrefetchDistance = 8;
 
 void check_float(const torch::Tensor& t, const char* name) {
   const auto type = t.scalar_type();
@@ -80,6 +82,10 @@ torch::Tensor gather_rows_forward(torch::Tensor weight, torch::Tensor flat_indic
         while (i < seen && !first_bad.compare_exchange_weak(seen, i)) {}
         continue;
       }
+      if (i + kPrefetchDistance < end) {  // rows are scattered over GBs: start the next misses early
+        const int64_t ahead = idx[i + kPrefetchDistance];
+        if (ahead >= 0 && ahead < rows) __builtin_prefetch(src + ahead * row_bytes);
+      }
       std::memcpy(dst + i * row_bytes, src + r * row_bytes, row_bytes);
     }
   });
@@ -89,9 +95,14 @@ torch::Tensor gather_rows_forward(torch::Tensor weight, torch::Tensor flat_indic
   return out;
 }
 
-template <typename scalar_t>
-void add_row(scalar_t* out_row, const float* acc, int64_t width) {
-  for (int64_t j = 0; j < width; ++j) out_row[j] = static_cast<scalar_t>(static_cast<float>(out_row[j]) + acc[j]);
+template <typename out_t>
+inline void add_row(out_t* __restrict out_row, const float* __restrict acc, int64_t width) {
+  for (int64_t j = 0; j < width; ++j) out_row[j] = static_cast<out_t>(static_cast<float>(out_row[j]) + acc[j]);
+}
+
+template <typename grad_t>
+inline void accumulate(float* __restrict acc, const grad_t* __restrict g, int64_t width) {
+  for (int64_t j = 0; j < width; ++j) acc[j] += static_cast<float>(g[j]);
 }
 
 template <typename grad_t, typename out_t>
@@ -100,52 +111,72 @@ void sorted_backward(const grad_t* grad, const int64_t* sorted, const int64_t* p
   const int64_t chunks = (count + kChunk - 1) / kChunk;
   // Fragments of runs that cross a chunk boundary: the chunk's leading continuation and
   // its trailing run that starts here and goes on past the chunk.
-  std::vector<float> first(chunks * width), last(chunks * width);
+  std::vector<float> first_storage(chunks * width), last_storage(chunks * width);
+  float* first = first_storage.data();
+  float* last = last_storage.data();
   at::parallel_for(0, chunks, 16, [&](int64_t c_begin, int64_t c_end) {
-    std::vector<float> acc(width);
+    std::vector<float> acc_storage(width, 0.f);
+    float* acc = acc_storage.data();
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t lo = c * kChunk, hi = std::min(lo + kChunk, count);
       int64_t start = lo;
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = lo; i < hi; ++i) {
-        const grad_t* g = grad + perm[i] * width;
-        for (int64_t j = 0; j < width; ++j) acc[j] += static_cast<float>(g[j]);
+        accumulate(acc, grad + perm[i] * width, width);
         if (i + 1 < hi && sorted[i + 1] == sorted[i]) continue;
         const int64_t row = sorted[i];
         const bool starts_here = start > 0 ? sorted[start - 1] != row : true;
         const bool ends_here = i + 1 == count || sorted[i + 1] != row;
         if (starts_here && ends_here) {
-          add_row(out + row * width, acc.data(), width);
+          add_row(out + row * width, acc, width);
         } else {
-          std::copy(acc.begin(), acc.end(), (starts_here ? last : first).begin() + c * width);
+          std::memcpy((starts_here ? last : first) + c * width, acc, width * sizeof(float));
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
+        std::memset(acc, 0, width * sizeof(float));
         start = i + 1;
       }
     }
   });
   // Each run that crosses a boundary is finished by the chunk holding its head, in chunk order.
   at::parallel_for(0, chunks, 64, [&](int64_t c_begin, int64_t c_end) {
-    std::vector<float> total(width);
+    std::vector<float> total_storage(width);
+    float* total = total_storage.data();
     for (int64_t c = c_begin; c < c_end; ++c) {
       const int64_t lo = c * kChunk, e = std::min(lo + kChunk, count) - 1;
       const int64_t row = sorted[e];
       const bool continues = e + 1 < count && sorted[e + 1] == row;
       const bool head_here = lo == 0 || sorted[lo - 1] != row;
       if (!continues || !head_here) continue;
-      std::copy(last.begin() + c * width, last.begin() + (c + 1) * width, total.begin());
+      std::memcpy(total, last + c * width, width * sizeof(float));
       for (int64_t k = c + 1; k < chunks && sorted[k * kChunk] == row; ++k) {
-        for (int64_t j = 0; j < width; ++j) total[j] += first[k * width + j];
+        accumulate(total, first + k * width, width);
         const int64_t ek = std::min((k + 1) * kChunk, count) - 1;
         if (sorted[ek] != row || ek + 1 == count || sorted[ek + 1] != row) break;
       }
-      add_row(out + row * width, total.data(), width);
+      add_row(out + row * width, total, width);
     }
   });
 }
 
-// out[i] += sum over duplicates of row i (fp32 sums, one write per unique row).  The CPU
-// backend is always deterministic; `deterministic` is accepted for a uniform contract.
+// fp32 `out`: each thread owns a range of rows, scans all indices and adds its rows'
+// gradients in position order: no sort, deterministic, and the same order (so the same
+// bits) as the reference's sequential index_add.
+template <typename grad_t>
+void row_partitioned_backward(const grad_t* grad, const int64_t* idx, float* out, int64_t count, int64_t rows,
+                              int64_t width) {
+  const int64_t parts = std::max<int64_t>(1, at::get_num_threads());
+  at::parallel_for(0, parts, 1, [&](int64_t p_begin, int64_t p_end) {
+    const int64_t lo = rows * p_begin / parts, hi = rows * p_end / parts;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t r = idx[i];
+      if (r >= lo && r < hi) accumulate(out + r * width, grad + i * width, width);
+    }
+  });
+}
+
+// out[i] += the gradients of every lookup of row i.  fp32 `out`: row-partitioned, in
+// position order.  bf16/fp16 `out`: sorted chunks, duplicates summed in fp32 and each
+// unique row written once.  Both are deterministic; `deterministic` is accepted for a
+// uniform contract with the GPU backends.
 void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, torch::Tensor out,
                           bool deterministic) {
   (void)deterministic;
@@ -157,12 +188,20 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   check_float(out, "out");
   const int64_t count = flat_indices.numel();
   if (count == 0) return;
+  const auto [lo, hi] = flat_indices.aminmax();
+  TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < out.size(0), "gather_rows backward: row index ",
+              (lo.item<int64_t>() < 0 ? lo.item<int64_t>() : hi.item<int64_t>()), " is outside the table's rows [0, ",
+              out.size(0), ")");
+  if (out.scalar_type() == torch::kFloat32) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {
+      row_partitioned_backward<scalar_t>(grad_rows.data_ptr<scalar_t>(), flat_indices.data_ptr<int64_t>(),
+                                         out.data_ptr<float>(), count, out.size(0), grad_rows.size(1));
+    });
+    return;
+  }
   auto sorted_and_perm = flat_indices.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
   const auto& sorted = std::get<0>(sorted_and_perm);
   const auto& perm = std::get<1>(sorted_and_perm);
-  const int64_t lo = sorted[0].item<int64_t>(), hi = sorted[count - 1].item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < out.size(0), "gather_rows backward: row index ", (lo < 0 ? lo : hi),
-              " is outside the table's rows [0, ", out.size(0), ")");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {  // double: refused above
     using grad_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "out", [&] {
