@@ -135,9 +135,23 @@ def test_bad_token_ids(ids, error, fragment):
         NgramHasher(small_config(), 1).indices(ids)
 
 
+def test_layer_subset_is_one_launch_equal_to_the_full_hash():
+    config = small_config(layers=[0, 1, 3])
+    ids = torch.randint(0, config.vocab_size, (2, 40))
+    full = NgramHasher(config).indices_per_layer(ids)
+    subset = NgramHasher(config, [3, 0]).indices_per_layer(ids)
+    assert list(subset) == [3, 0]
+    for layer in (3, 0):
+        assert torch.equal(subset[layer], full[layer])
+    with pytest.raises(ValueError, match="no layers to hash"):
+        NgramHasher(config, [])
+
+
 def test_unknown_layer_rejected():
     with pytest.raises(ValueError, match=r"layer_number 2 is not an insertion layer; config.layers=\[1, 3\]"):
         NgramHasher(small_config(), 2)
+    with pytest.raises(ValueError, match=r"layer_number 2 is not an insertion layer"):
+        NgramHasher(small_config(), [1, 2])
 
 
 def test_normalization():

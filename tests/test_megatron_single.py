@@ -85,6 +85,43 @@ def test_sparsity_aux_loss_gradients_equal_direct_lm_plus_lambda_l1(megatron_wor
     assert all(layer.memory.tables.weight.main_grad.abs().sum() > 0 for layer in model.stage_memory_layers)
 
 
+@pytest.mark.parametrize("overlap_grad_reduce", [False, True])
+def test_tables_accumulate_straight_into_ddp_main_grad(megatron_world, overlap_grad_reduce):
+    """Under Megatron's DDP the table backward adds into main_grad itself (no dense table
+    gradient, nothing added twice): main_grad after three scheduled microbatches equals the
+    dense gradient of plain autograd on an unwrapped copy of the model."""
+    from fe_megatron import ops
+    from fe_megatron.megatron.builder import build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.step import lm_loss, run_microbatches
+    from megatron.core.optimizer import OptimizerConfig
+
+    mc = tiny_memory_config(sparsity_lambda=0.0)
+    torch.manual_seed(11)
+    model, plain = build(mc), build(mc)
+    for layer in model.stage_memory_layers:  # V starts at zero, which would stop every table gradient
+        torch.nn.init.normal_(layer.memory.value_proj.weight, std=0.1)
+    plain.load_state_dict(model.state_dict())
+    data = batches(3)
+    with ops.use_backend("torch"):
+        total = sum(lm_loss(b["loss_mask"], plain(b["tokens"], b["position_ids"], b["attention_mask"],
+                                                  labels=b["labels"]))[0] for b in data) / len(data)
+        total.backward()
+    plain.pop_sparsity_loss()
+
+    ddp = wrap_ddp(model, model.config, overlap_grad_reduce=overlap_grad_reduce)
+    opt = build_optimizer([ddp], OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0,
+                                                 clip_grad=0.0))
+    connect_schedule_hooks(model.config, [ddp], opt)
+    ddp.zero_grad_buffer()
+    run_microbatches([ddp], data, 32, 2, forward_only=False)
+    model.pop_sparsity_loss()
+    for mine, ref in zip(model.stage_memory_layers, plain.stage_memory_layers):
+        weight, expected = mine.memory.tables.weight, ref.memory.tables.weight.grad
+        assert weight.grad_added_to_main_grad is True and weight.grad is None
+        assert expected.abs().sum() > 0
+        torch.testing.assert_close(weight.main_grad, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_branch_reads_the_pre_norm_residual_stream(megatron_world):
     mc = tiny_memory_config(layers=[1])
     model = build(mc)

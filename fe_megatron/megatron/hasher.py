@@ -18,13 +18,13 @@ from fe_megatron.ngram import NgramHasher
 class MicrobatchHasher:
     def __init__(self, memory_config: MemoryConfig, layers=None):
         self.memory_config = memory_config
-        self.hasher = NgramHasher(memory_config)
         self.layers = list(memory_config.layers if layers is None else layers)
+        self.hasher = NgramHasher(memory_config, self.layers)  # only this stage's layers
 
     def __call__(self, input_ids: torch.Tensor) -> dict:
         """``[b, s]`` ids -> ``{layer_index: [s, b, branches]}`` for this stage's memory layers."""
         per_layer = self.hasher.indices_per_layer(input_ids)
-        return {layer: per_layer[layer].transpose(0, 1).contiguous() for layer in self.layers}
+        return {layer: indices.transpose(0, 1).contiguous() for layer, indices in per_layer.items()}
 
 
 def hash_then_split_for_context_parallel(hasher: MicrobatchHasher, input_ids: torch.Tensor, cp_size: int,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -171,15 +171,24 @@ class NgramHasher:
 
     ``NgramHasher(config, layer_number)`` addresses one insertion layer (``layer_number``
     is one of ``config.layers``); ``NgramHasher(config)`` addresses all insertion layers
-    in a single kernel launch (``indices_per_layer``), which is what a model does once
-    per microbatch.
+    and ``NgramHasher(config, [i, j])`` a subset (a pipeline stage's), in a single kernel
+    launch (``indices_per_layer``), which is what a model does once per microbatch.
     """
 
-    def __init__(self, config: MemoryConfig, layer_number: Optional[int] = None):
-        if layer_number is not None and layer_number not in config.layers:
-            raise ValueError(f"layer_number {layer_number} is not an insertion layer; config.layers={config.layers}")
+    def __init__(self, config: MemoryConfig, layer_number: Union[int, Sequence[int], None] = None):
+        if layer_number is None:
+            layers = list(config.layers)
+        elif isinstance(layer_number, int):
+            layers = [layer_number]
+        else:
+            layers = list(layer_number)
+        for layer in layers:
+            if layer not in config.layers:
+                raise ValueError(f"layer_number {layer} is not an insertion layer; config.layers={config.layers}")
+        if not layers:
+            raise ValueError(f"no layers to hash: pass None (all of config.layers={config.layers}), one or several")
         self.config = config
-        self.layers = list(config.layers) if layer_number is None else [layer_number]
+        self.layers = layers
         layouts = branch_layouts(config)
         self.layouts = [layouts[layer] for layer in self.layers]
         self.pad_id = lookup_vocab_size(config)
