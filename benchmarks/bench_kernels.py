@@ -91,7 +91,7 @@ def main():
     bytes_hash = tokens * 8 + lookups * 8
     bytes_gather = lookups * 8 + 2 * lookups * width * element
     bytes_backward_main = lookups * 8 * 3 + lookups * width * element + 2 * unique_rows * width * 4
-    bytes_backward_dense = bytes_backward_main - 2 * unique_rows * width * 4 + table_rows * width * element * 2
+    bytes_backward_dense = lookups * 8 * 3 + lookups * width * element + (table_rows + 2 * unique_rows) * width * element
 
     src = torch.empty(1 << 28, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
