@@ -12,6 +12,7 @@ tokens/s and memory; every ``eval_interval`` the validation perplexity; every
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -114,6 +115,19 @@ def log(message: str):
 
 def pretrain(cfg) -> dict:
     """Run (or resume) the configured pretraining; returns the final metrics."""
+    from fe_megatron import ops
+    from fe_megatron.config import ConfigError
+
+    t = cfg.training
+    if t.kernel_backend != "auto" and t.kernel_backend not in ops.available_backends():
+        raise ConfigError("training.kernel_backend", f"{t.kernel_backend!r} is not built here; available: "
+                                                     f"{ops.available_backends()} (docs/kernels.md)")
+    ops.set_deterministic_backward(t.deterministic_table_grads)
+    with contextlib.nullcontext() if t.kernel_backend == "auto" else ops.use_backend(t.kernel_backend):
+        return _pretrain(cfg)
+
+
+def _pretrain(cfg) -> dict:
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -125,10 +139,13 @@ def pretrain(cfg) -> dict:
     from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, current_device, eval_step, train_step
+    from fe_megatron import ops
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed)
     on_gpu = torch.cuda.is_available()
+    log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
+        f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
     tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
     if tokenizer.vocab_size > m.vocab_size:
         raise DataError(f"data.tokenizer_model {cfg.data.tokenizer_model} has {tokenizer.vocab_size} tokens but "

@@ -16,9 +16,11 @@ from typing import List, Optional
 import yaml
 
 from fe_megatron.config import ConfigError, MemoryConfig
+from fe_megatron.ops import BACKEND_NAMES
 from fe_megatron.presets import PRESETS
 
 KINDS = ("factorengram", "engram", "transformer")
+KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
 _SHARED_WITH_MEMORY = ("vocab_size", "hidden_size", "num_layers", "ffn_hidden_size")
 
 
@@ -64,6 +66,8 @@ class TrainingArgs:
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     recompute: str = "none"  # none | full
+    kernel_backend: str = "auto"  # auto (fastest built) | torch | cpp | cuda | triton: see docs/kernels.md
+    deterministic_table_grads: bool = True  # False: atomic adds in the GPU table backward (not reproducible)
     log_interval: int = 10
     eval_interval: int = 1000
     eval_steps: int = 10
@@ -112,6 +116,8 @@ class TrainConfig:
             raise ConfigError("training.precision", f"{t.precision!r} is not one of auto, bf16, fp32")
         if t.recompute not in ("none", "full"):
             raise ConfigError("training.recompute", f"{t.recompute!r} is not one of none, full")
+        if t.kernel_backend not in KERNEL_BACKENDS:
+            raise ConfigError("training.kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
         if not self.data.tokenizer_model:
             raise ConfigError("data.tokenizer_model", "is empty; give a sentencepiece .model file")
         if not self.data.train_data:

@@ -342,3 +342,26 @@ def test_float64_tables_use_the_reference_and_forcing_them_is_refused():
         ops.gather_rows(weight, torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="weight must be float32, bfloat16 or float16"):
         ops._backends["cpp"].module.gather_rows_forward(weight, torch.zeros(2, dtype=torch.int64))
+
+
+def test_backward_runs_on_the_backend_of_its_forward(monkeypatch):
+    """On a GPU autograd runs the backward on its own thread, where use_backend is not in
+    force; the backward must still use the backend its forward used."""
+    calls = []
+
+    class Spy:
+        ngram_hash = staticmethod(reference.ngram_hash)
+        gather_rows_forward = staticmethod(reference.gather_rows_forward)
+
+        @staticmethod
+        def gather_rows_backward(*args):
+            calls.append("spy")
+            reference.gather_rows_backward(*args)
+
+    monkeypatch.setitem(ops._backends, "cuda", ops.Backend("cuda", Spy, ("cpu",)))
+    weight = torch.randn(10, 4, requires_grad=True)
+    with ops.use_backend("cuda"):
+        rows = ops.gather_rows(weight, torch.randint(0, 10, (5, 2)))
+    assert ops.current_backend(weight.device) == "cpp"  # outside the block the default is back
+    rows.sum().backward()
+    assert calls == ["spy"]

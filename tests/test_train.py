@@ -84,6 +84,28 @@ def test_torchrun_two_processes(small_data, tmp_path, parallel):
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "4"
 
 
+def test_cpp_kernels_change_no_bit_of_a_cpu_run(small_data, tmp_path):
+    """fp32 on CPU: the cpp hash, gather and table backward (into DDP's main_grad) are
+    bit-identical to the torch reference, so forcing the reference reproduces the default
+    run's losses and validation exactly."""
+    curves = {}
+    for backend, expected in (("auto", "cpp"), ("torch", "torch")):
+        save = str(tmp_path / backend)
+        out = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(
+            small_data, **{"training.train_steps": 4, "training.kernel_backend": backend})).stdout
+        assert f"kernels: {expected} (built: torch, cpp" in out and "table gradients deterministic" in out
+        curves[backend] = curve(metrics(save))
+    assert len(curves["auto"]) >= 2 and curves["auto"] == curves["torch"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the error for an unbuilt cuda backend")
+def test_unbuilt_kernel_backend_fails_at_start(small_data, tmp_path):
+    proc = run_pretrain(["--config", CONFIG] + small_overrides(small_data, **{"training.kernel_backend": "cuda"}),
+                        check=False)
+    assert proc.returncode == 2
+    assert "training.kernel_backend: 'cuda' is not built here; available: ['torch', 'cpp'" in proc.stderr
+
+
 @pytest.mark.parametrize("kind", ["engram", "transformer"])
 def test_other_model_kinds_train(small_data, tmp_path, kind):
     extra = {"model.kind": kind, "training.train_steps": 4}
@@ -116,6 +138,7 @@ def test_missing_dataset_fails_at_start(small_data, tmp_path):
     (["optimizer.warmup_steps=500"], "optimizer.warmup_steps"),
     (["model.kind=engram"], "memory.representation"),
     (["memory.preset=nope"], "memory.preset"),
+    (["training.kernel_backend=fortran"], "training.kernel_backend"),
 ])
 def test_train_config_errors(overrides, field):
     with pytest.raises(ConfigError) as info:

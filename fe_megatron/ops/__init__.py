@@ -179,7 +179,9 @@ class _GatherRows(torch.autograd.Function):
         flat = indices.reshape(-1)
         if _settings["debug"]:
             check_row_indices(flat, weight.shape[0], tuple(indices.shape))
-        rows = _backend_for(weight.device, weight.dtype).gather_rows_forward(weight, flat)
+        # the backward runs on autograd's device thread, where use_backend is not in force: keep the choice
+        ctx.backend = current_backend(weight.device, weight.dtype)
+        rows = _backends[ctx.backend].module.gather_rows_forward(weight, flat)
         ctx.save_for_backward(weight, flat)
         return rows.view(*indices.shape, weight.shape[1])
 
@@ -188,7 +190,7 @@ class _GatherRows(torch.autograd.Function):
         weight, flat = ctx.saved_tensors
         grad_rows = grad_output.reshape(flat.numel(), weight.shape[1]).contiguous()
         deterministic = _settings["deterministic"] or torch.are_deterministic_algorithms_enabled()
-        backend = _backend_for(weight.device, weight.dtype)
+        backend = _backends[ctx.backend].module
         if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
             backend.gather_rows_backward(grad_rows, flat, weight.main_grad, deterministic)
             weight.grad_added_to_main_grad = True
