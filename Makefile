@@ -28,7 +28,7 @@ bench: setup
 bench-kernels: setup
 	$(PY) benchmarks/bench_kernels.py
 
-# Compile every CUDA source for sm_90 (no GPU needed); fails on a compile error.
+# Compile every CUDA source for sm_80 and sm_90 (no GPU needed); fails on a compile error.
 cuda-check: setup
 	bash csrc/check_cuda_sources.sh $(PY)
 

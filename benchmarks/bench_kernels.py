@@ -51,6 +51,13 @@ def timer(device):
     return measure
 
 
+def copy_bandwidth(measure, device, repeats) -> float:
+    """GB/s of ``dst.copy_(src)`` for 1 GiB: bytes read plus bytes written."""
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats) / 1e9
+
+
 def zipf_token_ids(vocab: int, shape, exponent: float = 1.1, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     ranks = torch.arange(1, vocab + 1, dtype=torch.float64)
@@ -91,12 +98,10 @@ def main():
     bytes_hash = tokens * 8 + lookups * 8
     bytes_gather = lookups * 8 + 2 * lookups * width * element
     bytes_backward_main = lookups * 8 * 3 + lookups * width * element + 2 * unique_rows * width * 4
-    bytes_backward_dense = lookups * 8 * 3 + lookups * width * element + (table_rows + 2 * unique_rows) * width * element
+    bytes_backward_dense = (lookups * 8 * 3 + lookups * width * element
+                            + (table_rows + 2 * unique_rows) * width * element)
 
-    src = torch.empty(1 << 28, dtype=torch.float32, device=device).normal_()
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), args.repeats) / 1e9
-    del src, dst
+    copy_gbs = copy_bandwidth(measure, device, args.repeats)
 
     print(f"# {platform.node()} ({platform.processor() or platform.machine()}), "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else f'{torch.get_num_threads()} CPU threads'}, "
@@ -165,8 +170,8 @@ def main():
             main_grads[layer].add_(weight.grad)
             weight.grad = None
 
-    row("stock autograd", "hash + F.embedding + dense grad + main_grad.add_", measure(stock_autograd, args.repeats), None,
-        baseline.get("full"))
+    row("stock autograd", "hash + F.embedding + dense grad + main_grad.add_", measure(stock_autograd, args.repeats),
+        None, baseline.get("full"))
 
 
 if __name__ == "__main__":

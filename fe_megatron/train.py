@@ -23,6 +23,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from fe_megatron import ops
+
 
 def _silence_optional_dependency_warnings():
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -115,7 +117,6 @@ def log(message: str):
 
 def pretrain(cfg) -> dict:
     """Run (or resume) the configured pretraining; returns the final metrics."""
-    from fe_megatron import ops
     from fe_megatron.config import ConfigError
 
     t = cfg.training
@@ -139,7 +140,6 @@ def _pretrain(cfg) -> dict:
     from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, current_device, eval_step, train_step
-    from fe_megatron import ops
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed)

@@ -330,7 +330,8 @@ def test_table_beyond_2_to_the_31_elements(backend):
         touched = indices.unique()
         weight[touched] = 0
         ops._backends[backend].module.gather_rows_backward(grad, indices, weight, True)
-    expected = torch.zeros(len(touched), width, device=device).index_add_(0, torch.searchsorted(touched, indices), grad.float())
+    expected = torch.zeros(len(touched), width, device=device)
+    expected.index_add_(0, torch.searchsorted(touched, indices), grad.float())
     torch.testing.assert_close(weight[touched].float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
 
 

@@ -1,7 +1,8 @@
 // CPU (OpenMP) kernels behind fe_megatron.ops: the multi-head n-gram hash, the row gather
-// and the deduplicated table backward.  Semantics: fe_megatron/ops/reference.py.  The
-// backward follows the same chunked, sorted reduction as the CUDA and Triton kernels
-// (docs/kernels.md), so the three compiled backends give bit-identical gradients.
+// and the deduplicated table backward.  Semantics: fe_megatron/ops/reference.py; design:
+// docs/kernels.md.  The backward into fp32 partitions rows over threads (bit-identical to
+// the reference); into bf16/fp16 it is the chunked, sorted reduction of the CUDA and
+// Triton kernels.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -34,7 +35,10 @@ void check_long(const torch::Tensor& t, const char* name) {
 // index[t, b] = (XOR_k x_{t-k} * m[b, k]) mod p_b + offset_b, x_{t-k} = pad before the start (Eq. 1, 6).
 torch::Tensor ngram_hash(torch::Tensor token_ids, torch::Tensor multipliers, torch::Tensor moduli,
                          torch::Tensor offsets, int64_t pad_id) {
-  for (auto* pair : {&token_ids, &multipliers, &moduli, &offsets}) check_long(*pair, "hash input");
+  check_long(token_ids, "token_ids");
+  check_long(multipliers, "multipliers");
+  check_long(moduli, "moduli");
+  check_long(offsets, "offsets");
   const int64_t batch = token_ids.size(0), seq = token_ids.size(1);
   const int64_t branches = multipliers.size(0), window = multipliers.size(1);
   TORCH_CHECK(window <= kMaxWindow, "ngram_hash: n-gram window ", window, " exceeds the supported ", kMaxWindow);
@@ -188,10 +192,10 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   check_float(out, "out");
   const int64_t count = flat_indices.numel();
   if (count == 0) return;
-  const auto [lo, hi] = flat_indices.aminmax();
-  TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < out.size(0), "gather_rows backward: row index ",
-              (lo.item<int64_t>() < 0 ? lo.item<int64_t>() : hi.item<int64_t>()), " is outside the table's rows [0, ",
-              out.size(0), ")");
+  const auto [min_index, max_index] = flat_indices.aminmax();
+  const int64_t lo = min_index.item<int64_t>(), hi = max_index.item<int64_t>();
+  TORCH_CHECK(lo >= 0 && hi < out.size(0), "gather_rows backward: row index ", (lo < 0 ? lo : hi),
+              " is outside the table's rows [0, ", out.size(0), ")");
   if (out.scalar_type() == torch::kFloat32) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {
       row_partitioned_backward<scalar_t>(grad_rows.data_ptr<scalar_t>(), flat_indices.data_ptr<int64_t>(),
@@ -202,7 +206,8 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   auto sorted_and_perm = flat_indices.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
   const auto& sorted = std::get<0>(sorted_and_perm);
   const auto& perm = std::get<1>(sorted_and_perm);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {  // double: refused above
+  // (double is refused above: these kernels accumulate in fp32)
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {
     using grad_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "out", [&] {
       sorted_backward<grad_t, scalar_t>(grad_rows.data_ptr<grad_t>(), sorted.data_ptr<int64_t>(),

@@ -27,7 +27,8 @@ FloatType float_type(const torch::Tensor& t, const char* name) {
     case torch::kFloat32: return FloatType::kFloat32;
     case torch::kBFloat16: return FloatType::kBFloat16;
     case torch::kFloat16: return FloatType::kFloat16;
-    default: TORCH_CHECK(false, "fe_megatron cuda: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+    default:
+      TORCH_CHECK(false, "fe_megatron cuda: ", name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
   }
 }
 

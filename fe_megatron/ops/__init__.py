@@ -72,8 +72,8 @@ def _discover() -> None:
         except ImportError as error:
             logger.debug("triton backend unavailable: %s", error)
     if "cpp" not in _backends and "cuda" not in _backends:
-        logger.warning("fe_megatron.ops: no compiled kernels are built (install with `pip install -e .` "
-                       "where torch is installed); using the torch reference")
+        logger.warning("fe_megatron.ops: no compiled kernels are built (install with `pip install "
+                       "--no-build-isolation -e .` where torch is installed); using the torch reference")
 
 
 def available_backends() -> list:
@@ -191,7 +191,8 @@ class _GatherRows(torch.autograd.Function):
         grad_rows = grad_output.reshape(flat.numel(), weight.shape[1]).contiguous()
         deterministic = _settings["deterministic"] or torch.are_deterministic_algorithms_enabled()
         backend = _backends[ctx.backend].module
-        if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
+        fused_accumulation = getattr(weight, "grad_added_to_main_grad", None) is not None
+        if fused_accumulation and getattr(weight, "main_grad", None) is not None:
             backend.gather_rows_backward(grad_rows, flat, weight.main_grad, deterministic)
             weight.grad_added_to_main_grad = True
             # DDP adds this placeholder to main_grad only when zero_out_wgrad is set: then it must be zeros.

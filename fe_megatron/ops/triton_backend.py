@@ -1,7 +1,7 @@
 """Triton kernels for `fe_megatron.ops`: hash, gather and the deduplicated table backward.
 
-Same contract and algorithms as the C++ and CUDA backends (docs/kernels.md); on CPU they
-run under ``TRITON_INTERPRET=1`` (the CI path), on a GPU compiled.  The sort of the
+The contract of every backend and the algorithms of the CUDA kernels (docs/kernels.md);
+on CPU they run under ``TRITON_INTERPRET=1`` (the CI path), on a GPU compiled.  The sort of the
 backward is ``torch.sort`` (a radix sort on GPU): a well-kept primitive, not ours.
 """
 
@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Sorted positions reduced by one program: equal to the C++/CUDA chunk so that all
-# compiled backends sum duplicates in the same order.
+# Sorted positions reduced by one program: equal to the CUDA chunk (and the C++ one for
+# bf16/fp16 outputs), so that they sum duplicates in the same order.
 CHUNK = 32
 
 
