@@ -121,16 +121,16 @@ def main():
     def gather_all():
         return [ops.gather_rows(tables[layer], indices[layer]) for layer in hasher.layers]
 
-    def backward_main():
+    def backward_into(output_of_layer):
+        kernels = ops.get_backend(ops.current_backend(device, dtype)).module
         for layer in hasher.layers:
-            ops._backends[ops.current_backend(device, dtype)].module.gather_rows_backward(
-                grads[layer], flat[layer], main_grads[layer], True)
+            kernels.gather_rows_backward(grads[layer], flat[layer], output_of_layer(layer), True)
+
+    def backward_main():
+        backward_into(main_grads.get)
 
     def backward_dense():
-        for layer in hasher.layers:
-            dense = torch.zeros_like(tables[layer])
-            ops._backends[ops.current_backend(device, dtype)].module.gather_rows_backward(
-                grads[layer], flat[layer], dense, True)
+        backward_into(lambda layer: torch.zeros_like(tables[layer]))
 
     def full_path():
         per_layer = hasher.indices_per_layer(ids, validate=False)
@@ -143,7 +143,7 @@ def main():
 
     baseline = {}
     for backend in ops.available_backends():
-        if device.type not in ops._backends[backend].devices:
+        if device.type not in ops.get_backend(backend).devices:
             continue
         with ops.use_backend(backend):
             times = dict(

@@ -158,7 +158,7 @@ def test_table_backward_matches_reference(backend, grad_dtype, out_dtype, determ
     start = torch.randn(rows, width, device=device).to(out_dtype)  # accumulate into a non-zero buffer
     expected, got = start.clone(), start.clone()
     reference.gather_rows_backward(grad_rows, indices, expected)
-    ops._backends[backend].module.gather_rows_backward(grad_rows, indices, got, deterministic)
+    ops.get_backend(backend).module.gather_rows_backward(grad_rows, indices, got, deterministic)
     if out_dtype == torch.float32:
         scale = float(expected.abs().max())
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * scale)
@@ -178,7 +178,7 @@ def test_cpp_fp32_backward_is_bit_identical_to_the_cpu_reference():
     start = torch.randn(rows, width)
     expected, got = start.clone(), start.clone()
     reference.gather_rows_backward(grad_rows, indices, expected)
-    ops._backends["cpp"].module.gather_rows_backward(grad_rows, indices, got, True)
+    ops.get_backend("cpp").module.gather_rows_backward(grad_rows, indices, got, True)
     assert torch.equal(got, expected)
 
 
@@ -191,7 +191,7 @@ def test_deterministic_backward_repeats_bit_for_bit(backend, out_dtype):
     grad_rows = torch.randn(count, width, device=device)
     outs = [torch.zeros(rows, width, dtype=out_dtype, device=device) for _ in range(2)]
     for out in outs:
-        ops._backends[backend].module.gather_rows_backward(grad_rows, indices, out, True)
+        ops.get_backend(backend).module.gather_rows_backward(grad_rows, indices, out, True)
     assert torch.equal(outs[0], outs[1])
 
 
@@ -206,7 +206,7 @@ def test_cuda_and_triton_sum_in_the_same_order(out_dtype):
     outs = {}
     for backend in ("cuda", "triton"):
         outs[backend] = torch.zeros(rows, width, dtype=out_dtype, device="cuda")
-        ops._backends[backend].module.gather_rows_backward(grad_rows, indices, outs[backend], True)
+        ops.get_backend(backend).module.gather_rows_backward(grad_rows, indices, outs[backend], True)
     assert torch.equal(outs["cuda"], outs["triton"])
 
 
@@ -323,13 +323,12 @@ def test_table_beyond_2_to_the_31_elements(backend):
     weight = torch.empty(rows, width, dtype=torch.bfloat16, device=device)
     indices = torch.tensor([rows - 1, 5, rows - 1000, rows - 1], device=device)
     weight[indices] = torch.randn(len(indices), width, device=device).to(torch.bfloat16)
-    with ops.use_backend(backend):
-        got = ops._backends[backend].module.gather_rows_forward(weight, indices)
-        assert torch.equal(got, weight[indices])
-        grad = torch.randn(len(indices), width, device=device).to(torch.bfloat16)
-        touched = indices.unique()
-        weight[touched] = 0
-        ops._backends[backend].module.gather_rows_backward(grad, indices, weight, True)
+    kernels = ops.get_backend(backend).module
+    assert torch.equal(kernels.gather_rows_forward(weight, indices), weight[indices])
+    grad = torch.randn(len(indices), width, device=device).to(torch.bfloat16)
+    touched = indices.unique()
+    weight[touched] = 0
+    kernels.gather_rows_backward(grad, indices, weight, True)
     expected = torch.zeros(len(touched), width, device=device)
     expected.index_add_(0, torch.searchsorted(touched, indices), grad.float())
     torch.testing.assert_close(weight[touched].float(), expected.to(torch.bfloat16).float(), rtol=0, atol=0)
@@ -342,7 +341,7 @@ def test_float64_tables_use_the_reference_and_forcing_them_is_refused():
     with ops.use_backend("cpp"), pytest.raises(TypeError, match="backend 'cpp' .* does not take torch.float64 tables"):
         ops.gather_rows(weight, torch.zeros(2, 1, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="weight must be float32, bfloat16 or float16"):
-        ops._backends["cpp"].module.gather_rows_forward(weight, torch.zeros(2, dtype=torch.int64))
+        ops.get_backend("cpp").module.gather_rows_forward(weight, torch.zeros(2, dtype=torch.int64))
 
 
 def test_backward_runs_on_the_backend_of_its_forward(monkeypatch):

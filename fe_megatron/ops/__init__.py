@@ -82,12 +82,18 @@ def available_backends() -> list:
     return [name for name in BACKEND_NAMES if name in _backends]
 
 
-@contextlib.contextmanager
-def use_backend(name: str):
-    """Force one backend inside the ``with`` block (thread-local)."""
+def get_backend(name: str) -> Backend:
+    """A built backend: its kernel functions (``.module``), devices and table dtypes."""
     _discover()
     if name not in _backends:
         raise ValueError(f"backend {name!r} is not available here; available: {available_backends()}")
+    return _backends[name]
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force one backend inside the ``with`` block (thread-local)."""
+    get_backend(name)
     previous = getattr(_state, "forced", None)
     _state.forced = name
     try:

@@ -11,8 +11,8 @@ Every backend module provides the same three functions:
 * ``ngram_hash(token_ids, multipliers, moduli, offsets, pad_id)``
 * ``gather_rows_forward(weight, flat_indices) -> [M, w]``
 * ``gather_rows_backward(grad_rows, flat_indices, out, deterministic)``, which adds the
-  gradient of every looked-up row into ``out`` ([rows, w]) in place, summing the
-  duplicates of a row in fp32 and writing each unique row once.
+  gradient of every looked-up row into ``out`` ([rows, w]) in place, accumulating in at
+  least fp32 (how duplicates are ordered and grouped is each backend's; docs/kernels.md).
 """
 
 import torch
