@@ -4,10 +4,10 @@ Dependency ranges are chosen so that both torch 2.13 on Python 3.11 (CPU) and th
 torch 2.11 GPU image on Python 3.12 satisfy them without reinstalling torch.
 
 Kernels (install with ``pip install --no-build-isolation -e .`` so the build sees torch):
-* ``fe_megatron._C_cpu``: OpenMP C++ kernels, built on every machine for its own
+* ``fe_megatron.ops._C_cpu``: OpenMP C++ kernels, built on every machine for its own
   processor (``-march=native``, as DeepSpeed's CPU ops; ``FE_MEGATRON_CPU_ARCH=x86-64-v2``
   or another ``-march`` value builds for a wider range of machines);
-* ``fe_megatron._C_cuda``: CUDA kernels, built where torch has CUDA and nvcc is found
+* ``fe_megatron.ops._C_cuda``: CUDA kernels, built where torch has CUDA and nvcc is found
   (``FE_MEGATRON_CUDA_ARCH`` overrides the target list, default ``8.0;9.0``).
 Without torch at build time nothing is compiled and ``fe_megatron.ops`` uses its torch reference.
 """
@@ -27,12 +27,12 @@ def kernel_extensions():
     # Vector width decides the speed of the row copies and sums (SSE2 alone is 2x slower).
     arch = [f"-march={os.environ.get('FE_MEGATRON_CPU_ARCH', 'native')}"]
     extensions = [cpp_extension.CppExtension(
-        "fe_megatron._C_cpu", ["csrc/cpu/ngram_ops_cpu.cpp"],
+        "fe_megatron.ops._C_cpu", ["csrc/cpu/ngram_ops_cpu.cpp"],
         extra_compile_args=["-O3", *arch, *openmp], extra_link_args=openmp)]
     if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("FE_MEGATRON_CUDA_ARCH", "8.0;9.0"))
         extensions.append(cpp_extension.CUDAExtension(
-            "fe_megatron._C_cuda", ["csrc/cuda/ngram_ops_cuda.cpp", "csrc/cuda/ngram_ops_kernels.cu"],
+            "fe_megatron.ops._C_cuda", ["csrc/cuda/ngram_ops_cuda.cpp", "csrc/cuda/ngram_ops_kernels.cu"],
             extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "--use_fast_math", "-lineinfo"]}))
     return extensions, {"build_ext": cpp_extension.BuildExtension}
 
@@ -42,7 +42,7 @@ ext_modules, cmdclass = kernel_extensions()
 setup(
     name="fe_megatron",
     version="0.1.0",
-    description="FactorEngram factorized n-gram memory for Megatron-Core and DeepSpeed pretraining",
+    description="FactorEngram factorized n-gram memory for Megatron-Core pretraining",
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",

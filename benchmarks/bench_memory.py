@@ -21,12 +21,10 @@ from fe_megatron.memory import FactorEngram
 
 SIZES = {
     # a laptop-scale branch and a medium one (340M-like widths, smaller tables and batch)
-    "small": dict(config=dict(vocab_size=4096, hidden_size=128, num_layers=4, ffn_hidden_size=384,
-                              table_capacity=[4096, 16384, 16384], heads_per_order=2, coeff_width=192,
-                              memory_dim=128, layers=[1]), batch=8, seq=256),
-    "medium": dict(config=dict(vocab_size=32000, hidden_size=1024, num_layers=24, ffn_hidden_size=2816,
-                               table_capacity=[32000, 100_000, 100_000], heads_per_order=4, coeff_width=3072,
-                               memory_dim=3072, layers=[10]), batch=2, seq=512),
+    "small": dict(config=dict(backbone="tiny", table_capacity=[4096, 16384, 16384], heads_per_order=2,
+                              coeff_width=192, memory_dim=128, layers=[1]), batch=8, seq=256),
+    "medium": dict(config=dict(backbone="340m", table_capacity=[32000, 100_000, 100_000], heads_per_order=4,
+                               coeff_width=3072, memory_dim=3072, layers=[10]), batch=2, seq=512),
 }
 
 
@@ -34,7 +32,7 @@ class NaiveFactorEngram(FactorEngram):
     """Same module, but the tables are separate nn.Embedding per branch joined by torch.cat."""
 
     def __init__(self, reference: FactorEngram):
-        super().__init__(reference.config, reference.layer_number)
+        super().__init__(reference.config, reference.layer_index)
         self.load_state_dict(reference.state_dict())
         layout = self.hasher.layouts[0]
         weight = reference.tables.weight.detach()
@@ -47,9 +45,9 @@ class NaiveFactorEngram(FactorEngram):
     def forward(self, hidden_states, token_ids):
         idx = self.hasher.indices(token_ids)
         z = torch.cat([emb(idx[..., b] - self.offsets[b]) for b, emb in enumerate(self.branches)], -1)
-        memory = self._gated_memory(hidden_states, z)
+        memory = self.gated_memory(hidden_states, z)
         values = self.value_proj(memory)
-        return values + self.conv(values), z.abs().sum(-1)
+        return self.refine(values), z.abs().sum(-1)
 
 
 def time_fwd_bwd(module, h, ids, steps):
@@ -73,7 +71,7 @@ def main():
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
     for name in args.sizes:
         spec = SIZES[name]
-        cfg = MemoryConfig(**spec["config"])
+        cfg = MemoryConfig.from_dict(spec["config"])
         fused = FactorEngram(cfg, cfg.layers[0])
         naive = NaiveFactorEngram(fused)
         h = torch.randn(spec["batch"], spec["seq"], cfg.hidden_size)

@@ -19,19 +19,12 @@ import torch
 warnings.filterwarnings("ignore")
 
 SIZES = {
-    "tiny": dict(layers=4, hidden=128, heads=4, ffn=384, seq=128, mbs=8, micro=2, vocab=4096, preset="factorengram-tiny"),
-    "small": dict(layers=12, hidden=512, heads=8, ffn=1408, seq=512, mbs=4, micro=2, vocab=32000, preset=None),
+    "tiny": dict(backbone=dict(preset="tiny"), memory=dict(preset="factorengram-tiny"), mbs=8, micro=2),
+    "small": dict(backbone=dict(vocab_size=32000, hidden_size=512, num_layers=12, num_attention_heads=8,
+                                ffn_hidden_size=1408, seq_length=512),
+                  memory=dict(preset="factorengram-340m", table_capacity=[32000, 100_000, 100_000], coeff_width=1536,
+                              memory_dim=1536, layers=[5, 6]), mbs=4, micro=2),
 }
-
-
-def memory_config(size):
-    from fe_megatron.config import MemoryConfig
-
-    s = SIZES[size]
-    if s["preset"]:
-        return MemoryConfig.from_preset(s["preset"])
-    return MemoryConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], num_layers=s["layers"], ffn_hidden_size=s["ffn"],
-                        table_capacity=[32000, 100_000, 100_000], coeff_width=1536, memory_dim=1536, layers=[5, 6])
 
 
 def main():
@@ -40,33 +33,34 @@ def main():
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.parallel import initialize, shutdown
     from fe_megatron.megatron.step import causal_mask, train_step
+    from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.train import transformer_config_for
-    from fe_megatron.train_config import ModelArgs, TrainConfig, TrainingArgs
+    from fe_megatron.train_config import TrainConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     s = SIZES[args.size]
+    backbone = BackboneConfig.from_dict(s["backbone"])
+    vocab, seq = backbone.vocab_size, backbone.seq_length
     initialize()
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda") if on_gpu else torch.device("cpu")
-    cfg = TrainConfig(model=ModelArgs(num_layers=s["layers"], hidden_size=s["hidden"], num_attention_heads=s["heads"],
-                                      ffn_hidden_size=s["ffn"], vocab_size=s["vocab"], seq_length=s["seq"]),
-                      training=TrainingArgs())
+    cfg = TrainConfig(model=backbone)
     gen = torch.Generator().manual_seed(0)
-    mask = causal_mask(s["seq"], device)
+    mask = causal_mask(seq, device)
     batches = []
     for _ in range(s["micro"]):
-        tokens = torch.randint(0, s["vocab"], (s["mbs"], s["seq"] + 1), generator=gen)
+        tokens = torch.randint(0, vocab, (s["mbs"], seq + 1), generator=gen)
         batches.append({k: v.to(device) for k, v in dict(
-            tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(s["mbs"], s["seq"]),
-            position_ids=torch.arange(s["seq"]).expand(s["mbs"], -1)).items()} | {"attention_mask": mask})
-    tokens_per_step = s["micro"] * s["mbs"] * s["seq"]
+            tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(s["mbs"], seq),
+            position_ids=torch.arange(seq).expand(s["mbs"], -1)).items()} | {"attention_mask": mask})
+    tokens_per_step = s["micro"] * s["mbs"] * seq
     results = {}
-    for kind, mc in (("transformer", None), ("factorengram", memory_config(args.size))):
+    for kind, mc in (("transformer", None), ("factorengram", MemoryConfig.from_dict(s["memory"], backbone=backbone))):
         tconfig = transformer_config_for(cfg, on_gpu)
-        model = build_gpt_model(tconfig, s["vocab"], s["seq"], mc)
+        model = build_gpt_model(tconfig, vocab, seq, mc)
         if on_gpu:
             model.cuda()
         ddp = wrap_ddp(model, tconfig)
@@ -74,12 +68,12 @@ def main():
                                                      params_dtype=tconfig.params_dtype))
         connect_schedule_hooks(tconfig, [ddp], opt)
         for _ in range(2):
-            train_step([ddp], opt, batches, s["seq"], s["mbs"])
+            train_step([ddp], opt, batches, seq, s["mbs"])
         if on_gpu:
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.steps):
-            train_step([ddp], opt, batches, s["seq"], s["mbs"])
+            train_step([ddp], opt, batches, seq, s["mbs"])
         if on_gpu:
             torch.cuda.synchronize()
         results[kind] = tokens_per_step * args.steps / (time.perf_counter() - start)

@@ -41,7 +41,7 @@ def memory_layer_budget(config: MemoryConfig, layer: int) -> LayerBudget:
     for order, rows in zip(layout.orders, layout.moduli):
         budget.tables_per_order[order] = budget.tables_per_order.get(order, 0) + rows * config.branch_width
     d, s, dm, out = config.hidden_size, config.coeff_width, config.memory_dim, config.output_size
-    if config.representation == "factorized":
+    if config.kind == "factorengram":
         budget.dense["dictionary"] = s * dm
         if config.gate != "none":
             budget.dense["query_proj"] = d * dm

@@ -1,17 +1,25 @@
-"""`MemoryConfig`: the single source of truth for a FactorEngram / Engram memory branch.
+"""The configuration of the backbone and of its memory branches.
 
-Every other component (hasher, memory modules, Megatron specs, trainer, parameter
-planner) reads its settings from this dataclass; none keeps a copy of its own.
+* `BackboneConfig`: the Llama-style Transformer (RoPE, RMSNorm, SwiGLU, no biases) that the
+  memory attaches to.  It is written once: the ``model:`` section of a training config, or a
+  named backbone (``BACKBONES``).  Megatron's ``TransformerConfig``, the Hugging Face config and
+  the parameter planner are all built from it.
+* `MemoryConfig`: the single source of truth for the memory branch.  It holds its backbone
+  (``config.backbone``) and reads the backbone's width, depth, vocabulary, FFN width,
+  normalization epsilon and init std from there, so none of them is ever written twice.
 
 Numbering conventions
 ---------------------
-* ``layers`` are 0-based indices into the backbone's stack of ``num_layers`` blocks,
-  the numbering of the paper ("layers 10 and 12 of 24") and of the public Engram code
-  (``layer_ids``).  Megatron's 1-based ``layer_number`` is ``index + 1``; the Megatron
-  adapter does that conversion in exactly one place.
-* Branches are ordered by n-gram order, then by head: for orders ``[1, 2, 3]`` with 4
-  heads each, branches 0-3 are the unigram heads, 4-7 bigram, 8-11 trigram.  This fixed
-  order aligns the concatenated coefficients ``z`` (Eq. 6) with the dictionary rows.
+* ``layers`` are 0-based indices into the backbone's stack of ``num_layers`` blocks.  The paper
+  gives its insertion layers as a list, ``[10, 12]`` (Table 8), in the same form as DeepSeek's
+  public Engram code gives its ``layer_ids`` (``[1, 15]``), which are 0-based indices into the
+  list of blocks; fe_megatron reads the paper's list the same way.  Megatron's 1-based
+  ``layer_number`` is ``index + 1`` (the paper's layers 10 and 12 are Megatron layers 11 and 13);
+  `fe_megatron.megatron.transformer_layer` converts in exactly one place.  Everywhere else in
+  fe_megatron a 0-based index is called ``layer_index``.
+* Branches are ordered by n-gram order, then by head: for orders ``[1, 2, 3]`` with 4 heads
+  each, branches 0-3 are the unigram heads, 4-7 bigram, 8-11 trigram.  This fixed order aligns
+  the concatenated coefficients ``z`` (Eq. 6) with the dictionary rows.
 """
 
 from __future__ import annotations
@@ -24,48 +32,92 @@ from typing import Any, Optional, Sequence, Union
 
 PLACEMENTS = ("before_attn", "before_ffn", "inside_ffn")
 GATES = ("basis", "scalar", "none")
-REPRESENTATIONS = ("factorized", "dense")
+MEMORY_KINDS = ("factorengram", "engram")
+BACKBONE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                   "seq_length", "init_std", "norm_eps", "rope_base", "tie_embeddings")
 
 
 class ConfigError(ValueError):
     """A configuration value is out of its allowed range.
 
-    ``field`` names the offending field; ``where`` (``file:line``) is filled in when the
-    value came from a YAML file.
+    ``field`` names the offending field inside ``section`` (``MemoryConfig``, ``BackboneConfig``,
+    or a training-config section such as ``optimizer``); ``path`` is ``section.field``.
+    ``where`` (``file:line``) is filled in when the value came from a YAML file.
     """
 
-    def __init__(self, field_name: str, message: str, where: Optional[str] = None):
+    def __init__(self, field_name: str, message: str, where: Optional[str] = None,
+                 section: Optional[str] = "MemoryConfig"):
         self.field = field_name
+        self.detail = message
         self.where = where
-        prefix = f"{where}: " if where else ""
-        super().__init__(f"{prefix}MemoryConfig.{field_name}: {message}")
+        self.section = section
+        self.path = f"{section}.{field_name}" if section else field_name
+        super().__init__(f"{where + ': ' if where else ''}{self.path}: {message}")
+
+    def relocated(self, section: Optional[str], where: Optional[str] = None) -> "ConfigError":
+        """The same error reported under another section (and, if given, another ``file:line``)."""
+        return ConfigError(self.field, self.detail, where or self.where, section)
+
+
+@dataclass
+class BackboneConfig:
+    """The backbone Transformer: pre-norm RMSNorm, RoPE, SwiGLU FFN, no biases (Sec. 4.1, Table 8)."""
+
+    vocab_size: int = 32000  # the embedding rows; must be >= the tokenizer's vocabulary
+    hidden_size: int = 1024  # d
+    num_layers: int = 24
+    num_attention_heads: int = 16
+    ffn_hidden_size: int = 2816  # SwiGLU width (8/3 d rounded up to a multiple of 256)
+    seq_length: int = 8192  # training context (and RoPE's maximum position)
+    init_std: float = 0.02  # Megatron's init_method_std: every weight matrix, the memory's Q and key too
+    norm_eps: float = 1e-5  # every RMSNorm, the memory's too
+    rope_base: float = 10000.0
+    tie_embeddings: bool = True  # input embedding and output layer share their weight
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+                     "seq_length"):
+            _positive_int(name, getattr(self, name), "BackboneConfig")
+        for name in ("init_std", "norm_eps", "rope_base"):
+            _positive_float(name, getattr(self, name), "BackboneConfig")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ConfigError("tie_embeddings", f"{self.tie_embeddings!r} must be true or false",
+                              section="BackboneConfig")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError("num_attention_heads", f"{self.num_attention_heads} does not divide hidden_size="
+                                                     f"{self.hidden_size}", section="BackboneConfig")
+
+    @classmethod
+    def from_dict(cls, values: dict, where: Optional[dict] = None) -> "BackboneConfig":
+        """Fields, or ``preset: NAME`` (one of ``BACKBONES``) plus overrides."""
+        from fe_megatron.presets import BACKBONES
+
+        return _build(cls, apply_preset(values, BACKBONES, "backbone", where, "BackboneConfig"), where or {},
+                      "BackboneConfig")
 
 
 @dataclass
 class MemoryConfig:
-    """Settings of one memory branch family (all insertion layers share them).
+    """Settings of one memory family (all insertion layers share them).
 
-    Shapes follow the paper: ``s`` = ``coeff_width`` coefficients per position, split
-    evenly into ``s_b = s / num_branches`` per branch (Eq. 6); dictionary ``D`` is
-    ``s x d_m`` with ``d_m`` = ``memory_dim`` (Sec. 3.1); the backbone width is
-    ``d`` = ``hidden_size`` (Eq. 7).
+    Shapes follow the paper: ``s`` = ``coeff_width`` coefficients per position, split evenly
+    into ``s_b = s / num_branches`` per branch (Eq. 6); dictionary ``D`` is ``s x d_m`` with
+    ``d_m`` = ``memory_dim`` (Sec. 3.1); the backbone width is ``d`` = ``backbone.hidden_size``
+    (Eq. 7).  ``kind`` picks the branch: ``factorengram`` (coefficients over a dictionary,
+    Eq. 6-10) or ``engram`` (DeepSeek's dense hashed embeddings with one scalar gate).
     """
 
-    # --- backbone shape the branch attaches to ---
-    vocab_size: int = 32000
-    hidden_size: int = 1024
-    num_layers: int = 24
-    ffn_hidden_size: int = 2816  # SwiGLU width; the output width for placement="inside_ffn"
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    kind: str = "factorengram"
     # --- addressing (Eq. 1, 6) ---
     ngram_orders: list = field(default_factory=lambda: [1, 2, 3])
     heads_per_order: Union[int, list] = 4
     table_capacity: list = field(default_factory=lambda: [32000, 250_000, 250_000])
     hash_seed: int = 0
     token_compression: Optional[str] = None  # sentencepiece .model file or HF tokenizer dir
-    # --- representation and gating (Eq. 6-9, 11) ---
+    # --- representation and gating (Eq. 6-9, 14) ---
     coeff_width: int = 3072  # s
     memory_dim: int = 3072  # d_m
-    representation: str = "factorized"
     gate: str = "basis"
     # --- integration (Eq. 10, 11) ---
     layers: list = field(default_factory=lambda: [10, 12])
@@ -74,11 +126,12 @@ class MemoryConfig:
     conv_dilation: int = 3
     # --- objective (Eq. 12, 13) ---
     sparsity_lambda: float = 1e-3
-    # --- numerics ---
-    norm_eps: float = 1e-5
-    init_std: float = 0.02  # Megatron's init_method_std; see docs/method.md "Initialization"
+    # --- initialization (docs/method.md) ---
+    table_init_std: float = 1.0  # the tables' rows: N(0, table_init_std^2), as nn.Embedding
 
     def __post_init__(self) -> None:
+        if not isinstance(self.backbone, BackboneConfig):
+            raise ConfigError("backbone", f"{self.backbone!r} must be a BackboneConfig")
         self.ngram_orders = _int_list("ngram_orders", self.ngram_orders)
         if isinstance(self.heads_per_order, int) and not isinstance(self.heads_per_order, bool):
             self.heads_per_order = [self.heads_per_order] * len(self.ngram_orders)
@@ -90,10 +143,11 @@ class MemoryConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Raise `ConfigError` naming the first field whose value is out of range."""
-        for name in ("vocab_size", "hidden_size", "num_layers", "ffn_hidden_size",
-                     "coeff_width", "memory_dim", "conv_kernel_size", "conv_dilation"):
+        for name in ("coeff_width", "memory_dim", "conv_kernel_size", "conv_dilation"):
             _positive_int(name, getattr(self, name))
         _nonneg_int("hash_seed", self.hash_seed)
+        if self.kind not in MEMORY_KINDS:
+            raise ConfigError("kind", f"{self.kind!r} is not one of {MEMORY_KINDS}")
         orders = self.ngram_orders
         if not orders:
             raise ConfigError("ngram_orders", "is empty; expected e.g. [1, 2, 3]")
@@ -119,19 +173,17 @@ class MemoryConfig:
             raise ConfigError("coeff_width", f"{self.coeff_width} is not divisible by the {self.num_branches} branches "
                                              f"(orders {orders} x heads {self.heads_per_order}); every branch stores "
                                              "s_b = coeff_width / num_branches coefficients")
-        if self.representation not in REPRESENTATIONS:
-            raise ConfigError("representation", f"{self.representation!r} is not one of {REPRESENTATIONS}")
         if self.gate not in GATES:
             raise ConfigError("gate", f"{self.gate!r} is not one of {GATES}")
         if self.placement not in PLACEMENTS:
             raise ConfigError("placement", f"{self.placement!r} is not one of {PLACEMENTS}")
-        if self.representation == "dense":
+        if self.kind == "engram":
             if self.gate == "basis":
-                raise ConfigError("gate", "'basis' gates dictionary coefficients and needs representation='factorized'; "
-                                          "the dense (Engram) representation supports gate 'scalar' or 'none'")
+                raise ConfigError("gate", "'basis' gates dictionary coefficients and needs kind='factorengram'; "
+                                          "Engram's dense tables support gate 'scalar' or 'none'")
             if self.memory_dim != self.coeff_width:
                 raise ConfigError("memory_dim", f"{self.memory_dim} must equal coeff_width={self.coeff_width} for "
-                                                "representation='dense', whose table rows are the memory vectors")
+                                                "kind='engram', whose table rows are the memory vectors")
         if not self.layers:
             raise ConfigError("layers", "is empty; expected at least one insertion layer, e.g. [10, 12]")
         for layer in self.layers:
@@ -143,12 +195,34 @@ class MemoryConfig:
         if not (isinstance(self.sparsity_lambda, (int, float)) and math.isfinite(self.sparsity_lambda)
                 and self.sparsity_lambda >= 0):
             raise ConfigError("sparsity_lambda", f"{self.sparsity_lambda!r} must be a finite number >= 0")
-        for name in ("norm_eps", "init_std"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ConfigError(name, f"{value!r} must be a finite number > 0")
+        _positive_float("table_init_std", self.table_init_std)
         if self.token_compression is not None and not isinstance(self.token_compression, str):
             raise ConfigError("token_compression", f"{self.token_compression!r} must be a path string or null")
+
+    # ------------------------------------------------------------------ the backbone's fields
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.backbone.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.backbone.num_layers
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return self.backbone.ffn_hidden_size
+
+    @property
+    def norm_eps(self) -> float:
+        return self.backbone.norm_eps
+
+    @property
+    def init_std(self) -> float:
+        return self.backbone.init_std
 
     # ------------------------------------------------------------------ derived shapes
     @property
@@ -162,7 +236,7 @@ class MemoryConfig:
 
     @property
     def branch_width(self) -> int:
-        """s_b: coefficients (or, for dense tables, embedding width) stored per branch."""
+        """s_b: coefficients (or, for Engram, embedding width) stored per branch."""
         return self.coeff_width // self.num_branches
 
     @property
@@ -183,68 +257,128 @@ class MemoryConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "MemoryConfig":
-        from fe_megatron.presets import PRESETS
-
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; available presets: {', '.join(sorted(PRESETS))}")
-        values = dict(PRESETS[name])
-        values.update(overrides)
-        return cls.from_dict(values)
+        return cls.from_dict({"preset": name, **overrides})
 
     @classmethod
-    def from_dict(cls, values: dict, where: Optional[dict] = None) -> "MemoryConfig":
-        """Build from a plain dict. ``where`` maps field names to ``file:line`` for error messages."""
+    def from_dict(cls, values: dict, where: Optional[dict] = None,
+                  backbone: Optional[BackboneConfig] = None) -> "MemoryConfig":
+        """Build from a plain dict, the one path every preset, YAML file and training config takes.
+
+        ``preset: NAME`` starts from that preset (`fe_megatron.presets`) and the other entries
+        override it.  ``backbone`` is a `BackboneConfig`, a dict of its fields, or the name of
+        one of ``BACKBONES``; a ``backbone`` argument replaces it (the training config passes
+        its ``model:`` section).  ``where`` maps field names to ``file:line`` for error messages.
+        """
+        from fe_megatron.presets import BACKBONES, PRESETS
+
         where = where or {}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            key = unknown[0]
-            raise ConfigError(key, f"unknown field (known fields: {', '.join(sorted(known))})", where.get(key))
-        try:
-            return cls(**values)
-        except ConfigError as err:
-            if err.where is None and err.field in where:
-                raise ConfigError(err.field, str(err).split(": ", 1)[1], where[err.field]) from None
-            raise
+        values = apply_preset(values, PRESETS, "memory", where, "MemoryConfig")
+        misplaced = sorted(set(values) & set(BACKBONE_FIELDS))
+        if misplaced:
+            raise ConfigError(misplaced[0], f"is a backbone field: set it in the backbone (the training config's "
+                                            "model section, or MemoryConfig.backbone), not in the memory",
+                              _line(where.get(misplaced[0])))
+        if backbone is not None:
+            values["backbone"] = backbone
+        spec = values.get("backbone", BackboneConfig())
+        if isinstance(spec, str):
+            if spec not in BACKBONES:
+                raise ConfigError("backbone", f"unknown backbone {spec!r}; available: {', '.join(sorted(BACKBONES))}",
+                                  _line(where.get("backbone")))
+            spec = {"preset": spec}
+        if isinstance(spec, dict):
+            nested = where.get("backbone")
+            try:
+                spec = BackboneConfig.from_dict(spec, nested if isinstance(nested, dict) else None)
+            except ConfigError as err:
+                raise err.relocated("MemoryConfig.backbone") from None
+        values["backbone"] = spec
+        return _build(cls, values, where, "MemoryConfig")
 
     @classmethod
     def from_yaml(cls, path: Union[str, Path], key: Optional[str] = None) -> "MemoryConfig":
-        """Load from YAML. With ``key``, read the mapping under that top-level key (e.g. ``memory``).
-
-        A ``preset: NAME`` entry starts from that preset; the other entries override it.
-        Errors name the file and line of the offending entry.
-        """
-        import yaml
-
-        path = Path(path)
-        text = path.read_text()
-        try:
-            root = yaml.compose(text)
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: invalid YAML: {err}") from None
+        """Load from YAML: a mapping of fields, or (with ``key``, or when the file has a ``memory:``
+        section, as a training config does) the mapping under that top-level key.  In a training
+        config the backbone is its ``model:`` section.  Errors name the file and line."""
+        top, top_where = read_yaml_mapping(path)
+        data, where, backbone = top, top_where, None
+        if key is None and isinstance(top.get("memory"), dict):
+            key = "memory"
         if key is not None:
-            if not isinstance(data, dict) or key not in data:
+            if key not in top:
                 raise ValueError(f"{path}: no top-level '{key}' mapping")
-            root = next(v for k, v in root.value if k.value == key)
-            data = data[key]
+            data, where = top[key], top_where[key]
+            if isinstance(top.get("model"), dict):
+                backbone = BackboneConfig.from_dict(top["model"], top_where["model"])
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of MemoryConfig fields, got {type(data).__name__}")
-        where = {k.value: f"{path}:{k.start_mark.line + 1}" for k, _ in root.value}
-        preset = data.pop("preset", None)
-        if preset is not None:
-            from fe_megatron.presets import PRESETS
-
-            if preset not in PRESETS:
-                raise ValueError(f"{where['preset']}: unknown preset {preset!r}; available: {', '.join(sorted(PRESETS))}")
-            data = {**PRESETS[preset], **data}
-        return cls.from_dict(data, where)
+        return cls.from_dict(data, where, backbone=backbone)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def replace(self, **changes: Any) -> "MemoryConfig":
         return dataclasses.replace(self, **changes)
+
+
+def apply_preset(values: dict, presets: dict, what: str, where: Optional[dict], section: str) -> dict:
+    """``values`` with a ``preset: NAME`` entry expanded: the preset's fields, overridden by the rest."""
+    values = dict(values)
+    name = values.pop("preset", None)
+    if name is None:
+        return values
+    if name not in presets:
+        raise ConfigError("preset", f"unknown {what} preset {name!r}; available: {', '.join(sorted(presets))}",
+                          (where or {}).get("preset"), section)
+    return {**presets[name], **values}
+
+
+def read_yaml_mapping(path: Union[str, Path]):
+    """``(data, where)``: a YAML file's top-level mapping and, for every key (recursively), its
+    ``file:line`` (a nested mapping's ``where`` is a dict of the same form)."""
+    import yaml
+
+    path = Path(path)
+    text = path.read_text()
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: invalid YAML: {err}") from None
+    if data is None:
+        return {}, {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+
+    def lines(node):
+        out = {}
+        for key, value in node.value:
+            out[key.value] = lines(value) if isinstance(value, yaml.MappingNode) else f"{path}:{key.start_mark.line + 1}"
+        return out
+
+    return data, lines(root)
+
+
+def _build(cls, values: dict, where: dict, section: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        key = unknown[0]
+        raise ConfigError(key, f"unknown field (known fields: {', '.join(sorted(known))})",
+                          _line(where.get(key)), section)
+    try:
+        return cls(**values)
+    except ConfigError as err:
+        if err.where is None and err.field in where:
+            raise err.relocated(err.section, _line(where[err.field])) from None
+        raise
+
+
+def _line(where_entry) -> Optional[str]:
+    """A key's ``file:line``; for a nested mapping, that of its first key."""
+    while isinstance(where_entry, dict):
+        where_entry = next(iter(where_entry.values()), None)
+    return where_entry
 
 
 def _int_list(name: str, value: Any) -> list:
@@ -258,11 +392,16 @@ def _int_list(name: str, value: Any) -> list:
     return out
 
 
-def _positive_int(name: str, value: Any) -> None:
+def _positive_int(name: str, value: Any, section: str = "MemoryConfig") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(name, f"{value!r} must be an integer >= 1")
+        raise ConfigError(name, f"{value!r} must be an integer >= 1", section=section)
 
 
 def _nonneg_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(name, f"{value!r} must be an integer >= 0")
+
+
+def _positive_float(name: str, value: Any, section: str = "MemoryConfig") -> None:
+    if isinstance(value, bool) or not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(name, f"{value!r} must be a finite number > 0", section=section)

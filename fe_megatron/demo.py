@@ -82,8 +82,8 @@ def main(argv=None) -> int:
         run_dir = os.path.join(out, kind)
         if os.path.isdir(run_dir):
             shutil.rmtree(run_dir)
-        cmd = [py, "-W", "ignore", "-m", "fe_megatron.train", "--config", CONFIG, f"model.kind={kind}",
-               f"data.tokenizer_model={tokenizer}", f"data.train_data=[{prefix}]", f"save={run_dir}",
+        cmd = [py, "-W", "ignore", "-m", "fe_megatron.train", "--config", CONFIG,
+               *(["memory=null"] if kind == "transformer" else []), f"data.tokenizer_model={tokenizer}", f"data.train_data=[{prefix}]", f"save={run_dir}",
                f"tensorboard_dir={os.path.join(out, 'tensorboard', kind)}", f"data.cache_dir={os.path.join(out, 'cache')}"]
         if args.steps:
             cmd.append(f"training.train_steps={args.steps}")

@@ -11,18 +11,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fe-plan", description=__doc__)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help=f"one of: {', '.join(MemoryConfig.preset_names())}")
-    source.add_argument("--config", help="a YAML file of MemoryConfig fields (or with a top-level 'memory' key)")
+    source.add_argument("--config", help="a YAML file of MemoryConfig fields, or a training config")
     args = parser.parse_args(argv)
     try:
         if args.preset:
             config, name = MemoryConfig.from_preset(args.preset), args.preset
         else:
-            import yaml
-
-            with open(args.config) as fh:
-                top = yaml.safe_load(fh)
-            key = "memory" if isinstance(top, dict) and "memory" in top else None
-            config, name = MemoryConfig.from_yaml(args.config, key=key), args.config
+            config, name = MemoryConfig.from_yaml(args.config), args.config
     except (ConfigError, ValueError) as err:
         print(f"fe-plan: error: {err}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,8 @@ def _silence_optional_dependency_warnings():
 
 
 def transformer_config_for(cfg, on_gpu: bool):
+    """Megatron's TransformerConfig for the run: the backbone from ``cfg.model``, the layout from
+    ``cfg.parallel``, precision and recompute from ``cfg.training``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     m, p, t = cfg.model, cfg.parallel, cfg.training
@@ -41,12 +44,13 @@ def transformer_config_for(cfg, on_gpu: bool):
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
-        add_bias_linear=False, bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        masked_softmax_fusion=on_gpu, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, use_cpu_initialization=not on_gpu, tensor_model_parallel_size=p.tensor,
+        layernorm_epsilon=m.norm_eps, init_method_std=m.init_std, add_bias_linear=False,
+        bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        use_cpu_initialization=not on_gpu, tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline, sequence_parallel=p.sequence_parallel, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, init_method_std=0.02, **recompute)
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
 
 
 def count_parameters(model) -> int:
@@ -115,31 +119,72 @@ def log(message: str):
         print(message, flush=True)
 
 
+@dataclasses.dataclass
+class TrainingRun:
+    """Everything a run holds once it is set up: the model and its optimizer, the data, the
+    step to start from, and where metrics go."""
+
+    cfg: object
+    model: object  # this pipeline stage's FactorEngramGPTModel (or GPTModel)
+    ddp: object  # the model in Megatron's DistributedDataParallel
+    optimizer: object
+    scheduler: object
+    datasets: tuple  # train, validation, test
+    num_microbatches: int  # per data-parallel rank and step
+    attention_mask: torch.Tensor
+    metrics: "MetricsWriter"
+    start_step: int
+    parameters: int
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.num_microbatches * self.cfg.training.micro_batch_size
+
+    def batches(self, dataset, first_sample: int, num_microbatches: int) -> list:
+        """``num_microbatches`` microbatches of this data-parallel rank, from global sample ``first_sample``."""
+        from megatron.core import parallel_state
+
+        from fe_megatron.data.datasets import microbatches
+        from fe_megatron.megatron.step import current_device
+
+        t = self.cfg.training
+        start = first_sample + parallel_state.get_data_parallel_rank() * self.samples_per_rank
+        batches = microbatches(dataset, start, num_microbatches, t.micro_batch_size, self.attention_mask)
+        if torch.cuda.is_available():
+            batches = [{k: v.to(current_device()) for k, v in b.items()} for b in batches]
+        return batches
+
+
 def pretrain(cfg) -> dict:
     """Run (or resume) the configured pretraining; returns the final metrics."""
     from fe_megatron.config import ConfigError
 
     t = cfg.training
     if t.kernel_backend != "auto" and t.kernel_backend not in ops.available_backends():
-        raise ConfigError("training.kernel_backend", f"{t.kernel_backend!r} is not built here; available: "
-                                                     f"{ops.available_backends()} (docs/kernels.md)")
+        raise ConfigError("kernel_backend", f"{t.kernel_backend!r} is not built here; available: "
+                                            f"{ops.available_backends()} (docs/kernels.md)", section="training")
     ops.set_deterministic_backward(t.deterministic_table_grads)
     with contextlib.nullcontext() if t.kernel_backend == "auto" else ops.use_backend(t.kernel_backend):
-        return _pretrain(cfg)
+        run = set_up(cfg)
+        try:
+            return train(run)
+        finally:
+            run.metrics.close()
 
 
-def _pretrain(cfg) -> dict:
+def set_up(cfg) -> TrainingRun:
+    """Process groups, data, model, optimizer and schedule; resume from ``cfg.load`` if it has a checkpoint."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from fe_megatron.data.datasets import build_datasets, microbatches
+    from fe_megatron.data.datasets import build_datasets
     from fe_megatron.data.sources import DataError
     from fe_megatron.data.tokenizer import SentencePieceTokenizer
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-    from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
+    from fe_megatron.megatron.checkpointing import load_checkpoint
     from fe_megatron.megatron.parallel import initialize
-    from fe_megatron.megatron.step import causal_mask, current_device, eval_step, train_step
+    from fe_megatron.megatron.step import causal_mask, current_device
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed)
@@ -155,15 +200,15 @@ def _pretrain(cfg) -> dict:
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
                          f"data-parallel size = {t.micro_batch_size} x {dp}")
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     evals = t.train_steps // max(t.eval_interval, 1) + 2
     sizes = [t.train_steps * t.global_batch_size, evals * t.eval_steps * t.global_batch_size,
              t.eval_steps * t.global_batch_size]
-    train_ds, valid_ds, test_ds = build_datasets(cfg.data.train_data, tokenizer, m.seq_length, cfg.data.split,
-                                                 sizes, t.seed, cfg.data.cache_dir)
+    datasets = build_datasets(cfg.data.train_data, tokenizer, m.seq_length, cfg.data.split, sizes, t.seed,
+                              cfg.data.cache_dir)
 
     tconfig = transformer_config_for(cfg, on_gpu)
-    model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory_config, backend=m.backend)
+    model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory, backend=t.transformer_impl,
+                            share_embeddings=m.tie_embeddings, rotary_base=m.rope_base)
     if on_gpu:
         model.cuda()
     ddp = wrap_ddp(model, tconfig, use_distributed_optimizer=p.distributed_optimizer)
@@ -182,63 +227,72 @@ def _pretrain(cfg) -> dict:
         start = load_checkpoint(cfg.load, [ddp], optimizer, scheduler, p.distributed_optimizer)
         log(f"resumed from {cfg.load} at iteration {start}")
 
-    params = count_parameters(model)
-    metrics = MetricsWriter(cfg.save, cfg.tensorboard_dir)
-    metrics.write({"event": "start", "kind": m.kind, "parameters": params, "start_step": start,
-                   "world_size": torch.distributed.get_world_size(), "dp": dp, "tp": p.tensor, "pp": p.pipeline})
-    log(f"model {m.kind}: {params:,} parameters; TP={p.tensor} PP={p.pipeline} DP={dp}; "
-        f"{num_micro} microbatches of {t.micro_batch_size} x {m.seq_length} tokens per rank and step")
-    mask = causal_mask(m.seq_length, current_device())
-    dp_rank = parallel_state.get_data_parallel_rank()
-    per_rank = num_micro * t.micro_batch_size
+    run = TrainingRun(cfg=cfg, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, datasets=datasets,
+                      num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                      attention_mask=causal_mask(m.seq_length, current_device()),
+                      metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
+                      parameters=count_parameters(model))
+    run.metrics.write({"event": "start", "kind": cfg.model_kind, "parameters": run.parameters, "start_step": start,
+                       "world_size": torch.distributed.get_world_size(), "dp": dp, "tp": p.tensor, "pp": p.pipeline})
+    log(f"model {cfg.model_kind}: {run.parameters:,} parameters; TP={p.tensor} PP={p.pipeline} DP={dp}; "
+        f"{run.num_microbatches} microbatches of {t.micro_batch_size} x {m.seq_length} tokens per rank and step")
+    return run
 
-    def to_device(batches):
-        return [{k: v.to(current_device()) for k, v in b.items()} for b in batches] if on_gpu else batches
 
-    def evaluate(dataset, index):
-        batches = microbatches(dataset, index * t.global_batch_size * t.eval_steps + dp_rank * per_rank,
-                               num_micro * t.eval_steps, t.micro_batch_size, mask)
-        return eval_step([ddp], to_device(batches), m.seq_length, t.micro_batch_size)
+def evaluate(run: TrainingRun, dataset, index: int) -> float:
+    """Mean LM loss over ``eval_steps`` global batches of ``dataset``, the ``index``-th such window."""
+    from fe_megatron.megatron.step import eval_step
 
+    t = run.cfg.training
+    batches = run.batches(dataset, index * t.global_batch_size * t.eval_steps, run.num_microbatches * t.eval_steps)
+    return eval_step([run.ddp], batches, run.cfg.model.seq_length, t.micro_batch_size)
+
+
+def train(run: TrainingRun) -> dict:
+    """The training loop from ``run.start_step``: log, evaluate and save at their intervals, and
+    report the test perplexity at the end."""
+    from fe_megatron.megatron.checkpointing import save_checkpoint
+    from fe_megatron.megatron.step import train_step
+
+    cfg, t = run.cfg, run.cfg.training
+    train_ds, valid_ds, test_ds = run.datasets
     last = {}
-    tokens_per_step = t.global_batch_size * m.seq_length
+    tokens_per_step = t.global_batch_size * cfg.model.seq_length
     window_start, window_steps = time.time(), 0
-    for step in range(start, t.train_steps):
-        batches = microbatches(train_ds, step * t.global_batch_size + dp_rank * per_rank, num_micro,
-                               t.micro_batch_size, mask)
-        lm, sparsity, grad_norm, ok = train_step([ddp], optimizer, to_device(batches), m.seq_length,
-                                                 t.micro_batch_size)
-        scheduler.step(increment=1)
+    for step in range(run.start_step, t.train_steps):
+        batches = run.batches(train_ds, step * t.global_batch_size, run.num_microbatches)
+        lm, sparsity, grad_norm, _ = train_step([run.ddp], run.optimizer, batches, cfg.model.seq_length,
+                                                t.micro_batch_size)
+        run.scheduler.step(increment=1)
         window_steps += 1
         done = step + 1
         if done % t.log_interval == 0 or done == t.train_steps:
             elapsed = time.time() - window_start
             last = {"step": done, "lm_loss": lm, "sparsity_loss": sparsity,
-                    "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
+                    "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
                     "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9), "memory_mb": _memory_mb()}
-            metrics.write(last)
+            run.metrics.write(last)
             log(f"step {done:>6}/{t.train_steps} | lm loss {lm:.4f} | sparsity {sparsity:.4f} | lr {last['lr']:.2e} | "
                 f"grad norm {last['grad_norm']:.3f} | {last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB")
             window_start, window_steps = time.time(), 0
         if done % t.eval_interval == 0 or done == t.train_steps:
-            val = evaluate(valid_ds, done // max(t.eval_interval, 1))
-            metrics.write({"step": done, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+            val = evaluate(run, valid_ds, done // max(t.eval_interval, 1))
+            run.metrics.write({"step": done, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
             log(f"step {done:>6} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
             window_start = time.time()
         if cfg.save and (done % t.save_interval == 0 or done == t.train_steps):
-            path = save_checkpoint(cfg.save, [ddp], optimizer, scheduler, done, p.distributed_optimizer)
+            path = save_checkpoint(cfg.save, [run.ddp], run.optimizer, run.scheduler, done,
+                                   cfg.parallel.distributed_optimizer)
             log(f"saved {path}")
             window_start = time.time()
         if t.exit_after and done >= t.exit_after:
             log(f"exiting after step {done} (training.exit_after)")
-            metrics.close()
             return {"event": "exit", "step": done}
-    test = evaluate(test_ds, 0)
+    test = evaluate(run, test_ds, 0)
     final = {"event": "final", "step": t.train_steps, "test_loss": test, "test_ppl": math.exp(min(test, 50)),
-             "parameters": params, "tokens_per_s": last.get("tokens_per_s")}
-    metrics.write(final)
+             "parameters": run.parameters, "tokens_per_s": last.get("tokens_per_s")}
+    run.metrics.write(final)
     log(f"test loss {test:.4f} | perplexity {final['test_ppl']:.2f}")
-    metrics.close()
     return final
 
 
@@ -246,7 +300,8 @@ def main(argv=None) -> int:
     _silence_optional_dependency_warnings()
     parser = argparse.ArgumentParser(prog="fe-pretrain", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML training config (examples/configs/)")
+    parser.add_argument("--config", required=True,
+                        help="YAML training config, e.g. examples/configs/demo_cpu.yaml (docs/training.md)")
     parser.add_argument("--load", help="resume from the latest checkpoint in this directory")
     parser.add_argument("--save", help="checkpoint and metrics directory")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.train_steps=100")
@@ -262,6 +317,10 @@ def main(argv=None) -> int:
         overrides.append(f"save={args.save}")
     try:
         cfg = load_train_config(args.config, overrides)
+    except (ValueError, FileNotFoundError) as err:  # ConfigError, invalid YAML, a missing file
+        print(f"fe-pretrain: error: {err}", file=sys.stderr)
+        return 2
+    try:
         pretrain(cfg)
     except (ConfigError, DataError, FileNotFoundError) as err:
         print(f"fe-pretrain: error: {err}", file=sys.stderr)

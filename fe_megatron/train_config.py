@@ -1,39 +1,27 @@
-"""`TrainConfig`: a pretraining run, loaded from YAML with ``key=value`` overrides.
+"""`TrainConfig`: a pretraining run, loaded from YAML with ``section.key=value`` overrides.
 
-The memory branch is described by `MemoryConfig` (the ``memory:`` section, usually a
-preset plus overrides); its backbone fields (``vocab_size``, ``hidden_size``,
-``num_layers``, ``ffn_hidden_size``) are taken from the ``model:`` section, the one place
-they are written. Setting them differently in ``memory:`` is an error.
+Sections: ``model`` (the backbone, `BackboneConfig`: fields, or ``preset: NAME`` plus overrides),
+``memory`` (a `MemoryConfig`: ``preset:`` plus any field; ``null`` or absent trains the plain
+Transformer with the same backbone), ``parallel``, ``optimizer``, ``training``, ``data``.
+
+The backbone is written once, in ``model``: it is the memory's backbone too, so ``memory`` holds
+no backbone field.  The model kind is the memory's ``kind`` (``factorengram`` or ``engram``), or
+``transformer`` without a memory section.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import List, Optional
 
 import yaml
 
-from fe_megatron.config import ConfigError, MemoryConfig
+from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, read_yaml_mapping
 from fe_megatron.ops import BACKEND_NAMES
-from fe_megatron.presets import PRESETS
 
-KINDS = ("factorengram", "engram", "transformer")
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
-_SHARED_WITH_MEMORY = ("vocab_size", "hidden_size", "num_layers", "ffn_hidden_size")
-
-
-@dataclass
-class ModelArgs:
-    kind: str = "factorengram"  # factorengram | engram | transformer (same backbone, no memory)
-    num_layers: int = 24
-    hidden_size: int = 1024
-    num_attention_heads: int = 16
-    ffn_hidden_size: int = 2816
-    vocab_size: int = 32000  # the embedding size; must be >= the tokenizer's vocabulary
-    seq_length: int = 8192
-    backend: str = "local"  # local | te
+TRANSFORMER_IMPLS = ("local", "te")
 
 
 @dataclass
@@ -66,6 +54,7 @@ class TrainingArgs:
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     recompute: str = "none"  # none | full
+    transformer_impl: str = "local"  # local (megatron.core's modules; runs on CPU) | te (Transformer Engine)
     kernel_backend: str = "auto"  # auto (fastest built) | torch | cpp | cuda | triton: see docs/kernels.md
     deterministic_table_grads: bool = True  # False: atomic adds in the GPU table backward (not reproducible)
     log_interval: int = 10
@@ -85,7 +74,7 @@ class DataArgs:
 
 @dataclass
 class TrainConfig:
-    model: ModelArgs = field(default_factory=ModelArgs)
+    model: BackboneConfig = field(default_factory=BackboneConfig)
     memory: Optional[MemoryConfig] = None
     parallel: ParallelArgs = field(default_factory=ParallelArgs)
     optimizer: OptimizerArgs = field(default_factory=OptimizerArgs)
@@ -95,97 +84,112 @@ class TrainConfig:
     load: Optional[str] = None
     tensorboard_dir: Optional[str] = None
 
-    def validate(self) -> None:
-        m, t = self.model, self.training
-        if m.kind not in KINDS:
-            raise ConfigError("model.kind", f"{m.kind!r} is not one of {KINDS}")
-        if m.kind != "transformer":
-            if self.memory is None:
-                raise ConfigError("memory", f"model.kind={m.kind!r} needs a memory section (e.g. preset: ...)")
-            want = "dense" if m.kind == "engram" else "factorized"
-            if self.memory.representation != want:
-                raise ConfigError("memory.representation", f"{self.memory.representation!r} does not match "
-                                                           f"model.kind={m.kind!r} (expected {want!r})")
-        if t.global_batch_size % t.micro_batch_size:
-            raise ConfigError("training.global_batch_size", f"{t.global_batch_size} is not a multiple of "
-                                                            f"micro_batch_size={t.micro_batch_size}")
-        if not 0 <= self.optimizer.warmup_steps < t.train_steps:
-            raise ConfigError("optimizer.warmup_steps", f"{self.optimizer.warmup_steps} must lie in "
-                                                        f"[0, training.train_steps={t.train_steps})")
-        if t.precision not in ("auto", "bf16", "fp32"):
-            raise ConfigError("training.precision", f"{t.precision!r} is not one of auto, bf16, fp32")
-        if t.recompute not in ("none", "full"):
-            raise ConfigError("training.recompute", f"{t.recompute!r} is not one of none, full")
-        if t.kernel_backend not in KERNEL_BACKENDS:
-            raise ConfigError("training.kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
-        if not self.data.tokenizer_model:
-            raise ConfigError("data.tokenizer_model", "is empty; give a sentencepiece .model file")
-        if not self.data.train_data:
-            raise ConfigError("data.train_data", "is empty; give an indexed-dataset prefix (PREFIX.bin/.idx)")
-
     @property
-    def memory_config(self) -> Optional[MemoryConfig]:
-        return None if self.model.kind == "transformer" else self.memory
+    def model_kind(self) -> str:
+        """``factorengram``, ``engram`` (the memory's kind) or ``transformer`` (no memory)."""
+        return "transformer" if self.memory is None else self.memory.kind
+
+    def validate(self, where: Optional[dict] = None) -> None:
+        where = where or {}
+        t, o = self.training, self.optimizer
+
+        def fail(section: str, name: str, message: str):
+            raise ConfigError(name, message, _where(where, section, name), section)
+
+        if t.global_batch_size % t.micro_batch_size:
+            fail("training", "global_batch_size", f"{t.global_batch_size} is not a multiple of "
+                                                  f"micro_batch_size={t.micro_batch_size}")
+        if not 0 <= o.warmup_steps < t.train_steps:
+            fail("optimizer", "warmup_steps", f"{o.warmup_steps} must lie in [0, training.train_steps="
+                                              f"{t.train_steps})")
+        if t.precision not in ("auto", "bf16", "fp32"):
+            fail("training", "precision", f"{t.precision!r} is not one of auto, bf16, fp32")
+        if t.recompute not in ("none", "full"):
+            fail("training", "recompute", f"{t.recompute!r} is not one of none, full")
+        if t.transformer_impl not in TRANSFORMER_IMPLS:
+            fail("training", "transformer_impl", f"{t.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}")
+        if t.kernel_backend not in KERNEL_BACKENDS:
+            fail("training", "kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
+        if not self.data.tokenizer_model:
+            fail("data", "tokenizer_model", "is empty; give a sentencepiece .model file")
+        if not self.data.train_data:
+            fail("data", "train_data", "is empty; give an indexed-dataset prefix (PREFIX.bin/.idx)")
 
 
-def _set_dotted(tree: dict, key: str, value) -> None:
+def _where(where: dict, section: str, name: str) -> Optional[str]:
+    entry = where.get(section, {})
+    return entry.get(name) if isinstance(entry, dict) else entry
+
+
+def _set_dotted(tree: dict, where: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(item, "overrides must look like section.key=value", section=None)
+    key, text = item.split("=", 1)
     parts = key.split(".")
-    node = tree
+    node, lines = tree, where
     for part in parts[:-1]:
         node = node.setdefault(part, {})
+        if node is None:  # e.g. memory.layers=... after memory=null
+            raise ConfigError(key, f"cannot set {key}: section {part} is null", section=None)
         if not isinstance(node, dict):
-            raise ConfigError(key, f"cannot set {key}: {part} is not a section")
-    node[parts[-1]] = value
+            raise ConfigError(key, f"cannot set {key}: {part} is not a section", section=None)
+        lines = lines.setdefault(part, {}) if isinstance(lines.get(part, {}), dict) else {}
+    node[parts[-1]] = yaml.safe_load(text)
+    lines[parts[-1]] = f"override '{item}'"
 
 
-def _build_section(cls, values: dict, section: str):
+def _build_section(cls, values, section: str, where: dict):
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(section, f"must be a mapping of fields, got {values!r}", _where(where, section, ""), None)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"{section}.{unknown[0]}", f"unknown field (known: {', '.join(sorted(known))})")
+        raise ConfigError(unknown[0], f"unknown field (known: {', '.join(sorted(known))})",
+                          _where(where, section, unknown[0]), section)
     return cls(**values)
 
 
 def load_train_config(path: Optional[str], overrides: List[str] = ()) -> TrainConfig:
-    """YAML file (may be None) plus ``section.key=value`` overrides (values parsed as YAML)."""
-    tree = {}
-    if path is not None:
-        text = Path(path).read_text()
-        try:
-            tree = yaml.safe_load(text) or {}
-        except yaml.YAMLError as err:
-            raise ValueError(f"{path}: invalid YAML: {err}") from None
+    """A YAML file (may be None) plus ``section.key=value`` overrides (values parsed as YAML).
+    Errors name the section, the field, and the file and line (or the override) it came from."""
+    tree, where = read_yaml_mapping(path) if path is not None else ({}, {})
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(item, "overrides must look like section.key=value")
-        key, value = item.split("=", 1)
-        _set_dotted(tree, key, yaml.safe_load(value))
+        _set_dotted(tree, where, item)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(tree) - known)
     if unknown:
-        raise ConfigError(unknown[0], f"unknown section (known: {', '.join(sorted(known))})")
-    model = _build_section(ModelArgs, tree.get("model", {}), "model")
+        raise ConfigError(unknown[0], f"unknown section (known: {', '.join(sorted(known))})",
+                          _where(where, unknown[0], ""), None)
+    model_where = where.get("model") if isinstance(where.get("model"), dict) else {}
+    try:
+        model = BackboneConfig.from_dict(tree.get("model") or {}, model_where)
+    except ConfigError as err:
+        raise err.relocated("model") from None
     memory = None
     memory_tree = tree.get("memory")
     if memory_tree is not None:
-        memory_tree = dict(memory_tree)
-        preset = memory_tree.pop("preset", None)
-        if preset and preset not in PRESETS:
-            raise ConfigError("memory.preset", f"unknown preset {preset!r}; available: {', '.join(sorted(PRESETS))}")
-        values = dict(PRESETS[preset]) if preset else {}
-        for name in _SHARED_WITH_MEMORY:
-            if name in memory_tree and memory_tree[name] != getattr(model, name):
-                raise ConfigError(f"memory.{name}", f"{memory_tree[name]} conflicts with model.{name}="
-                                                    f"{getattr(model, name)}; set it in the model section only")
-            values[name] = getattr(model, name)
-        values.update({k: v for k, v in memory_tree.items() if k not in _SHARED_WITH_MEMORY})
-        memory = MemoryConfig.from_dict(values)
-    config = TrainConfig(
-        model=model, memory=memory,
-        parallel=_build_section(ParallelArgs, tree.get("parallel", {}), "parallel"),
-        optimizer=_build_section(OptimizerArgs, tree.get("optimizer", {}), "optimizer"),
-        training=_build_section(TrainingArgs, tree.get("training", {}), "training"),
-        data=_build_section(DataArgs, tree.get("data", {}), "data"),
-        save=tree.get("save"), load=tree.get("load"), tensorboard_dir=tree.get("tensorboard_dir"))
-    config.validate()
+        memory_where = where.get("memory") if isinstance(where.get("memory"), dict) else {}
+        if not isinstance(memory_tree, dict):
+            raise ConfigError("memory", f"must be a mapping (preset: ... plus fields) or null, got {memory_tree!r}",
+                              None, None)
+        if "backbone" in memory_tree:
+            raise ConfigError("backbone", "the memory's backbone is the model section; remove memory.backbone",
+                              memory_where.get("backbone"), "memory")
+        try:
+            memory = MemoryConfig.from_dict(memory_tree, memory_where, backbone=model)
+        except ConfigError as err:
+            raise err.relocated("memory" if err.section == "MemoryConfig" else err.section) from None
+    try:
+        config = TrainConfig(
+            model=model, memory=memory,
+            parallel=_build_section(ParallelArgs, tree.get("parallel"), "parallel", where),
+            optimizer=_build_section(OptimizerArgs, tree.get("optimizer"), "optimizer", where),
+            training=_build_section(TrainingArgs, tree.get("training"), "training", where),
+            data=_build_section(DataArgs, tree.get("data"), "data", where),
+            save=tree.get("save"), load=tree.get("load"), tensorboard_dir=tree.get("tensorboard_dir"))
+    except TypeError as err:  # a dataclass given a value it cannot take
+        raise ConfigError("config", str(err), path, None) from None
+    config.validate(where)
     return config

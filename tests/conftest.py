@@ -6,7 +6,7 @@ import zlib
 import pytest
 import torch
 
-from fe_megatron.config import MemoryConfig
+from fe_megatron.config import BACKBONE_FIELDS, BackboneConfig, MemoryConfig
 
 # Without a GPU, Triton kernels run in its interpreter (set before fe_megatron.ops looks for backends).
 if not torch.cuda.is_available():
@@ -15,13 +15,21 @@ if not torch.cuda.is_available():
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
 
 
+def split_backbone(values: dict) -> dict:
+    """Move the backbone fields of a flat dict of test settings into ``values['backbone']``."""
+    backbone = {name: values.pop(name) for name in BACKBONE_FIELDS if name in values}
+    backbone.setdefault("num_attention_heads", 2)
+    values["backbone"] = BackboneConfig(**backbone)
+    return values
+
+
 def small_config(**overrides) -> MemoryConfig:
-    """A configuration small enough for exact float64 checks."""
+    """A configuration small enough for exact float64 checks (backbone fields may be overridden too)."""
     values = dict(vocab_size=97, hidden_size=16, num_layers=4, ffn_hidden_size=24, ngram_orders=[1, 2, 3],
                   heads_per_order=2, table_capacity=[97, 211, 307], coeff_width=24, memory_dim=12, layers=[1, 3],
                   conv_kernel_size=3, conv_dilation=2, hash_seed=7)
     values.update(overrides)
-    return MemoryConfig(**values)
+    return MemoryConfig(**split_backbone(values))
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,7 @@ def test_340m_backbone_and_tables_match_paper_scale():
 
 @pytest.mark.parametrize("overrides", [
     {}, dict(gate="scalar"), dict(gate="none"), dict(placement="inside_ffn"),
-    dict(representation="dense", gate="scalar", memory_dim=24), dict(representation="dense", gate="none", memory_dim=24),
+    dict(kind="engram", gate="scalar", memory_dim=24), dict(kind="engram", gate="none", memory_dim=24),
     dict(ngram_orders=[2, 3], table_capacity=[211, 307], coeff_width=16),
 ])
 def test_budget_counts_equal_instantiated_modules(overrides):
@@ -43,4 +43,4 @@ def test_fe_plan_cli_prints_total_last():
     assert last == f"total_params={total_params(MemoryConfig.from_preset('factorengram-340m'))}"
     assert "backbone_params=" in out and "tables order 2" in out and "dictionary" in out
     bad = subprocess.run(cmd + ["--preset", "nope"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "unknown preset 'nope'" in bad.stderr
+    assert bad.returncode == 2 and "unknown memory preset 'nope'" in bad.stderr

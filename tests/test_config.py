@@ -2,7 +2,7 @@ import textwrap
 
 import pytest
 
-from fe_megatron.config import ConfigError, MemoryConfig
+from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig
 
 REQUIRED_PRESETS = ["factorengram-340m", "factorengram-1b", "engram-340m", "engram-unigram-340m",
                     "factorengram-scalar-gate-340m", "factorengram-no-unigram-340m",
@@ -29,7 +29,7 @@ def test_table8_340m_preset_matches_paper():
 
 def test_ablation_presets():
     assert MemoryConfig.from_preset("factorengram-1b").table_capacity == [32000, 250_000, 750_000]
-    assert MemoryConfig.from_preset("engram-340m").representation == "dense"
+    assert MemoryConfig.from_preset("engram-340m").kind == "engram"
     assert MemoryConfig.from_preset("engram-340m").ngram_orders == [2, 3]
     assert MemoryConfig.from_preset("engram-unigram-340m").ngram_orders == [1, 2, 3]
     assert MemoryConfig.from_preset("factorengram-scalar-gate-340m").gate == "scalar"
@@ -41,7 +41,7 @@ def test_ablation_presets():
 def test_from_preset_overrides_and_unknown():
     c = MemoryConfig.from_preset("factorengram-340m", layers=[12], sparsity_lambda=0.0)
     assert c.layers == [12] and c.sparsity_lambda == 0.0
-    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+    with pytest.raises(ConfigError, match="unknown memory preset 'nope'"):
         MemoryConfig.from_preset("nope")
 
 
@@ -52,16 +52,16 @@ def test_from_preset_overrides_and_unknown():
     (dict(coeff_width=3070), "coeff_width", "3070 is not divisible by the 12 branches"),
     (dict(placement="after_attn"), "placement", "'after_attn' is not one of"),
     (dict(gate="vector"), "gate", "'vector' is not one of"),
-    (dict(representation="sparse"), "representation", "'sparse' is not one of"),
-    (dict(representation="dense"), "gate", "'basis' gates dictionary coefficients"),
-    (dict(representation="dense", gate="scalar", memory_dim=1024), "memory_dim", "must equal coeff_width=3072"),
+    (dict(kind="sparse"), "kind", "'sparse' is not one of"),
+    (dict(kind="engram"), "gate", "'basis' gates dictionary coefficients"),
+    (dict(kind="engram", gate="scalar", memory_dim=1024), "memory_dim", "must equal coeff_width=3072"),
     (dict(sparsity_lambda=-1e-3), "sparsity_lambda", "-0.001 must be a finite number >= 0"),
     (dict(heads_per_order=[4, 4]), "heads_per_order", "expected one per order"),
     (dict(table_capacity=[32000, 250_000]), "table_capacity", "expected one per order"),
     (dict(table_capacity=[1000, 250_000, 250_000]), "table_capacity", "unigram capacity 1000 is below vocab_size=32000"),
     (dict(ngram_orders=[3, 2, 1]), "ngram_orders", "increasing order"),
     (dict(ngram_orders=[0, 2, 3]), "ngram_orders", ">= 1"),
-    (dict(hidden_size=0), "hidden_size", "0 must be an integer >= 1"),
+    (dict(hidden_size=64), "hidden_size", "is a backbone field: set it in the backbone"),
     (dict(conv_kernel_size=2.5), "conv_kernel_size", "2.5 must be an integer"),
     (dict(layers="10"), "layers", "must be a list of integers"),
 ])
@@ -95,9 +95,32 @@ def test_yaml_errors_name_file_and_line(tmp_path):
     path.write_text("preset: factorengram-340m\nplacement: before_attn\nlayers: [10, 40]\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:3: MemoryConfig.layers: layer 40 is outside \[0, 23\]"):
         MemoryConfig.from_yaml(path)
-    path.write_text("vocab_size: 100\nhiden_size: 12\n")
+    path.write_text("sparsity_lambda: 0.0\nhiden_size: 12\n")
     with pytest.raises(ConfigError, match=r"bad.yaml:2: MemoryConfig.hiden_size: unknown field"):
+        MemoryConfig.from_yaml(path)
+    path.write_text("preset: factorengram-tiny\nvocab_size: 100\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:2: MemoryConfig.vocab_size: is a backbone field"):
+        MemoryConfig.from_yaml(path)
+    path.write_text("preset: factorengram-tiny\nbackbone:\n  preset: tiny\n  hidden_size: 0\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml:4: MemoryConfig.backbone.hidden_size: 0 must be an integer"):
         MemoryConfig.from_yaml(path)
     path.write_text("layers: [1, 2\n")
     with pytest.raises(ValueError, match="invalid YAML"):
         MemoryConfig.from_yaml(path)
+
+
+def test_training_config_yaml_gives_the_memory_its_model_section_as_backbone(tmp_path):
+    path = tmp_path / "train.yaml"
+    path.write_text("model:\n  preset: tiny\n  hidden_size: 64\n  num_attention_heads: 2\n"
+                    "memory:\n  preset: factorengram-tiny\n  layers: [0]\n")
+    c = MemoryConfig.from_yaml(path)
+    assert c.hidden_size == 64 and c.backbone.num_layers == 4 and c.layers == [0]
+
+
+def test_backbone_is_written_once_presets_name_it():
+    from fe_megatron.presets import BACKBONES, PRESETS
+
+    assert all("hidden_size" not in values for values in PRESETS.values())
+    assert all(values["backbone"] in BACKBONES for values in PRESETS.values())
+    c = MemoryConfig.from_preset("factorengram-1b")
+    assert (c.hidden_size, c.ffn_hidden_size) == (2048, 5632) and c.backbone == BackboneConfig(**BACKBONES["1b"])

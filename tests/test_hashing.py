@@ -1,12 +1,13 @@
 import pytest
 import torch
 
-from fe_megatron.config import MemoryConfig
+from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.ngram import NgramHasher, TokenCompression, branch_layouts, normalize_token_text
 from fe_megatron.ngram.hashing import _is_prime, _splitmix64, layer_multipliers
 from tests.conftest import small_config
 
-GOLDEN_CONFIG = dict(vocab_size=1000, hidden_size=32, num_layers=4, ffn_hidden_size=64, ngram_orders=[1, 2, 3],
+GOLDEN_CONFIG = dict(backbone=BackboneConfig(vocab_size=1000, hidden_size=32, num_layers=4, num_attention_heads=4,
+                                             ffn_hidden_size=64), ngram_orders=[1, 2, 3],
                      heads_per_order=2, table_capacity=[1000, 5000, 7000], coeff_width=24, memory_dim=16,
                      layers=[0, 2], hash_seed=42)
 GOLDEN_IDS = [[5, 17, 999, 0, 5, 17, 999, 3]]
@@ -148,9 +149,9 @@ def test_layer_subset_is_one_launch_equal_to_the_full_hash():
 
 
 def test_unknown_layer_rejected():
-    with pytest.raises(ValueError, match=r"layer_number 2 is not an insertion layer; config.layers=\[1, 3\]"):
+    with pytest.raises(ValueError, match=r"layer index 2 is not an insertion layer; config.layers=\[1, 3\]"):
         NgramHasher(small_config(), 2)
-    with pytest.raises(ValueError, match=r"layer_number 2 is not an insertion layer"):
+    with pytest.raises(ValueError, match=r"layer index 2 is not an insertion layer"):
         NgramHasher(small_config(), [1, 2])
 
 

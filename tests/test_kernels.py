@@ -57,7 +57,7 @@ def random_hash_constants(branches: int, window: int, vocab: int, device):
 
 def test_cpp_backend_is_built():
     assert "cpp" in ops.available_backends(), (
-        "fe_megatron._C_cpu is missing: install with `pip install --no-build-isolation -e .` where torch is installed")
+        "fe_megatron.ops._C_cpu is missing: install with `pip install --no-build-isolation -e .` where torch is installed")
     assert ops.available_backends()[0] == "torch"
     assert set(ops.available_backends()) <= set(ops.BACKEND_NAMES)
 
@@ -85,8 +85,8 @@ def test_forced_backend_refuses_other_device():
 def test_no_compiled_backend_logs_one_line(monkeypatch, caplog):
     monkeypatch.setattr(ops, "_backends", {"torch": ops._backends["torch"]})
     monkeypatch.setattr(ops, "_discovered", False)
-    monkeypatch.setitem(sys.modules, "fe_megatron._C_cpu", None)  # import fails as if never built
-    monkeypatch.setitem(sys.modules, "fe_megatron._C_cuda", None)
+    monkeypatch.setitem(sys.modules, "fe_megatron.ops._C_cpu", None)  # import fails as if never built
+    monkeypatch.setitem(sys.modules, "fe_megatron.ops._C_cuda", None)
     with caplog.at_level(logging.WARNING, logger="fe_megatron.ops"):
         assert "cpp" not in ops.available_backends() and "cuda" not in ops.available_backends()
         ops.available_backends()  # asked again: no second line

@@ -26,7 +26,7 @@ def test_memory_branch_context_parallel_matches_plain_module():
     ("2,1,1", "1,1,0", ["--memory", "placement=before_ffn"]),
     ("2,1,1", "1,1,0", ["--memory", "placement=inside_ffn"]),
     ("2,1,0", "1,1,0", ["--memory", "placement=inside_ffn;gate=scalar"]),
-    ("2,1,1", "1,1,0", ["--memory", "representation=dense;gate=none;memory_dim=24"]),
+    ("2,1,1", "1,1,0", ["--memory", "kind=engram;gate=none;memory_dim=24"]),
 ], ids=["tp2-tp1", "tp1-tp2", "sp-recompute", "pp2-pp1", "pp1-pp2", "before_ffn", "inside_ffn-sp",
         "inside_ffn-scalar", "engram-sp"])
 def test_gpt_layouts_match_through_resharded_checkpoints(tmp_path, a, b, extra):

@@ -44,6 +44,7 @@ def batches(n, seq=32, mbs=2):
 def test_sparsity_aux_loss_gradients_equal_direct_lm_plus_lambda_l1(megatron_world):
     """Megatron schedule with the aux-loss autoscaler vs. an explicit (LM + lambda * L1) backward."""
     from fe_megatron.megatron.builder import build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
     from fe_megatron.megatron.step import lm_loss, pop_sparsity_loss, run_microbatches
     from megatron.core.optimizer import OptimizerConfig
 
@@ -65,16 +66,19 @@ def test_sparsity_aux_loss_gradients_equal_direct_lm_plus_lambda_l1(megatron_wor
     l1_terms = []
     hooks = [layer.memory.register_forward_hook(lambda m, i, o: l1_terms.append(o[1]))
              for layer in model.stage_memory_layers]
-    model.set_sparsity_loss_scale(0.0)  # disable the autoscaler: the loss below carries the term
+    SparsityLossAutoScaler.set_loss_scale(0.0)  # disable the autoscaler: the loss below carries the term
     ddp.zero_grad_buffer()  # DDP's hooks accumulate the direct backward into main_grad as well
     total, direct_sparsity = 0.0, 0.0
-    for batch in data:
-        l1_terms.clear()
-        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-        sparsity = mc.sparsity_lambda * torch.stack([t.mean() for t in l1_terms]).mean()  # Eq. 12-13
-        total = total + (lm_loss(batch["loss_mask"], out)[0] + sparsity) / len(data)
-        direct_sparsity += float(sparsity.detach()) / len(data)
-    total.backward()
+    try:
+        for batch in data:
+            l1_terms.clear()
+            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            sparsity = mc.sparsity_lambda * torch.stack([t.mean() for t in l1_terms]).mean()  # Eq. 12-13
+            total = total + (lm_loss(batch["loss_mask"], out)[0] + sparsity) / len(data)
+            direct_sparsity += float(sparsity.detach()) / len(data)
+        total.backward()
+    finally:
+        SparsityLossAutoScaler.set_loss_scale(1.0)
     for hook in hooks:
         hook.remove()
     model.pop_sparsity_loss()
@@ -122,6 +126,26 @@ def test_tables_accumulate_straight_into_ddp_main_grad(megatron_world, overlap_g
         torch.testing.assert_close(weight.main_grad, expected, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("kind", ["factorengram", "engram"])
+def test_megatron_layer_runs_the_one_plain_memory_module(megatron_world, kind):
+    """The Megatron layer's ``memory`` is the single-process class itself, with Megatron's
+    hooks, and its parameters carry the sharding plan's attributes."""
+    from fe_megatron.memory import Engram, FactorEngram
+    from fe_megatron.memory.sharding import SHARDING_PLAN
+
+    overrides = dict(kind="engram", gate="scalar", memory_dim=24) if kind == "engram" else {}
+    model = build(tiny_memory_config(**overrides))
+    assert len(model.stage_memory_layers) == 2
+    for layer in model.stage_memory_layers:
+        assert type(layer.memory) is {"factorengram": FactorEngram, "engram": Engram}[kind]
+        assert type(layer.memory.parallel).__name__ == "MegatronParallelHooks"
+        assert layer.memory.layer_index == layer.layer_number - 1
+        for name, param in layer.memory.named_parameters():
+            plan = SHARDING_PLAN[kind][name]
+            assert getattr(param, "is_memory_table", False) == plan.is_table, name
+            assert getattr(param, "tensor_model_parallel", False) == plan.tensor_parallel, name
+
+
 def test_branch_reads_the_pre_norm_residual_stream(megatron_world):
     mc = tiny_memory_config(layers=[1])
     model = build(mc)
@@ -161,11 +185,12 @@ def test_te_backend_without_te_names_the_problem():
 
 
 @pytest.mark.parametrize("memory_overrides, transformer_overrides, fragment", [
-    (dict(layers=[1, 2], num_layers=8), {}, r"MemoryConfig.num_layers=8 does not match TransformerConfig.num_layers=4"),
-    (dict(hidden_size=48), {}, "MemoryConfig.hidden_size=48 does not match"),
+    (dict(layers=[1, 2], num_layers=8), {}, r"MemoryConfig.backbone.num_layers=8 does not match "
+                                            r"TransformerConfig.num_layers=4"),
+    (dict(hidden_size=48), {}, "MemoryConfig.backbone.hidden_size=48 does not match"),
     (dict(placement="inside_ffn"), dict(gated_linear_unit=False, activation_func=F.gelu),
      "placement='inside_ffn' adds the memory to the SwiGLU up-projection"),
-    (dict(placement="inside_ffn", ffn_hidden_size=96), {}, "MemoryConfig.ffn_hidden_size=96 does not match"),
+    (dict(placement="inside_ffn", ffn_hidden_size=96), {}, "MemoryConfig.backbone.ffn_hidden_size=96 does not match"),
 ])
 def test_bad_configuration_fails_at_build_time(megatron_world, memory_overrides, transformer_overrides, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -39,10 +39,10 @@ def short_conv_loop(v, conv):
 
 def reference_factorengram(module, h, ids):
     cfg = module.config
-    idx = torch.tensor(python_reference_indices(cfg, module.layer_number, ids.tolist()))
+    idx = torch.tensor(python_reference_indices(cfg, module.layer_index, ids.tolist()))
     table = module.tables.weight
     z = torch.cat([table[idx[..., b]] for b in range(idx.shape[-1])], -1)  # Eq. 6: concat in branch order
-    D = module.dictionary
+    D = module.dictionary.flatten(0, 1)  # [s, d_m]: D viewed per branch, flattened in branch order
     if cfg.gate == "none":
         e = z @ D
     else:
@@ -52,7 +52,7 @@ def reference_factorengram(module, h, ids):
             e = torch.einsum("bts,sm->btm", z * alpha, D)  # Eq. 8, 9
         else:
             e0 = z @ D
-            a = torch.sigmoid((e0 * q).sum(-1, keepdim=True) / math.sqrt(cfg.hidden_size))  # Eq. 11
+            a = torch.sigmoid((e0 * q).sum(-1, keepdim=True) / math.sqrt(cfg.hidden_size))  # Eq. 14
             e = a * e0
     v = e @ module.value_proj.weight.t()  # Eq. 9
     m = v + short_conv_loop(v, module.conv)  # Eq. 10
@@ -75,16 +75,16 @@ def test_factorengram_equations(gate, placement):
 
 @pytest.mark.parametrize("gate", ["scalar", "none"])
 def test_engram_equations(gate):
-    cfg = small_config(representation="dense", gate=gate, memory_dim=24)
+    cfg = small_config(kind="engram", gate=gate, memory_dim=24)
     module = randomize(Engram(cfg, 1).double())
     h = torch.randn(3, 9, cfg.hidden_size, dtype=torch.float64)
     ids = torch.randint(0, cfg.vocab_size, (3, 9))
     m, l1 = module(h, ids)
     idx = torch.tensor(python_reference_indices(cfg, 1, ids.tolist()))
     emb = torch.cat([module.tables.weight[idx[..., b]] for b in range(idx.shape[-1])], -1)
-    v = emb @ module.value_proj.weight.t()
+    v = emb @ module.value_proj.weight.flatten(1).t()  # [out, branches, s_b] is nn.Linear's [out, s] per branch
     if gate == "scalar":
-        k = rms_norm(emb @ module.key_proj.weight.t(), module.key_norm.weight, cfg.norm_eps)
+        k = rms_norm(emb @ module.key_proj.weight.flatten(1).t(), module.key_norm.weight, cfg.norm_eps)
         hq = rms_norm(h, module.query_norm.weight, cfg.norm_eps)
         g = (k * hq).sum(-1, keepdim=True) / math.sqrt(cfg.hidden_size)
         v = torch.sigmoid(torch.sign(g) * torch.sqrt(g.abs())) * v
@@ -92,24 +92,24 @@ def test_engram_equations(gate):
     torch.testing.assert_close(l1, emb.abs().sum(-1))
 
 
-@pytest.mark.parametrize("representation", ["factorized", "dense"])
-def test_branch_starts_as_identity_and_learns(representation):
-    cfg = small_config(representation=representation, gate="scalar", memory_dim=24 if representation == "dense" else 12)
+@pytest.mark.parametrize("kind", ["factorengram", "engram"])
+def test_branch_starts_as_identity_and_learns(kind):
+    cfg = small_config(kind=kind, gate="scalar", memory_dim=24 if kind == "engram" else 12)
     module = build_memory(cfg, 1)
     h, ids = torch.randn(1, 7, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 7))
     m, _ = module(h, ids)
     assert torch.count_nonzero(module.conv.weight) == 0 and torch.count_nonzero(m) == 0
     (m * torch.randn_like(m)).sum().backward()
     assert module.value_proj.weight.grad.abs().sum() > 0  # V learns from the first step
-    if representation == "factorized":
-        alpha = torch.sigmoid(module.query(h) @ module.dictionary.t() / math.sqrt(cfg.hidden_size))
+    if kind == "factorengram":
+        alpha = torch.sigmoid(module.query(h) @ module.dictionary.flatten(0, 1).t() / math.sqrt(cfg.hidden_size))
         assert 0.3 < alpha.mean() < 0.7  # gates start uninformative
 
 
-@pytest.mark.parametrize("representation, gate", [("factorized", "basis"), ("factorized", "scalar"),
-                                                  ("factorized", "none"), ("dense", "scalar"), ("dense", "none")])
-def test_causality(representation, gate):
-    cfg = small_config(representation=representation, gate=gate, memory_dim=24 if representation == "dense" else 12)
+@pytest.mark.parametrize("kind, gate", [("factorengram", "basis"), ("factorengram", "scalar"),
+                                        ("factorengram", "none"), ("engram", "scalar"), ("engram", "none")])
+def test_causality(kind, gate):
+    cfg = small_config(kind=kind, gate=gate, memory_dim=24 if kind == "engram" else 12)
     module = randomize(build_memory(cfg, 1).double())
     T = 16
     h = torch.randn(2, T, cfg.hidden_size, dtype=torch.float64)
@@ -136,12 +136,11 @@ def test_gradients_reach_exactly_the_looked_up_rows():
     assert torch.equal(touched, looked_up)
 
 
-@pytest.mark.parametrize("representation, gate, placement", [
-    ("factorized", "basis", "before_attn"), ("factorized", "scalar", "before_ffn"), ("factorized", "none", "inside_ffn"),
-    ("dense", "scalar", "before_attn"), ("dense", "none", "inside_ffn")])
-def test_every_variant_runs_forward_and_backward(representation, gate, placement):
-    cfg = small_config(representation=representation, gate=gate, placement=placement,
-                       memory_dim=24 if representation == "dense" else 12)
+@pytest.mark.parametrize("kind, gate, placement", [
+    ("factorengram", "basis", "before_attn"), ("factorengram", "scalar", "before_ffn"),
+    ("factorengram", "none", "inside_ffn"), ("engram", "scalar", "before_attn"), ("engram", "none", "inside_ffn")])
+def test_every_variant_runs_forward_and_backward(kind, gate, placement):
+    cfg = small_config(kind=kind, gate=gate, placement=placement, memory_dim=24 if kind == "engram" else 12)
     module = randomize(build_memory(cfg, 1))
     h = torch.randn(2, 10, cfg.hidden_size, requires_grad=True)
     m, l1 = module(h, torch.randint(0, cfg.vocab_size, (2, 10)))
@@ -196,10 +195,10 @@ def test_bad_inputs(h_shape, ids, error, fragment):
         module(torch.randn(*h_shape), ids)
 
 
-def test_wrong_representation_for_class():
-    with pytest.raises(ValueError, match="FactorEngram needs representation='factorized'"):
-        FactorEngram(small_config(representation="dense", gate="scalar", memory_dim=24), 1)
-    with pytest.raises(ValueError, match="Engram needs representation='dense'"):
+def test_wrong_kind_for_class():
+    with pytest.raises(ValueError, match="FactorEngram needs MemoryConfig.kind='factorengram', got 'engram'"):
+        FactorEngram(small_config(kind="engram", gate="scalar", memory_dim=24), 1)
+    with pytest.raises(ValueError, match="Engram needs MemoryConfig.kind='engram', got 'factorengram'"):
         Engram(small_config(), 1)
 
 
@@ -212,3 +211,46 @@ def test_sparsity_loss_eq12():
     torch.testing.assert_close(sparsity_loss([a, b], mask), ((a + b) / 2)[0, :3].mean())
     with pytest.raises(ValueError, match="at least one insertion layer"):
         sparsity_loss([])
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(), dict(gate="scalar"), dict(gate="none"), dict(placement="inside_ffn"),
+    dict(kind="engram", gate="scalar", memory_dim=24), dict(kind="engram", gate="none", memory_dim=24)])
+def test_sharding_plan_has_an_entry_for_every_parameter(overrides):
+    """Adding a parameter without saying how the layouts split it fails here."""
+    from fe_megatron.memory.sharding import SHARDING_PLAN, local_shape
+
+    cfg = small_config(**overrides)
+    module = build_memory(cfg, 1)
+    plan = SHARDING_PLAN[cfg.kind]
+    assert set(dict(module.named_parameters())) <= set(plan)
+    if cfg.gate == "scalar":  # the variant with every parameter
+        assert set(dict(module.named_parameters())) == set(plan)
+    for name, param in module.named_parameters():
+        assert module.global_shape(name) == tuple(param.shape)  # one process holds the global shapes
+        dim = plan[name].tensor_parallel_dim
+        expected = list(param.shape)
+        if dim is not None:
+            expected[dim] //= 2
+        assert local_shape(cfg.kind, name, tuple(param.shape), 2) == tuple(expected)
+
+
+def test_token_id_dtypes_named_in_the_error_are_the_accepted_ones():
+    module = FactorEngram(small_config(), 1)
+    h = torch.randn(1, 5, 16)
+    for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        module(h, torch.randint(0, 90, (1, 5)).to(dtype))
+    with pytest.raises(TypeError, match=r"integer tensor \(int64, int32, int16, uint8\), got dtype torch.float32"):
+        module(h, torch.zeros(1, 5))
+
+
+def test_reset_parameters_is_reproducible_and_seeded_from_torch():
+    cfg = small_config()
+    a, b = FactorEngram(cfg, 1, initialize=False), FactorEngram(cfg, 1, initialize=False)
+    a.reset_parameters(seed=5)
+    b.reset_parameters(seed=5)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    torch.manual_seed(0)
+    c, d = FactorEngram(cfg, 1), FactorEngram(cfg, 1)  # two modules in a row differ, as nn.Linear's do
+    assert not torch.equal(c.tables.weight, d.tables.weight)
+    assert c.tables.weight.std().item() == pytest.approx(cfg.table_init_std, rel=0.05)

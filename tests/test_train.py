@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -53,11 +54,15 @@ def curve(rows):
 
 
 def test_resume_reproduces_the_uninterrupted_curve_exactly(small_data, tmp_path):
+    """With a table learning-rate multiplier: its own optimizer group must survive the checkpoint."""
     full, half = str(tmp_path / "full"), str(tmp_path / "half")
-    run_pretrain(["--config", CONFIG, "--save", full] + small_overrides(small_data))
-    run_pretrain(["--config", CONFIG, "--save", half] + small_overrides(small_data, **{"training.exit_after": 4}))
+    lr_mult = {"optimizer.table_lr_mult": 2.0}
+    run_pretrain(["--config", CONFIG, "--save", full] + small_overrides(small_data, **lr_mult))
+    run_pretrain(["--config", CONFIG, "--save", half] + small_overrides(small_data, **lr_mult,
+                                                                        **{"training.exit_after": 4}))
     assert open(os.path.join(half, "latest_checkpointed_iteration.txt")).read() == "4"
-    out = run_pretrain(["--config", CONFIG, "--save", half, "--load", half] + small_overrides(small_data)).stdout
+    out = run_pretrain(["--config", CONFIG, "--save", half, "--load", half] +
+                       small_overrides(small_data, **lr_mult)).stdout
     assert "resumed from" in out and "at iteration 4" in out
     assert curve(metrics(full)) == curve(metrics(half))  # bit-identical floats
     rows = metrics(full)
@@ -108,13 +113,16 @@ def test_unbuilt_kernel_backend_fails_at_start(small_data, tmp_path):
 
 @pytest.mark.parametrize("kind", ["engram", "transformer"])
 def test_other_model_kinds_train(small_data, tmp_path, kind):
-    extra = {"model.kind": kind, "training.train_steps": 4}
+    extra = {"training.train_steps": 4}
     if kind == "engram":
         extra.update({"memory.preset": "engram-340m", "memory.ngram_orders": "[2, 3]",
                       "memory.table_capacity": "[4096, 4096]", "memory.coeff_width": 64, "memory.memory_dim": 64,
                       "memory.layers": "[1, 2]", "memory.heads_per_order": 2})
+    else:
+        extra["memory"] = "null"
     run_pretrain(["--config", CONFIG, "--save", str(tmp_path)] + small_overrides(small_data, **extra))
-    assert [r for r in metrics(str(tmp_path)) if r.get("event") == "final"]
+    rows = metrics(str(tmp_path))
+    assert rows[0]["kind"] == kind and [r for r in rows if r.get("event") == "final"]
 
 
 def test_tokenizer_larger_than_model_vocab_fails_at_start(small_data, tmp_path):
@@ -132,18 +140,39 @@ def test_missing_dataset_fails_at_start(small_data, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["model.kind=mamba"], "model.kind"),
+    (["memory.kind=mamba"], "memory.kind"),
     (["memory.hidden_size=64"], "memory.hidden_size"),
+    (["memory.backbone=tiny"], "memory.backbone"),
+    (["model.hidden_size=0"], "model.hidden_size"),
+    (["model.preset=huge"], "model.preset"),
     (["training.bogus=1"], "training.bogus"),
     (["optimizer.warmup_steps=500"], "optimizer.warmup_steps"),
-    (["model.kind=engram"], "memory.representation"),
+    (["memory.kind=engram"], "memory.gate"),
     (["memory.preset=nope"], "memory.preset"),
     (["training.kernel_backend=fortran"], "training.kernel_backend"),
+    (["memory=null", "memory.layers=[1]"], "memory.layers"),
 ])
 def test_train_config_errors(overrides, field):
     with pytest.raises(ConfigError) as info:
         load_train_config(CONFIG, overrides)
-    assert info.value.field == field
+    assert info.value.path == field
+    # training-config errors are labelled with their section, not with a class name
+    assert re.search(rf"(^|: ){re.escape(field)}: ", str(info.value)) and not str(info.value).startswith("Memory")
+
+
+def test_train_config_error_names_the_file_line_or_override(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(open(CONFIG).read().replace("warmup_steps: 20", "warmup_steps: 900"))
+    with pytest.raises(ConfigError, match=r"bad.yaml:\d+: optimizer.warmup_steps: 900 must lie in \[0, "):
+        load_train_config(str(path))
+    with pytest.raises(ConfigError, match=r"override 'memory.layers=\[7\]': memory.layers: layer 7 is outside"):
+        load_train_config(CONFIG, ["memory.layers=[7]"])
+
+
+def test_model_section_is_the_memory_backbone():
+    cfg = load_train_config(CONFIG, ["model.hidden_size=64", "model.num_attention_heads=2"])
+    assert cfg.memory.backbone is cfg.model and cfg.memory.hidden_size == 64 and cfg.model_kind == "factorengram"
+    assert load_train_config(CONFIG, ["memory=null"]).model_kind == "transformer"
 
 
 def test_paper_configs_load():

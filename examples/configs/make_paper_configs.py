@@ -16,27 +16,24 @@ DATA = {"tokenizer_model": "data/tokenizer_32k.model", "train_data": ["data/fine
 def base(scale):
     big = scale == "1b"
     return {
-        "model": {"kind": "factorengram", "num_layers": 24, "hidden_size": 2048 if big else 1024,
-                  "num_attention_heads": 16, "ffn_hidden_size": 5632 if big else 2816, "vocab_size": 32000,
-                  "seq_length": 8192, "backend": "te"},
+        "model": {"preset": scale},  # the backbone of Table 8: fe_megatron.presets.BACKBONES
         "memory": {"preset": f"factorengram-{scale}"},
         "parallel": {"tensor": 1, "pipeline": 1, "sequence_parallel": False, "distributed_optimizer": True},
         "optimizer": {"lr": 4.0e-4 if big else 1.0e-3, "min_lr": 4.0e-5 if big else 1.0e-4, "weight_decay": 0.01,
                       "beta1": 0.9, "beta2": 0.95, "eps": 1.0e-8, "clip_grad": 1.0,
                       "warmup_steps": 1911 if big else 1024, "table_lr_mult": 1.0, "table_weight_decay_mult": 0.0},
         "training": {"train_steps": 229320 if big else 57344, "micro_batch_size": 1, "global_batch_size": 64,
-                     "seed": 1234, "precision": "bf16", "recompute": "none", "log_interval": 10,
-                     "eval_interval": 2000, "eval_steps": 20, "save_interval": 2000},
+                     "seed": 1234, "precision": "bf16", "recompute": "none", "transformer_impl": "te",
+                     "log_interval": 10, "eval_interval": 2000, "eval_steps": 20, "save_interval": 2000},
         "data": dict(DATA),
         "save": f"checkpoints/paper_{scale}", "tensorboard_dir": f"tensorboard/paper_{scale}",
     }
 
 
-def variant(scale, name, model_kind=None, **memory):
+def variant(scale, name, transformer=False, **memory):
+    """A paper configuration: ``transformer=True`` drops the memory (the same backbone alone)."""
     cfg = copy.deepcopy(base(scale))
-    if model_kind:
-        cfg["model"]["kind"] = model_kind
-    if model_kind == "transformer":
+    if transformer:
         del cfg["memory"]
     else:
         cfg["memory"].update(memory)
@@ -48,10 +45,10 @@ def variant(scale, name, model_kind=None, **memory):
 CONFIGS = [
     variant("340m", "paper_340m_factorengram"),
     variant("1b", "paper_1b_factorengram"),
-    variant("340m", "paper_340m_transformer", "transformer"),
-    variant("1b", "paper_1b_transformer", "transformer"),
-    variant("340m", "paper_340m_engram", "engram", preset="engram-340m"),
-    variant("340m", "paper_340m_engram_unigram", "engram", preset="engram-unigram-340m"),
+    variant("340m", "paper_340m_transformer", transformer=True),
+    variant("1b", "paper_1b_transformer", transformer=True),
+    variant("340m", "paper_340m_engram", preset="engram-340m"),
+    variant("340m", "paper_340m_engram_unigram", preset="engram-unigram-340m"),
     variant("340m", "paper_340m_scalar_gate", preset="factorengram-scalar-gate-340m"),
     variant("340m", "paper_340m_no_unigram", preset="factorengram-no-unigram-340m"),
     variant("340m", "paper_340m_before_ffn", preset="factorengram-340m-before-ffn"),

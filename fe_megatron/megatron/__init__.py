@@ -6,9 +6,10 @@ Transformer Engine is optional: importing this package never needs it.
 from fe_megatron.megatron.cpu_backend import enable_cpu_backend
 from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
 from fe_megatron.megatron.layer_specs import get_gpt_layer_with_factorengram_spec
-from fe_megatron.megatron.memory_layer import ParallelEngram, ParallelFactorEngram
+from fe_megatron.megatron.memory_layer import build_memory_branch
+from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
 from fe_megatron.megatron.transformer_layer import (FactorEngramTransformerBlock, FactorEngramTransformerLayer)
 
 __all__ = ["FactorEngramGPTModel", "FactorEngramTransformerBlock", "FactorEngramTransformerLayer",
-           "ParallelEngram", "ParallelFactorEngram", "enable_cpu_backend",
+           "MegatronParallelHooks", "build_memory_branch", "enable_cpu_backend",
            "get_gpt_layer_with_factorengram_spec"]

@@ -8,6 +8,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
@@ -18,12 +19,13 @@ from fe_megatron.megatron.layer_specs import get_block_spec, get_gpt_layer_with_
 
 def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: int,
                     memory_config: Optional[MemoryConfig] = None, backend: str = "local",
-                    share_embeddings: bool = True):
+                    share_embeddings: bool = True, rotary_base: float = 10000.0):
     """This pipeline stage's model: FactorEngram/Engram when ``memory_config`` is given, else the
     plain Transformer with the same backbone (RoPE, RMSNorm, SwiGLU per ``transformer_config``)."""
     kwargs = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                   post_process=parallel_state.is_pipeline_last_stage(),
-                  share_embeddings_and_output_weights=share_embeddings, position_embedding_type="rope")
+                  share_embeddings_and_output_weights=share_embeddings, position_embedding_type="rope",
+                  rotary_base=rotary_base)
     if memory_config is None:
         if backend == "te":
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
@@ -34,10 +36,7 @@ def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: in
         return GPTModel(transformer_config, get_block_spec(spec, transformer_config), vocab_size,
                         max_sequence_length, **kwargs)
     spec = get_block_spec(get_gpt_layer_with_factorengram_spec(memory_config, backend=backend), transformer_config)
-    model = FactorEngramGPTModel(transformer_config, spec, vocab_size, max_sequence_length, memory_config, **kwargs)
-    for layer in model.stage_memory_layers:
-        layer.memory.tables.weight.is_memory_table = True
-    return model
+    return FactorEngramGPTModel(transformer_config, spec, vocab_size, max_sequence_length, memory_config, **kwargs)
 
 
 def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,
@@ -54,15 +53,31 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
     """Megatron's optimizer with the usual groups (no weight decay on norms and biases) plus one for
     the memory tables: learning-rate multiplier ``table_lr_mult``, weight decay multiplier
     ``table_weight_decay_mult`` (0 by default: decaying rarely-seen rows towards zero every step
-    would erase them between visits)."""
+    would erase them between visits).
+
+    The table learning rate is the group's ``max_lr`` / ``min_lr``; the group also carries
+    ``lr_mult`` because Megatron's checkpoint loader tells groups apart by ``(wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr)`` (megatron.core's scheduler does not read ``lr_mult``).
+    Groups those keys cannot tell apart would load with the wrong parameters, so they are refused.
+    """
     len1 = ParamPredicate(name="param_len_1", fn=lambda p: len(p.shape) == 1)
     overrides = {ParamKey(name="*.bias", predicate=len1): ParamGroupOverride(wd_mult=0.0)}
-    table_override = ParamGroupOverride(wd_mult=table_weight_decay_mult)
+    table_override = ParamGroupOverride()
+    if table_weight_decay_mult != 1.0:
+        table_override["wd_mult"] = table_weight_decay_mult
     if table_lr_mult != 1.0:
         table_override["max_lr"] = optimizer_config.lr * table_lr_mult
         table_override["min_lr"] = (optimizer_config.min_lr or 0.0) * table_lr_mult
-    overrides[ParamKey(attr="is_memory_table")] = table_override
-    return get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)
+        table_override["lr_mult"] = table_lr_mult
+    if table_override:
+        overrides[ParamKey(attr="is_memory_table")] = table_override
+    optimizer = get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)
+    keys = [tuple(group.get(key) for key in param_group_identifier_keys) for group in optimizer.param_groups]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"optimizer parameter groups {keys} share identifiers {param_group_identifier_keys}; "
+                         "a checkpoint of them would not load. Change optimizer.table_lr_mult or "
+                         "optimizer.table_weight_decay_mult")
+    return optimizer
 
 
 def connect_schedule_hooks(transformer_config, model_chunks: list, optimizer) -> None:

@@ -72,6 +72,39 @@ def load_checkpoint(directory: str, model_chunks, optimizer, scheduler, distribu
     common = dist_checkpointing.load_common_state_dict(path)
     state = dist_checkpointing.load(sharded, path)
     model_chunks[0].module.load_state_dict(state["model"])
+    _disambiguate_saved_param_groups(state["optimizer"], optimizer)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(common["scheduler"])
     return int(common["iteration"])
+
+
+def _saved_param_group_lists(state) -> list:
+    """Every ``param_groups`` list in an optimizer state dict (one per chained optimizer), in order."""
+    found = []
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_groups" and isinstance(value, list):
+                found.append(value)
+            else:
+                found.extend(_saved_param_group_lists(value))
+    return found
+
+
+def _disambiguate_saved_param_groups(saved_state: dict, optimizer) -> None:
+    """Megatron matches saved parameter groups to the optimizer's by (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr).  Release 0.1.0 told its table group (``table_lr_mult``
+    != 1) apart from the norms group by ``max_lr`` alone, so both carried the same keys and such a
+    checkpoint could not be loaded.  Groups are built in the same order at every save and load,
+    so where a saved list's keys collide, take them from the optimizer's group at the same place."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    current = [inner.optimizer.param_groups for inner in getattr(optimizer, "chained_optimizers", [optimizer])]
+    saved = _saved_param_group_lists(saved_state)
+    if len(saved) != len(current):
+        return
+    for saved_groups, current_groups in zip(saved, current):
+        keys = [tuple(group.get(key) for key in param_group_identifier_keys) for group in saved_groups]
+        if len(set(keys)) == len(keys) or len(saved_groups) != len(current_groups):
+            continue
+        for saved_group, current_group in zip(saved_groups, current_groups):
+            saved_group.update({key: current_group[key] for key in param_group_identifier_keys if key in current_group})

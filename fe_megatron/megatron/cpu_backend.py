@@ -171,6 +171,3 @@ def enable_cpu_backend() -> bool:
     _enabled = True
     return True
 
-
-def is_cpu_backend_enabled() -> bool:
-    return _enabled

@@ -13,13 +13,15 @@ from fe_megatron.megatron.transformer_layer import FactorEngramTransformerBlock,
 
 
 class FactorEngramGPTModel(GPTModel):
-    """GPTModel whose forward hashes ``input_ids`` once per microbatch and passes the indices
-    to the memory layers of this pipeline stage.
+    """GPTModel whose forward hashes ``input_ids`` once per microbatch and passes the indices,
+    as an argument of the block's forward, to the memory layers of this pipeline stage.
 
     Same constructor and forward as GPTModel, plus ``memory_config`` and an optional
     ``memory_indices`` forward argument (precomputed ``{layer_index: [s, b, branches]}``,
     e.g. hashed before a context-parallel split).  Every pipeline stage that holds a
     memory layer needs ``input_ids`` (or ``memory_indices``), not only the first and last.
+    The sparsity loss scale is set once per step with
+    `fe_megatron.megatron.sparsity.SparsityLossAutoScaler.set_loss_scale`.
     """
 
     def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
@@ -34,7 +36,7 @@ class FactorEngramGPTModel(GPTModel):
         self.memory_config = memory_config
         self.stage_memory_layers = [layer for layer in self.decoder.layers
                                     if isinstance(layer, FactorEngramTransformerLayer) and layer.memory is not None]
-        self.hasher = MicrobatchHasher(memory_config, [layer.memory_index for layer in self.stage_memory_layers])
+        self.hasher = MicrobatchHasher(memory_config, [layer.layer_index for layer in self.stage_memory_layers])
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs: Optional[dict] = None,
@@ -47,7 +49,7 @@ class FactorEngramGPTModel(GPTModel):
                                      "the split: pass memory_indices=hash_then_split_for_context_parallel(...)")
                 if input_ids is None:
                     raise ValueError("this pipeline stage holds memory layers "
-                                     f"{[layer.memory_index for layer in self.stage_memory_layers]} and needs "
+                                     f"{[layer.layer_index for layer in self.stage_memory_layers]} and needs "
                                      "input_ids (or memory_indices); give token ids to every pipeline stage")
                 memory_indices = self.hasher(input_ids)
             extra_block_kwargs["memory_indices"] = memory_indices
@@ -55,13 +57,6 @@ class FactorEngramGPTModel(GPTModel):
                                inference_context=inference_context, packed_seq_params=packed_seq_params,
                                extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
                                **kwargs)
-
-    def set_sparsity_loss_scale(self, scale: float) -> None:
-        """Gradient scale of the sparsity aux loss; ``cp_size / num_microbatches`` under Megatron's schedules
-        (which divide each microbatch's LM loss by the number of microbatches and multiply it by the
-        context-parallel size before gradients are averaged over data- and context-parallel ranks)."""
-        for layer in self.stage_memory_layers:
-            layer.sparsity_loss_scale = scale
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the

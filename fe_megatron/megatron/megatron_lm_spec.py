@@ -3,7 +3,8 @@
 Megatron-LM imports the object without calling it, so the memory configuration comes
 from the environment when this module is imported:
 
-* ``FE_MEMORY_CONFIG``: a YAML file of MemoryConfig fields (or with a ``memory:`` section), or
+* ``FE_MEMORY_CONFIG``: a YAML file of MemoryConfig fields, or a training config (its ``memory:``
+  section, with its ``model:`` section as the backbone), or
 * ``FE_MEMORY_PRESET``: a preset name (default ``factorengram-340m``).
 
 Objects: ``factorengram_local_spec`` (megatron.core modules) and, when Transformer
@@ -19,8 +20,6 @@ token ids; see examples/megatron_lm/README.md.
 import importlib.util
 import os
 
-import yaml
-
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.layer_specs import get_gpt_layer_with_factorengram_spec
 
@@ -28,9 +27,7 @@ from fe_megatron.megatron.layer_specs import get_gpt_layer_with_factorengram_spe
 def memory_config_from_environment() -> MemoryConfig:
     path = os.environ.get("FE_MEMORY_CONFIG")
     if path:
-        with open(path) as fh:
-            top = yaml.safe_load(fh)
-        return MemoryConfig.from_yaml(path, key="memory" if isinstance(top, dict) and "memory" in top else None)
+        return MemoryConfig.from_yaml(path)
     return MemoryConfig.from_preset(os.environ.get("FE_MEMORY_PRESET", "factorengram-340m"))
 
 

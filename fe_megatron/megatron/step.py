@@ -8,6 +8,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
+
 
 def causal_mask(seq_length: int, device=None) -> torch.Tensor:
     """Megatron's boolean mask (True = masked) for causal attention, built on ``device``
@@ -36,13 +38,6 @@ def _unwrap(chunk):
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
-
-
-def set_sparsity_loss_scale(model_chunks: list, num_microbatches: int) -> None:
-    for chunk in model_chunks:
-        inner = _unwrap(chunk)
-        if hasattr(inner, "set_sparsity_loss_scale"):
-            inner.set_sparsity_loss_scale(parallel_state.get_context_parallel_world_size() / num_microbatches)
 
 
 def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
@@ -78,7 +73,8 @@ def mean_lm_loss(losses: list) -> float:
 
 def run_microbatches(model_chunks: list, batches: list, seq_length: int, micro_batch_size: int,
                      forward_only: bool) -> list:
-    set_sparsity_loss_scale(model_chunks, len(batches))
+    # Megatron's schedules divide each microbatch's LM loss by their count and scale it by CP: so must the aux loss.
+    SparsityLossAutoScaler.set_loss_scale(parallel_state.get_context_parallel_world_size() / len(batches))
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=iter(batches), model=model_chunks,
         num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,

@@ -9,59 +9,67 @@ import torch.nn as nn
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import functional as FM
-from fe_megatron.memory.factorengram import check_memory_inputs
-from fe_megatron.memory.short_conv import ShortConv
-from fe_megatron.memory.tables import CoefficientTables
-from fe_megatron.ngram import NgramHasher
+from fe_megatron.memory.branch import MemoryBranch, Normal
+from fe_megatron.memory.parallel_hooks import ParallelHooks
 
 
-class Engram(nn.Module):
+class BranchLinear(nn.Module):
+    """A bias-free linear map of the concatenated branch embeddings, its weight viewed per branch:
+    ``[out, branches, s_b]`` (nn.Linear's ``[out, s]``), so that a tensor-parallel rank holds the
+    columns that meet its own table columns (axis 2)."""
+
+    def __init__(self, out_features: int, num_branches: int, branch_width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, num_branches, branch_width))
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return torch.matmul(embeddings, self.weight.flatten(1).t())
+
+
+class Engram(MemoryBranch):
     """Dense Engram branch, following DeepSeek's public demo with one residual stream:
 
-        e_t = Concat_b E_b[phi_b(g_t)]                      (dense embeddings, width s)
+        e_t = Concat_b E_b[phi_b(g_t)]                      (dense embeddings, width s; Eq. 6's lookup)
         k_t = RMSNorm(W_k e_t),  h'_t = RMSNorm(h_t)
         g   = <k_t, h'_t> / sqrt(d);  alpha_t = sigmoid(sign(g) sqrt(|g|))
-        v_t = alpha_t W_v e_t;   m_t = v_t + ShortConv(v)_t
+        v_t = alpha_t W_v e_t;   m_t = v_t + ShortConv(v)_t  (Eq. 10)
 
-    ``gate='none'`` drops the key path (alpha = 1).  Same call contract as `FactorEngram`;
-    the returned L1 term is ``||e_t||_1`` (zero weight in the Engram presets).
-    Linear layers have no bias (Megatron convention) where the demo's nn.Linear has one.
+    ``gate='none'`` drops the key path (alpha = 1).  Same call contract as `FactorEngram`; the
+    returned L1 term is ``||e_t||_1`` (zero weight in the Engram presets).  Linear layers have no
+    bias (Megatron convention) where the demo's nn.Linear has one.
 
-    Parameters: tables.weight N(0, 1); key_proj N(0, init_std); key_norm, query_norm ones;
-    value_proj zeros (the branch starts as an exact identity, see docs/method.md); conv.* (weight zeros).
+    Parameters (global shapes): tables.weight [rows, s_b] N(0, table_init_std^2); key_proj
+    [d, branches, s_b] N(0, init_std); key_norm, query_norm ones; value_proj [out, branches, s_b]
+    zeros (the branch starts as an exact identity, see docs/method.md); conv.* (weight zeros).
     """
 
-    def __init__(self, config: MemoryConfig, layer_number: int):
-        super().__init__()
-        if config.representation != "dense":
-            raise ValueError(f"Engram needs representation='dense', got {config.representation!r}")
-        self.config = config
-        self.layer_number = layer_number
-        self.hasher = NgramHasher(config, layer_number)
-        self.tables = CoefficientTables(self.hasher.total_rows(layer_number), config.branch_width)
+    kind = "engram"
+
+    def __init__(self, config: MemoryConfig, layer_index: int, parallel: Optional[ParallelHooks] = None,
+                 initialize: bool = True):
+        super().__init__(config, layer_index, parallel, initialize)
+        branches, width = config.num_branches, config.branch_width
         if config.gate == "scalar":
-            self.key_proj = nn.Linear(config.coeff_width, config.hidden_size, bias=False)
+            self.key_proj = BranchLinear(*self.local_shape("key_proj.weight", (config.hidden_size, branches, width)))
             self.key_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
             self.query_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-        self.value_proj = nn.Linear(config.coeff_width, config.output_size, bias=False)
-        self.conv = ShortConv(config.output_size, config.conv_kernel_size, config.conv_dilation, config.norm_eps)
-        self.reset_parameters()
+        self.value_proj = BranchLinear(*self.local_shape("value_proj.weight", (config.output_size, branches, width)))
+        if initialize:
+            self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def initial_values(self) -> dict:
         cfg = self.config
-        self.tables.reset_parameters()
+        values = {"tables.weight": Normal(cfg.table_init_std), "value_proj.weight": 0.0, "conv.norm.weight": 1.0,
+                  "conv.weight": 0.0}
         if cfg.gate == "scalar":
-            nn.init.normal_(self.key_proj.weight, std=cfg.init_std)
-        nn.init.zeros_(self.value_proj.weight)  # the branch starts as an exact identity
+            values.update({"key_proj.weight": Normal(cfg.init_std), "key_norm.weight": 1.0, "query_norm.weight": 1.0})
+        return values
 
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
                 indices: Optional[torch.Tensor] = None):
-        check_memory_inputs(self.config, hidden_states, token_ids, indices)
-        if indices is None:
-            indices = self.hasher.indices(token_ids)
-        embeddings = self.tables(indices).to(hidden_states.dtype)
-        values = self.value_proj(embeddings)
+        embeddings = self.lookup(hidden_states, token_ids, indices)
+        values = self.parallel.sum_partial_results(self.value_proj(embeddings))
         if self.config.gate == "scalar":
-            key = self.key_norm(self.key_proj(embeddings))
+            key = self.key_norm(self.parallel.sum_partial_results(self.key_proj(embeddings)))
             values = FM.engram_gate(key, self.query_norm(hidden_states), self.config.hidden_size) * values
-        return values + self.conv(values), FM.l1_per_position(embeddings)
+        return self.refine(values), FM.l1_per_position(embeddings)

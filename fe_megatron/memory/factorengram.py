@@ -1,4 +1,4 @@
-"""FactorEngram: factorized n-gram memory with basis-level gating (Sec. 3, Eq. 6-12)."""
+"""FactorEngram: factorized n-gram memory with basis-level gating (Sec. 3, Eq. 6-10; Eq. 14)."""
 
 from __future__ import annotations
 
@@ -10,88 +10,74 @@ import torch.nn as nn
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import functional as FM
-from fe_megatron.memory.short_conv import ShortConv
-from fe_megatron.memory.tables import CoefficientTables
-from fe_megatron.ngram import NgramHasher
+from fe_megatron.memory.branch import MemoryBranch, Normal
+from fe_megatron.memory.parallel_hooks import ParallelHooks
 
 
-def check_memory_inputs(config: MemoryConfig, hidden_states: torch.Tensor, token_ids, indices) -> None:
-    """Shape and dtype checks shared by the memory modules (ids are range-checked by the hasher)."""
-    if hidden_states.dim() != 3 or hidden_states.shape[-1] != config.hidden_size:
-        raise ValueError(f"hidden_states must have shape [batch, seq, hidden_size={config.hidden_size}], "
-                         f"got {tuple(hidden_states.shape)}")
-    if not hidden_states.is_floating_point():
-        raise TypeError(f"hidden_states must be a floating-point tensor, got dtype {hidden_states.dtype}")
-    if (token_ids is None) == (indices is None):
-        raise ValueError("pass exactly one of token_ids ([batch, seq] ids) or indices (precomputed row indices)")
-    ids = token_ids if token_ids is not None else indices
-    if isinstance(ids, torch.Tensor) and tuple(ids.shape[:2]) != tuple(hidden_states.shape[:2]):
-        raise ValueError(f"token ids / indices of shape {tuple(ids.shape)} do not match hidden_states "
-                         f"[batch, seq] = {tuple(hidden_states.shape[:2])}")
+class FactorEngram(MemoryBranch):
+    """One FactorEngram memory branch for insertion layer ``layer_index`` (one of ``config.layers``).
 
+    ``forward(hidden_states [B, T, d], token_ids [B, T])`` returns ``(m, l1)``: the memory output
+    ``m`` [B, T, output_size] (Eq. 10) that the caller adds to the residual stream (Eq. 11), and
+    the per-position L1 norm of the coefficients ``||z_t||_1`` [B, T] (Eq. 12's inner term).
+    Precomputed row ``indices`` ([B, T, branches]) may replace ``token_ids``.
 
-class FactorEngram(nn.Module):
-    """One FactorEngram memory branch for insertion layer ``layer_number`` (one of ``config.layers``).
+    Every parallel layout runs this class: ``parallel`` (`ParallelHooks`) supplies the
+    communication, and parameters hold this rank's slice per `fe_megatron.memory.sharding`.
+    Under tensor parallelism ``l1`` is this rank's share (the shares sum to the full norm).
 
-    ``forward(hidden_states [B, T, d], token_ids [B, T])`` returns ``(m, l1)``: the memory
-    output ``m`` [B, T, output_size] to add to the residual stream (Eq. 10, 11) and the
-    per-position L1 norm of the coefficients ``||z_t||_1`` [B, T] (Eq. 12's inner term).
-
-    Parameters and their initialization (see docs/method.md):
-      tables.weight  [rows, s_b]  z-coefficients, N(0, 1) as an nn.Embedding (Engram).
-      dictionary     [s, d_m]     D, N(0, 1/s): reconstruction with gates ~0.5 has O(1) entries.
-      query_proj     [d_m, d]     Q^T, N(0, init_std); scale-free because RMSNorm follows.
-      query_norm     [d_m]        ones.
-      value_proj     [out, d_m]   V, zeros: the branch starts as an exact identity (m = 0).
-      conv.*                      ShortConv: norm ones, weight zeros (as in Engram).
+    Parameters (global shapes; initialization in docs/method.md):
+      tables.weight  [rows, s_b]          z-coefficients, N(0, table_init_std^2).
+      dictionary     [branches, s_b, d_m] D viewed per branch, N(0, 1/s).
+      query_proj     [d_m, d]             Q^T, N(0, init_std); scale-free because RMSNorm follows.
+      query_norm     [d_m]                ones.
+      value_proj     [out, d_m]           V, zeros: the branch starts as an exact identity (m = 0).
+      conv.*                              ShortConv: norm ones, weight zeros (as in Engram).
     """
 
-    def __init__(self, config: MemoryConfig, layer_number: int):
-        super().__init__()
-        if config.representation != "factorized":
-            raise ValueError(f"FactorEngram needs representation='factorized', got {config.representation!r}; "
-                             "use fe_megatron.memory.Engram (or build_memory) for dense tables")
-        self.config = config
-        self.layer_number = layer_number
-        self.hasher = NgramHasher(config, layer_number)
-        self.tables = CoefficientTables(self.hasher.total_rows(layer_number), config.branch_width)
-        self.dictionary = nn.Parameter(torch.empty(config.coeff_width, config.memory_dim))
+    kind = "factorengram"
+
+    def __init__(self, config: MemoryConfig, layer_index: int, parallel: Optional[ParallelHooks] = None,
+                 initialize: bool = True):
+        super().__init__(config, layer_index, parallel, initialize)
+        dictionary_shape = (config.num_branches, config.branch_width, config.memory_dim)
+        self.dictionary = nn.Parameter(torch.empty(self.local_shape("dictionary", dictionary_shape)))
         if config.gate != "none":  # gate='none' reads no hidden state and has no query path
             self.query_proj = nn.Linear(config.hidden_size, config.memory_dim, bias=False)
             self.query_norm = nn.RMSNorm(config.memory_dim, eps=config.norm_eps)
         self.value_proj = nn.Linear(config.memory_dim, config.output_size, bias=False)
-        self.conv = ShortConv(config.output_size, config.conv_kernel_size, config.conv_dilation, config.norm_eps)
-        self.reset_parameters()
+        if initialize:
+            self.reset_parameters()
 
-    def reset_parameters(self) -> None:
+    def initial_values(self) -> dict:
         cfg = self.config
-        self.tables.reset_parameters()
-        nn.init.normal_(self.dictionary, std=1.0 / math.sqrt(cfg.coeff_width))
+        values = {"tables.weight": Normal(cfg.table_init_std), "dictionary": Normal(1.0 / math.sqrt(cfg.coeff_width)),
+                  "value_proj.weight": 0.0, "conv.norm.weight": 1.0, "conv.weight": 0.0}
         if cfg.gate != "none":
-            nn.init.normal_(self.query_proj.weight, std=cfg.init_std)
-        nn.init.zeros_(self.value_proj.weight)  # the branch starts as an exact identity
+            values.update({"query_proj.weight": Normal(cfg.init_std), "query_norm.weight": 1.0})
+        return values
 
     def query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Eq. 7: ``q_t = RMSNorm(Q^T h_t)``."""
+        """Eq. 7 (first half): ``q_t = RMSNorm(Q^T h_t)``."""
         return self.query_norm(self.query_proj(hidden_states))
 
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
                 indices: Optional[torch.Tensor] = None):
-        check_memory_inputs(self.config, hidden_states, token_ids, indices)
-        if indices is None:
-            indices = self.hasher.indices(token_ids)
-        coefficients = self.tables(indices).to(hidden_states.dtype)  # z_t, Eq. 6
+        coefficients = self.lookup(hidden_states, token_ids, indices)  # z_t, Eq. 6
         l1 = FM.l1_per_position(coefficients)  # Eq. 12
-        memory = self._gated_memory(hidden_states, coefficients)  # e_t, Eq. 7-9 / 11
+        memory = self.gated_memory(hidden_states, coefficients)  # e_t, Eq. 7-9 (or Eq. 14)
         values = self.value_proj(memory)  # v_t, Eq. 9
-        return values + self.conv(values), l1  # m_t, Eq. 10
+        return self.refine(values), l1  # m_t, Eq. 10
 
-    def _gated_memory(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-        gate, hidden_size = self.config.gate, self.config.hidden_size
+    def gated_memory(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        """``e_t``: Eq. 7-9 for the basis gate, Eq. 14 for the scalar gate, ``D^T z_t`` for none."""
+        gate, hidden_size, parallel = self.config.gate, self.config.hidden_size, self.parallel
+        dictionary = self.dictionary.flatten(0, 1)  # [s (this rank's rows), d_m]
         if gate == "basis":
-            alpha = FM.basis_gate(self.query(hidden_states), self.dictionary, hidden_size)  # Eq. 7
-            return FM.reconstruct(coefficients * alpha, self.dictionary)  # Eq. 8, 9
-        memory = FM.reconstruct(coefficients, self.dictionary)
+            query = parallel.replicate_for_partial_use(self.query(hidden_states))
+            alpha = FM.basis_gate(query, dictionary, hidden_size)  # Eq. 7
+            return parallel.sum_partial_results(FM.reconstruct(coefficients * alpha, dictionary))  # Eq. 8, 9
+        memory = parallel.sum_partial_results(FM.reconstruct(coefficients, dictionary))
         if gate == "scalar":
-            return FM.scalar_gate(memory, self.query(hidden_states), hidden_size) * memory  # Eq. 11
+            return FM.scalar_gate(memory, self.query(hidden_states), hidden_size) * memory  # Eq. 14
         return memory  # gate == "none"

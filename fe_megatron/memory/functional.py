@@ -1,7 +1,7 @@
-"""The equations of the memory branch as functions of tensors.
+"""The equations of the memory branch as functions of tensors (paper Sec. 3 and 4.3).
 
-Both the single-process modules (`fe_megatron.memory`) and the tensor-parallel
-Megatron modules call these, so each equation is written exactly once.
+`FactorEngram` and `Engram` call these; each equation is written exactly once.  Under tensor
+parallelism the same functions run on a rank's slice of the coefficient axis.
 """
 
 import math
@@ -10,9 +10,9 @@ import torch
 
 
 def basis_gate(query: torch.Tensor, dictionary: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """Eq. 7: ``alpha_t = sigmoid(D q_t / sqrt(d))``, one gate per dictionary row.
+    """Eq. 7 (second half): ``alpha_t = sigmoid(D q_t / sqrt(d))``, one gate per dictionary row.
 
-    query: [..., d_m]; dictionary: [s, d_m] (or a row shard of it). Returns [..., s].
+    query: [..., d_m]; dictionary: [s, d_m] (or a slice of its rows). Returns [..., s].
     """
     return torch.sigmoid(torch.matmul(query, dictionary.t()) / math.sqrt(hidden_size))
 
@@ -23,7 +23,8 @@ def reconstruct(coefficients: torch.Tensor, dictionary: torch.Tensor) -> torch.T
 
 
 def scalar_gate(memory: torch.Tensor, query: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """Eq. 11: ``alpha_t = sigmoid(e_t . q_t / sqrt(d))``, one gate per position. Returns [..., 1]."""
+    """Eq. 14 (the scalar-gate ablation): ``alpha_t = sigmoid(e_t . q_t / sqrt(d))``, one gate per
+    position. Returns [..., 1]."""
     return torch.sigmoid((memory * query).sum(-1, keepdim=True) / math.sqrt(hidden_size))
 
 

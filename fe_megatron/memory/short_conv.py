@@ -8,9 +8,9 @@ import torch.nn.functional as F
 class ShortConv(nn.Module):
     """RMSNorm, then a causal depthwise 1-D convolution (kernel ``K``, dilation ``r``), then SiLU.
 
-    Position t reads positions ``t, t-r, ..., t-(K-1)r`` only.  The caller adds the
-    residual (``m_t = v_t + ShortConv(v)_t``, Eq. 10).  The weight starts at zero, as in
-    Engram, so the branch starts as ``m_t = v_t`` and the convolution learns from there.
+    Position t reads positions ``t, t-r, ..., t-(K-1)r`` only.  The caller adds the residual
+    (``m_t = v_t + ShortConv(v)_t``, Eq. 10).  The weight starts at zero, as in Engram, so the
+    branch starts as ``m_t = v_t`` and the convolution learns from there.
 
     Parameters: ``norm.weight`` [C], ``weight`` [C, K] (tap ``K-1`` multiplies position t).
     """
@@ -27,14 +27,15 @@ class ShortConv(nn.Module):
         """How many earlier positions an output depends on: ``(K - 1) * r``."""
         return (self.kernel_size - 1) * self.dilation
 
-    def forward(self, values: torch.Tensor, history: int = 0) -> torch.Tensor:
-        """values: [batch, seq, C] -> [batch, seq - history, C].
+    def forward(self, values: torch.Tensor, history: int = 0, sequence_dim: int = 1) -> torch.Tensor:
+        """values: ``[batch, seq, C]`` (``sequence_dim=1``) or ``[seq, batch, C]`` (``sequence_dim=0``);
+        returns the same layout with ``seq - history`` positions.
 
-        ``history`` leading positions are context only (e.g. rows received from the
-        previous sequence-parallel rank); no output is produced for them.
+        ``history`` leading positions are context only (e.g. rows received from the previous
+        sequence-parallel rank); no output is produced for them.
         """
-        normed = self.norm(values).transpose(1, 2)  # [B, C, T]
+        normed = self.norm(values).movedim(sequence_dim, -1)  # [B, C, T]
         missing = self.receptive_field - history  # zero padding still needed on the left
         padded = F.pad(normed, (missing, 0)) if missing >= 0 else normed[..., -missing:]
         out = F.conv1d(padded, self.weight.unsqueeze(1), dilation=self.dilation, groups=self.weight.shape[0])
-        return F.silu(out).transpose(1, 2)
+        return F.silu(out).movedim(-1, sequence_dim)

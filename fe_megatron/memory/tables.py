@@ -1,4 +1,8 @@
-"""CoefficientTables: every branch's table E_b of one layer in a single buffer (Eq. 6)."""
+"""NgramTables: every branch's table E_b of one layer in a single buffer (Eq. 2 and 6).
+
+The rows are FactorEngram's coefficients z or Engram's dense embeddings; both are addressed
+the same way, by n-gram (`fe_megatron.ngram`).
+"""
 
 import torch
 import torch.nn as nn
@@ -6,22 +10,18 @@ import torch.nn as nn
 from fe_megatron import ops
 
 
-class CoefficientTables(nn.Module):
-    """``weight``: [total_rows, s_b]; branch b owns rows ``[offset_b, offset_b + M_b)``.
+class NgramTables(nn.Module):
+    """``weight``: [total_rows, width]; branch b owns rows ``[offset_b, offset_b + M_b)``.
 
-    ``forward(indices)`` gathers all branches in one kernel call and concatenates them
-    in the fixed branch order: [batch, seq, nb] -> [batch, seq, nb * s_b] = z_t.
+    ``forward(indices)`` gathers all branches in one kernel call and concatenates them in the
+    fixed branch order: [..., branches] -> [..., branches * width] (``z_t`` of Eq. 6).  Under
+    tensor parallelism ``width`` is this rank's column slice of ``s_b``, and the result is its
+    slice of every branch, branch-major.
     """
 
-    def __init__(self, total_rows: int, branch_width: int, init_std: float = 1.0):
+    def __init__(self, total_rows: int, width: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(total_rows, branch_width))
-        self.init_std = init_std
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, std=self.init_std)
+        self.weight = nn.Parameter(torch.empty(total_rows, width))
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        rows = ops.gather_rows(self.weight, indices)  # [B, T, nb, s_b]
-        return rows.flatten(-2)
+        return ops.gather_rows(self.weight, indices).flatten(-2)  # [..., nb, w] -> [..., nb * w]

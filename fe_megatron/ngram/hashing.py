@@ -31,6 +31,7 @@ from fe_megatron.config import MemoryConfig
 _INT64_MAX = (1 << 63) - 1
 _MASK64 = (1 << 64) - 1
 _LAYER_SEED_STRIDE = 10007
+TOKEN_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def _splitmix64(state: int):
@@ -154,8 +155,9 @@ def validate_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
     """
     if not isinstance(token_ids, torch.Tensor):
         raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
-    if token_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"token_ids must be an integer tensor (int64 or int32), got dtype {token_ids.dtype}")
+    if token_ids.dtype not in TOKEN_ID_DTYPES:
+        accepted = ", ".join(str(dtype).replace("torch.", "") for dtype in TOKEN_ID_DTYPES)
+        raise TypeError(f"token_ids must be an integer tensor ({accepted}), got dtype {token_ids.dtype}")
     if token_ids.dim() != 2:
         raise ValueError(f"token_ids must have shape [batch, seq], got shape {tuple(token_ids.shape)}")
     bad = (token_ids < 0) | (token_ids >= vocab_size)
@@ -169,22 +171,22 @@ def validate_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
 class NgramHasher:
     """Row indices into a layer's ``tables.weight`` (branch offsets included).
 
-    ``NgramHasher(config, layer_number)`` addresses one insertion layer (``layer_number``
-    is one of ``config.layers``); ``NgramHasher(config)`` addresses all insertion layers
-    and ``NgramHasher(config, [i, j])`` a subset (a pipeline stage's), in a single kernel
-    launch (``indices_per_layer``), which is what a model does once per microbatch.
+    ``NgramHasher(config, layer_index)`` addresses one insertion layer (one of
+    ``config.layers``, 0-based); ``NgramHasher(config)`` addresses all insertion layers and
+    ``NgramHasher(config, [i, j])`` a subset (a pipeline stage's), in a single kernel launch
+    (``indices_per_layer``), which is what a model does once per microbatch.
     """
 
-    def __init__(self, config: MemoryConfig, layer_number: Union[int, Sequence[int], None] = None):
-        if layer_number is None:
+    def __init__(self, config: MemoryConfig, layers: Union[int, Sequence[int], None] = None):
+        if layers is None:
             layers = list(config.layers)
-        elif isinstance(layer_number, int):
-            layers = [layer_number]
+        elif isinstance(layers, int):
+            layers = [layers]
         else:
-            layers = list(layer_number)
+            layers = list(layers)
         for layer in layers:
             if layer not in config.layers:
-                raise ValueError(f"layer_number {layer} is not an insertion layer; config.layers={config.layers}")
+                raise ValueError(f"layer index {layer} is not an insertion layer; config.layers={config.layers}")
         if not layers:
             raise ValueError(f"no layers to hash: pass None (all of config.layers={config.layers}), one or several")
         self.config = config
@@ -199,8 +201,8 @@ class NgramHasher:
             self.compression = load_token_compression(config.token_compression, config.vocab_size)
         self._constants = {}
 
-    def total_rows(self, layer_number: int) -> int:
-        return self.layouts[self.layers.index(layer_number)].total_rows
+    def total_rows(self, layer_index: int) -> int:
+        return self.layouts[self.layers.index(layer_index)].total_rows
 
     def _device_constants(self, device: torch.device):
         if device not in self._constants:

@@ -56,12 +56,12 @@ def _discover() -> None:
         return
     _discovered = True
     try:
-        _backends["cpp"] = Backend("cpp", importlib.import_module("fe_megatron._C_cpu"), ("cpu",))
+        _backends["cpp"] = Backend("cpp", importlib.import_module("fe_megatron.ops._C_cpu"), ("cpu",))
     except ImportError as error:
         logger.debug("cpp backend not built: %s", error)
     if torch.cuda.is_available():
         try:
-            _backends["cuda"] = Backend("cuda", importlib.import_module("fe_megatron._C_cuda"), ("cuda",))
+            _backends["cuda"] = Backend("cuda", importlib.import_module("fe_megatron.ops._C_cuda"), ("cuda",))
         except ImportError as error:
             logger.debug("cuda backend not built: %s", error)
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

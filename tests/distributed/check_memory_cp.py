@@ -10,13 +10,12 @@ import torch
 import torch.distributed as dist
 
 from common import Checker, tiny_memory_config, tiny_transformer_config
-from fe_megatron.megatron.convert import shard_plain_state_dict
 from fe_megatron.megatron.hasher import MicrobatchHasher, hash_then_split_for_context_parallel
-from fe_megatron.megatron.memory_layer import build_parallel_memory
+from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.memory import build_memory
 
-VARIANTS = [dict(), dict(gate="scalar"), dict(placement="inside_ffn"), dict(representation="dense", gate="none",
+VARIANTS = [dict(), dict(gate="scalar"), dict(placement="inside_ffn"), dict(kind="engram", gate="none",
                                                                                 memory_dim=24)]
 
 
@@ -43,8 +42,8 @@ def main():
         with torch.no_grad():
             for p in ref.parameters():
                 p.copy_(torch.randn_like(p) * 0.3)
-        par = build_parallel_memory(cfg, mc, layer)
-        par.load_state_dict(shard_plain_state_dict(ref.state_dict(), mc, 0, 1))
+        par = build_memory_branch(cfg, mc, layer)
+        par.load_state_dict(ref.state_dict())
         seq, batch = 48, 2
         h = torch.randn(seq, batch, mc.hidden_size)
         ids = torch.randint(0, mc.vocab_size, (batch, seq))
@@ -57,7 +56,7 @@ def main():
 
         h_par = local_chunks(h, rank, size).requires_grad_()
         idx = hash_then_split_for_context_parallel(hasher, ids, size, rank)[layer]
-        m_par, _ = par(h_par, idx)
+        m_par, _ = par(h_par, indices=idx)
         (m_par * local_chunks(weight, rank, size)).sum().backward()
         check.close(f"{name}: output", m_par, local_chunks(m_ref.transpose(0, 1), rank, size))
         if h_ref.grad is not None:
@@ -66,7 +65,7 @@ def main():
             grad = p.grad.clone()
             dist.all_reduce(grad, group=group)
             ref_grad = dict(ref.named_parameters())[n].grad
-            check.close(f"{name}: grad {n}", grad, shard_plain_state_dict({n: ref_grad}, mc, 0, 1)[n])
+            check.close(f"{name}: grad {n}", grad, ref_grad)
     check.finish()
 
 

@@ -1,8 +1,11 @@
-"""TP=2 (with and without sequence parallelism) memory branches against the plain modules.
+"""The memory branch at TP=2 (with and without sequence parallelism) against the same class in
+one process.
 
 Run: torchrun --nproc_per_node 2 tests/distributed/check_memory_tp.py
-Compares forward outputs, the L1 term, input gradients, gathered parameter gradients and
-parameters after 3 Adam steps, all within 1e-5 relative in fp32.
+A single-process module's state dict is split into the TP ranks' shards and gathered back
+through the sharding plan alone (bit for bit); a branch built at TP=2 from the same seed holds
+exactly those shards. Then forward outputs, the L1 term, input gradients, gathered parameter
+gradients and parameters after 4 Adam steps agree within 1e-5 relative in fp32.
 """
 
 import os
@@ -11,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 from common import Checker, tiny_memory_config, tiny_transformer_config
-from fe_megatron.megatron.convert import shard_plain_state_dict, unshard_to_plain_state_dict
-from fe_megatron.megatron.memory_layer import build_parallel_memory
+from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.memory import build_memory
+from fe_megatron.memory.sharding import shard_state_dict, unshard_state_dicts
 from fe_megatron.ngram import NgramHasher
 
 VARIANTS = [dict(), dict(gate="scalar"), dict(gate="none"), dict(placement="inside_ffn"),
-            dict(representation="dense", gate="scalar", memory_dim=24),
-            dict(representation="dense", gate="none", memory_dim=24)]
+            dict(kind="engram", gate="scalar", memory_dim=24),
+            dict(kind="engram", gate="none", memory_dim=24)]
 # Engram's sqrt-sign gate has derivative 1/(2 sqrt|g|): where a score lands near 0 it turns
 # last-bit differences of the TP partial sums into 1e-4 relative gradient differences after
 # a few Adam steps in fp32. Checked in float64 instead, where the same code agrees to 1e-10.
@@ -44,11 +47,20 @@ def run_variant(check: Checker, variant: dict, sp: bool, dtype=torch.float32):
     layer = mc.layers[0]
     torch.manual_seed(11)  # identical on every rank: the reference and the inputs
     ref = build_memory(mc, layer)
+    ref.reset_parameters(seed=99)
+    par = build_memory_branch(cfg, mc, layer, group)
+    par.reset_parameters(seed=99)
+    mine = shard_state_dict(ref.state_dict(), mc.kind, rank, tp)
+    for n, value in par.state_dict().items():  # initialization does not depend on the layout
+        check.equal(f"{name}: initial {n} is the TP={tp} slice of the single-process one", value, mine[n])
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(torch.randn_like(p) * 0.3)  # non-trivial everywhere, the conv included
-    par = build_parallel_memory(cfg, mc, layer, group)
-    par.load_state_dict(shard_plain_state_dict(ref.state_dict(), mc, rank, tp))
+    shards = [None] * tp
+    dist.all_gather_object(shards, shard_state_dict(ref.state_dict(), mc.kind, rank, tp), group=group)
+    for n, value in unshard_state_dicts(shards, mc.kind).items():
+        check.equal(f"{name}: {n} split and gathered through the plan", value, ref.state_dict()[n])
+    par.load_state_dict(shards[rank])
     ref, par = ref.to(dtype), par.to(dtype)
 
     seq, batch = 32, 3
@@ -68,7 +80,7 @@ def run_variant(check: Checker, variant: dict, sp: bool, dtype=torch.float32):
         ((m_ref * out_weight).sum() + (l1_ref * l1_weight).sum()).backward()
 
         h_par = h[chunk].clone().requires_grad_()
-        m_par, l1_par = par(h_par, idx.transpose(0, 1).contiguous())
+        m_par, l1_par = par(h_par, indices=idx.transpose(0, 1).contiguous())
         ((m_par * out_weight[chunk]).sum() + (l1_par * l1_weight).sum()).backward()
         for p in par.parameters():  # what finalize_model_grads does for sequence-parallel params
             if getattr(p, "sequence_parallel", False):
@@ -86,14 +98,14 @@ def run_variant(check: Checker, variant: dict, sp: bool, dtype=torch.float32):
             check.close(f"{name} step {step}: input grad", h_grad, h_ref.grad, tol)
         grads = [None] * tp
         dist.all_gather_object(grads, {n: p.grad.detach() for n, p in par.named_parameters()}, group=group)
-        full_grads = unshard_to_plain_state_dict(grads, mc)
+        full_grads = unshard_state_dicts(grads, mc.kind)
         for n, p in ref.named_parameters():
             check.close(f"{name} step {step}: grad {n}", full_grads[n], p.grad, tol)
         ref_opt.step(), par_opt.step()
         ref_opt.zero_grad(), par_opt.zero_grad()
     shards = [None] * tp
     dist.all_gather_object(shards, {n: p.detach() for n, p in par.state_dict().items()}, group=group)
-    for n, value in unshard_to_plain_state_dict(shards, mc).items():
+    for n, value in unshard_state_dicts(shards, mc.kind).items():
         check.close(f"{name}: {n} after 4 Adam steps", value, ref.state_dict()[n], tol)
 
 

@@ -73,10 +73,12 @@ def tiny_transformer_config(tp=1, pp=1, sp=False, **overrides):
 
 
 def tiny_memory_config(**overrides):
-    from fe_megatron.config import MemoryConfig
+    """The memory of the tiny test GPT (backbone fields may be overridden too)."""
+    from fe_megatron.config import BACKBONE_FIELDS, BackboneConfig, MemoryConfig
 
-    values = dict(vocab_size=128, hidden_size=32, num_layers=4, ffn_hidden_size=64, ngram_orders=[1, 2, 3],
-                  heads_per_order=2, table_capacity=[128, 401, 409], coeff_width=24, memory_dim=16, layers=[1, 2],
-                  conv_kernel_size=4, conv_dilation=3, sparsity_lambda=1e-2)
+    values = dict(vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
+                  ngram_orders=[1, 2, 3], heads_per_order=2, table_capacity=[128, 401, 409], coeff_width=24,
+                  memory_dim=16, layers=[1, 2], conv_kernel_size=4, conv_dilation=3, sparsity_lambda=1e-2)
     values.update(overrides)
-    return MemoryConfig(**values)
+    backbone = BackboneConfig(**{name: values.pop(name) for name in BACKBONE_FIELDS if name in values})
+    return MemoryConfig(backbone=backbone, **values)

@@ -1,0 +1,129 @@
+"""What `FactorEngram` and `Engram` share: addressing and lookup (Eq. 1, 6), the causal
+refinement (Eq. 10), input checks, and initialization from the sharding plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from fe_megatron.config import MemoryConfig
+from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
+from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
+from fe_megatron.memory.sharding import local_shape, param_sharding
+from fe_megatron.memory.short_conv import ShortConv
+from fe_megatron.memory.tables import NgramTables
+from fe_megatron.ngram import NgramHasher
+
+
+@dataclass(frozen=True)
+class Normal:
+    """Initialize from N(0, std^2) (layout-independent, `fe_megatron.memory.init`)."""
+
+    std: float
+
+
+class MemoryBranch(nn.Module):
+    """Base of the memory branches.  ``kind`` names the branch in `MemoryConfig.kind` and in the
+    sharding plan.
+
+    ``parallel`` supplies the communication of a parallel layout (`ParallelHooks`; identity in
+    a single process).  ``initialize=False`` leaves the parameters unset (they are about to be
+    loaded from a checkpoint).
+    """
+
+    kind = ""
+
+    def __init__(self, config: MemoryConfig, layer_index: int, parallel: Optional[ParallelHooks] = None,
+                 initialize: bool = True):
+        super().__init__()
+        if config.kind != self.kind:
+            raise ValueError(f"{type(self).__name__} needs MemoryConfig.kind={self.kind!r}, got {config.kind!r}; "
+                             "use fe_megatron.memory.build_memory to pick the class from the config")
+        self.config = config
+        self.layer_index = layer_index
+        self.parallel = parallel if parallel is not None else SINGLE_PROCESS
+        self.hasher = NgramHasher(config, layer_index)
+        tp = self.parallel.tensor_parallel_size
+        if config.branch_width % tp:
+            raise ValueError(f"tensor-parallel size {tp} does not divide the branch width s_b={config.branch_width} "
+                             f"(coeff_width={config.coeff_width} / {config.num_branches} branches); choose "
+                             "coeff_width so that s_b % tp == 0")
+        rows = self.hasher.total_rows(layer_index)
+        self.tables = NgramTables(*self.local_shape("tables.weight", (rows, config.branch_width)))
+        self.conv = ShortConv(config.output_size, config.conv_kernel_size, config.conv_dilation, config.norm_eps)
+
+    # ----------------------------------------------------------------- parameters
+    def local_shape(self, name: str, global_shape: tuple) -> tuple:
+        """This rank's shape of parameter ``name``, per the sharding plan."""
+        return local_shape(self.kind, name, global_shape, self.parallel.tensor_parallel_size)
+
+    def initial_values(self) -> dict:
+        """``{parameter name: Normal(std) or a constant}``, as documented in docs/method.md."""
+        raise NotImplementedError
+
+    def global_shape(self, name: str) -> tuple:
+        """A parameter's shape in a single process (and in every checkpoint), from its local shape."""
+        shape = list(self.get_parameter(name).shape)
+        dim = param_sharding(self.kind, name).tensor_parallel_dim
+        if dim is not None:
+            shape[dim] *= self.parallel.tensor_parallel_size
+        return tuple(shape)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: Optional[int] = None) -> None:
+        """Initialize every parameter.  Random ones are drawn as slices of their global tensor from
+        ``seed`` (one from torch's default generator when omitted), so a tensor-parallel rank holds
+        exactly its slice of what a single process would hold."""
+        seed = draw_seed() if seed is None else seed
+        initial = self.initial_values()
+        for name, param in self.named_parameters():
+            value = initial[name]
+            if isinstance(value, Normal):
+                normal_by_global_rows_(param, value.std, seed, name, self.global_shape(name),
+                                       split_dim=param_sharding(self.kind, name).tensor_parallel_dim,
+                                       split_rank=self.parallel.tensor_parallel_rank,
+                                       split_size=self.parallel.tensor_parallel_size)
+            else:
+                param.fill_(value)
+
+    # ----------------------------------------------------------------- forward pieces
+    def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],
+               indices: Optional[torch.Tensor]) -> torch.Tensor:
+        """Eq. 1 and 6: the concatenated table rows of every position (this rank's columns under
+        tensor parallelism), in the hidden states' dtype."""
+        self._check_inputs(hidden_states, token_ids, indices)
+        if indices is None:
+            indices = self.hasher.indices(token_ids)
+            if self.parallel.sequence_dim == 0:
+                indices = indices.transpose(0, 1)
+        return self.tables(indices).to(hidden_states.dtype)
+
+    def refine(self, values: torch.Tensor) -> torch.Tensor:
+        """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""
+        return values + self.parallel.short_conv(self.conv, values)
+
+    def _check_inputs(self, hidden_states, token_ids, indices) -> None:
+        config, seq_dim = self.config, self.parallel.sequence_dim
+        layout = "[seq, batch, hidden_size" if seq_dim == 0 else "[batch, seq, hidden_size"
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != config.hidden_size:
+            raise ValueError(f"hidden_states must have shape {layout}={config.hidden_size}], "
+                             f"got {tuple(hidden_states.shape)}")
+        if not hidden_states.is_floating_point():
+            raise TypeError(f"hidden_states must be a floating-point tensor, got dtype {hidden_states.dtype}")
+        if (token_ids is None) == (indices is None):
+            raise ValueError("pass exactly one of token_ids ([batch, seq] ids) or indices (precomputed row indices)")
+        batch = hidden_states.shape[1 - seq_dim]
+        expected = (batch, self.parallel.index_sequence_length(hidden_states.shape[seq_dim]))
+        if token_ids is not None:
+            got = tuple(token_ids.shape[:2]) if isinstance(token_ids, torch.Tensor) else None
+        else:
+            got = (indices.shape[1 - seq_dim], indices.shape[seq_dim]) if indices.dim() == 3 else None
+            if indices.dim() == 3 and indices.shape[-1] != config.num_branches:
+                raise ValueError(f"indices have {indices.shape[-1]} branches in their last axis; this layer has "
+                                 f"{config.num_branches}")
+        if got is not None and got != expected:
+            raise ValueError(f"token ids / indices of shape {tuple((token_ids if indices is None else indices).shape)} "
+                             f"do not match hidden_states [batch, seq] = {expected}")
