@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	touch $@
 

@@ -1,5 +1,8 @@
 """``fe-plan``: print the parameter budget of a preset or a YAML config."""
 
+DESCRIPTION = ("Print the parameter budget of a memory preset or a YAML config: the backbone, the tables per "
+               "n-gram order and layer, the dictionary and projections, and the total (last line: total_params=N).")
+
 import argparse
 import sys
 
@@ -8,7 +11,7 @@ from fe_megatron.config import ConfigError, MemoryConfig
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="fe-plan", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fe-plan", description=DESCRIPTION)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help=f"one of: {', '.join(MemoryConfig.preset_names())}")
     source.add_argument("--config", help="a YAML file of MemoryConfig fields, or a training config")

@@ -1,12 +1,6 @@
 """``fe-pretrain``: pretrain a FactorEngram, Engram or plain Transformer GPT with megatron.core.
 
-    torchrun --nproc_per_node N -m fe_megatron.train --config examples/configs/demo_cpu.yaml \
-        training.train_steps=200 save=runs/x
-
-Every ``log_interval`` steps it prints and records (TensorBoard and ``<save>/metrics.jsonl``)
-the LM loss, the sparsity loss (lambda * Eq. 12), the learning rate, the gradient norm,
-tokens/s and memory; every ``eval_interval`` the validation perplexity; every
-``save_interval`` a distributed checkpoint. ``load=DIR`` resumes from DIR's latest one.
+See `DESCRIPTION` (the ``--help`` text) and docs/training.md.
 """
 
 from __future__ import annotations
@@ -19,17 +13,29 @@ import math
 import os
 import sys
 import time
-import warnings
 
 import torch
 import torch.nn.functional as F
 
 from fe_megatron import ops
+from fe_megatron.third_party_warnings import silence_known_third_party_warnings
 
+DESCRIPTION = """\
+Pretrain a FactorEngram, Engram or plain Transformer GPT with megatron.core, in one process
+or under torchrun / srun.
 
-def _silence_optional_dependency_warnings():
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+examples:
+  fe-pretrain --config examples/configs/demo_cpu.yaml --save runs/demo_run
+  fe-pretrain --config examples/configs/demo_cpu.yaml memory=null training.train_steps=100
+  torchrun --nproc_per_node 8 -m fe_megatron.train \\
+      --config examples/configs/paper_340m_factorengram.yaml --save checkpoints/run1
+
+Every training.log_interval steps it prints and records (TensorBoard and SAVE/metrics.jsonl)
+the LM loss, the sparsity loss (lambda x Eq. 12), the learning rate, the gradient norm,
+tokens/s, memory and the time left; every training.eval_interval the validation perplexity;
+every training.save_interval a distributed checkpoint. --load DIR resumes from DIR's latest
+checkpoint. The config's sections and fields: docs/training.md.
+"""
 
 
 def transformer_config_for(cfg, on_gpu: bool):
@@ -160,9 +166,11 @@ def pretrain(cfg) -> dict:
     from fe_megatron.config import ConfigError
 
     t = cfg.training
-    if t.kernel_backend != "auto" and t.kernel_backend not in ops.available_backends():
-        raise ConfigError("kernel_backend", f"{t.kernel_backend!r} is not built here; available: "
-                                            f"{ops.available_backends()} (docs/kernels.md)", section="training")
+    if t.kernel_backend != "auto":
+        try:
+            ops.get_backend(t.kernel_backend)
+        except ValueError as err:
+            raise ConfigError("kernel_backend", f"{err} (docs/kernels.md)", section="training") from None
     ops.set_deterministic_backward(t.deterministic_table_grads)
     with contextlib.nullcontext() if t.kernel_backend == "auto" else ops.use_backend(t.kernel_backend):
         run = set_up(cfg)
@@ -250,7 +258,11 @@ def evaluate(run: TrainingRun, dataset, index: int) -> float:
 
 def train(run: TrainingRun) -> dict:
     """The training loop from ``run.start_step``: log, evaluate and save at their intervals, and
-    report the test perplexity at the end."""
+    report the test perplexity at the end.
+
+    Throughput is timed over training steps only (evaluation and saving excluded).  Log lines
+    show the last window's tokens/s and an ETA from the run's mean step time so far; the final
+    record holds the run's mean tokens/s without the first window (start-up and warm-up)."""
     from fe_megatron.megatron.checkpointing import save_checkpoint
     from fe_megatron.megatron.step import train_step
 
@@ -259,6 +271,8 @@ def train(run: TrainingRun) -> dict:
     last = {}
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     window_start, window_steps = time.time(), 0
+    loop_start = time.time()
+    timed = {"steps": 0, "seconds": 0.0}  # every log window but the first
     for step in range(run.start_step, t.train_steps):
         batches = run.batches(train_ds, step * t.global_batch_size, run.num_microbatches)
         lm, sparsity, grad_norm, _ = train_step([run.ddp], run.optimizer, batches, cfg.model.seq_length,
@@ -268,12 +282,18 @@ def train(run: TrainingRun) -> dict:
         done = step + 1
         if done % t.log_interval == 0 or done == t.train_steps:
             elapsed = time.time() - window_start
+            if last:
+                timed["steps"] += window_steps
+                timed["seconds"] += elapsed
+            eta = (time.time() - loop_start) / (done - run.start_step) * (t.train_steps - done)
             last = {"step": done, "lm_loss": lm, "sparsity_loss": sparsity,
                     "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
-                    "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9), "memory_mb": _memory_mb()}
+                    "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9), "memory_mb": _memory_mb(),
+                    "eta_s": round(eta)}
             run.metrics.write(last)
             log(f"step {done:>6}/{t.train_steps} | lm loss {lm:.4f} | sparsity {sparsity:.4f} | lr {last['lr']:.2e} | "
-                f"grad norm {last['grad_norm']:.3f} | {last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB")
+                f"grad norm {last['grad_norm']:.3f} | {last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB | "
+                f"ETA {_duration(eta)}")
             window_start, window_steps = time.time(), 0
         if done % t.eval_interval == 0 or done == t.train_steps:
             val = evaluate(run, valid_ds, done // max(t.eval_interval, 1))
@@ -289,16 +309,23 @@ def train(run: TrainingRun) -> dict:
             log(f"exiting after step {done} (training.exit_after)")
             return {"event": "exit", "step": done}
     test = evaluate(run, test_ds, 0)
+    mean_tokens_per_s = (tokens_per_step * timed["steps"] / timed["seconds"] if timed["steps"]
+                         else last.get("tokens_per_s"))
     final = {"event": "final", "step": t.train_steps, "test_loss": test, "test_ppl": math.exp(min(test, 50)),
-             "parameters": run.parameters, "tokens_per_s": last.get("tokens_per_s")}
+             "parameters": run.parameters, "tokens_per_s": mean_tokens_per_s}
     run.metrics.write(final)
     log(f"test loss {test:.4f} | perplexity {final['test_ppl']:.2f}")
     return final
 
 
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 def main(argv=None) -> int:
-    _silence_optional_dependency_warnings()
-    parser = argparse.ArgumentParser(prog="fe-pretrain", description=__doc__,
+    silence_known_third_party_warnings()
+    parser = argparse.ArgumentParser(prog="fe-pretrain", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True,
                         help="YAML training config, e.g. examples/configs/demo_cpu.yaml (docs/training.md)")

@@ -71,9 +71,23 @@ def test_default_is_fastest_and_use_backend_forces_and_restores():
             assert ops.current_backend(cpu) == "cpp"
         assert ops.current_backend(cpu) == "torch"
     assert ops.current_backend(cpu) == "cpp"
-    with pytest.raises(ValueError, match="backend 'fortran' is not available here; available: \\['torch'"):
+    with pytest.raises(ValueError, match="kernel backend 'fortran' is not available here; known backends: "
+                                         r"\('torch', 'cpp', 'cuda', 'triton'\). Available: \['torch'"):
         with ops.use_backend("fortran"):
             pass
+
+
+@pytest.mark.skipif(CUDA, reason="checks the message on a machine without a GPU")
+def test_triton_on_cpu_says_how_to_make_it_available():
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from fe_megatron import ops\nwith ops.use_backend('triton'):\n    pass"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode != 0
+    assert "kernel backend 'triton' is not available here: it needs the triton package and a GPU; on a CPU set " \
+           "TRITON_INTERPRET=1 before fe_megatron.ops is imported" in proc.stderr
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device to check device refusal of the cpp backend")

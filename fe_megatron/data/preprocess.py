@@ -29,20 +29,27 @@ def preprocess(inputs: List[str], tokenizer_model: str, output_prefix: str, text
     builder = IndexedDatasetBuilder(get_bin_path(tmp_prefix), dtype=dtype)
     bar = _progress(expected if not any(s.startswith("hf:") for s in inputs) else max_documents, progress)
     start, documents, tokens = time.time(), 0, 0
-    for text in iter_documents(inputs, text_key, hf_split):
-        ids = tokenizer.tokenize(text).tolist() + [tokenizer.eod]
-        builder.add_document(torch.tensor(ids), [len(ids)])
-        documents += 1
-        tokens += len(ids)
-        bar.update(1)
-        if max_documents is not None and documents >= max_documents:
-            break
-    bar.close()
-    if documents == 0:
+    try:
+        for text in iter_documents(inputs, text_key, hf_split):
+            ids = tokenizer.tokenize(text).tolist() + [tokenizer.eod]
+            builder.add_document(torch.tensor(ids), [len(ids)])
+            documents += 1
+            tokens += len(ids)
+            bar.update(1)
+            bar.set_postfix_str(f"{tokens / max(time.time() - start, 1e-9):,.0f} tokens/s", refresh=False)
+            if max_documents is not None and documents >= max_documents:
+                break
+        if documents == 0:
+            raise DataError(f"empty corpus: no documents in {', '.join(inputs)}")
+        builder.finalize(get_idx_path(tmp_prefix))
+    except BaseException:  # bad input, an interrupted stream, Ctrl-C: leave nothing behind
         builder.data_file.close()
-        os.remove(get_bin_path(tmp_prefix))
-        raise DataError(f"empty corpus: no documents in {', '.join(inputs)}")
-    builder.finalize(get_idx_path(tmp_prefix))
+        for path in (get_bin_path(tmp_prefix), get_idx_path(tmp_prefix)):
+            if os.path.exists(path):
+                os.remove(path)
+        raise
+    finally:
+        bar.close()
     os.replace(get_bin_path(tmp_prefix), get_bin_path(output_prefix))
     os.replace(get_idx_path(tmp_prefix), get_idx_path(output_prefix))
     elapsed = max(time.time() - start, 1e-9)
@@ -58,6 +65,9 @@ def _progress(total, enabled):
     except ImportError:
         class _Null:
             def update(self, n):
+                pass
+
+            def set_postfix_str(self, text, refresh=True):
                 pass
 
             def close(self):

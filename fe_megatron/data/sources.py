@@ -59,8 +59,18 @@ def iter_parquet(path: str, text_key: str) -> Iterator[str]:
                 yield text
 
 
+def require_datasets_package():
+    """``datasets.load_dataset``, or a DataError that says how to install it."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise DataError("reading hf:NAME inputs needs the Hugging Face 'datasets' package, which is not "
+                        "installed; install it with: pip install 'fe_megatron[hf]' (or: pip install datasets)") from None
+    return load_dataset
+
+
 def iter_hf_dataset(name: str, text_key: str, split: str = "train", subset: str = None) -> Iterator[str]:
-    from datasets import load_dataset
+    load_dataset = require_datasets_package()
 
     for record in load_dataset(name, subset, split=split, streaming=True):
         if text_key not in record:
@@ -89,7 +99,10 @@ def iter_documents(inputs: List[str], text_key: str = "text", hf_split: str = "t
 
 
 def validate_inputs(inputs: List[str], text_key: str) -> int:
-    """Read local files once, fully, so bad input fails before anything is written. Returns the document count."""
+    """Read local files once, fully, and check that hf: inputs can be read, so bad input fails before
+    anything is written. Returns the local document count."""
+    if any(s.startswith("hf:") for s in inputs):
+        require_datasets_package()
     count = 0
     for _ in iter_documents([s for s in inputs if not s.startswith("hf:")], text_key):
         count += 1

@@ -54,7 +54,8 @@ def latest_iteration(directory: str):
     path = os.path.join(directory, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as fh:
+        text = fh.read().strip()
     if not text.isdigit():
         raise ValueError(f"{path}: expected an iteration number, found {text!r}")
     if not os.path.isdir(os.path.join(directory, f"iter_{int(text):07d}")):

@@ -82,11 +82,22 @@ def available_backends() -> list:
     return [name for name in BACKEND_NAMES if name in _backends]
 
 
+# What makes a backend available, for the error message when it is not.
+_HOW_TO_ENABLE = {
+    "cpp": "it is compiled by `pip install --no-build-isolation -e .` where torch is installed",
+    "cuda": "it needs a CUDA device, and is compiled by `pip install --no-build-isolation -e .` where torch has "
+            "CUDA and nvcc is found",
+    "triton": "it needs the triton package and a GPU; on a CPU set TRITON_INTERPRET=1 before fe_megatron.ops is "
+              "imported to run it in Triton's interpreter (slow: for tests)",
+}
+
+
 def get_backend(name: str) -> Backend:
     """A built backend: its kernel functions (``.module``), devices and table dtypes."""
     _discover()
     if name not in _backends:
-        raise ValueError(f"backend {name!r} is not available here; available: {available_backends()}")
+        how = f": {_HOW_TO_ENABLE[name]}" if name in _HOW_TO_ENABLE else f"; known backends: {BACKEND_NAMES}"
+        raise ValueError(f"kernel backend {name!r} is not available here{how}. Available: {available_backends()}")
     return _backends[name]
 
 

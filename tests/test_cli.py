@@ -1,0 +1,114 @@
+"""What a new user meets: help texts, error messages and their wording, no third-party noise."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def command(name: str) -> list:
+    """An installed console script, as a user runs it."""
+    path = os.path.join(BIN, name)
+    assert os.path.isfile(path), f"{name} is not installed in {BIN}"
+    return [path]
+
+
+def run(cmd, **kwargs):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, **kwargs)
+
+
+def test_fe_pretrain_without_arguments_asks_for_the_config():
+    proc = run(command("fe-pretrain"))
+    assert proc.returncode == 2
+    assert "the following arguments are required: --config" in proc.stderr and "memory" not in proc.stderr
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("fe-pretrain", ["Pretrain a FactorEngram, Engram or plain Transformer GPT",
+                     "  torchrun --nproc_per_node 8 -m fe_megatron.train \\\n"
+                     "      --config examples/configs/paper_340m_factorengram.yaml --save checkpoints/run1"]),
+    ("fe-plan", ["Print the parameter budget of a memory preset or a YAML config"]),
+    ("fe-data", ["Prepare pretraining data: train a sentencepiece tokenizer",
+                 "pip install 'fe_megatron[hf]'"]),
+    ("fe-demo", ["Pretrain a small FactorEngram model and the same-size Transformer"]),
+])
+def test_help_texts_read_as_plain_text(name, expected):
+    out = run(command(name) + ["--help"]).stdout
+    for text in expected:
+        assert text in out
+    assert "``" not in out  # no reStructuredText quoting leaks into --help
+
+
+@pytest.mark.parametrize("subcommand", ["train-tokenizer", "preprocess"])
+def test_every_fe_data_option_explains_itself(subcommand):
+    import argparse
+
+    from fe_megatron.data import cli
+
+    captured = {}
+    original = argparse.ArgumentParser.parse_args
+
+    def capture(self, args=None, namespace=None):
+        captured["parser"] = self
+        return original(self, args, namespace)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(argparse.ArgumentParser, "parse_args", capture)
+        with pytest.raises(SystemExit):
+            cli.main([subcommand, "--help"])
+    sub = next(a for a in captured["parser"]._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.choices[subcommand]
+    assert parser.description
+    for action in parser._actions:
+        assert action.help, f"fe-data {subcommand} {action.option_strings} has no help text"
+
+
+def test_hf_input_without_datasets_names_the_extra_and_writes_nothing(tmp_path, monkeypatch, small_data):
+    from fe_megatron.data.cli import main as fe_data
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import fails as if not installed
+    prefix = tmp_path / "out" / "fineweb"
+    rc = fe_data(["preprocess", "--input", "hf:HuggingFaceFW/fineweb-edu:sample-10BT", "--tokenizer-model",
+                  small_data["tokenizer"], "--output-prefix", str(prefix), "--no-progress"])
+    assert rc == 2
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_hf_error_text(monkeypatch):
+    from fe_megatron.data.sources import DataError, validate_inputs
+
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(DataError, match=r"reading hf:NAME inputs needs the Hugging Face 'datasets' package, which is "
+                                        r"not installed; install it with: pip install 'fe_megatron\[hf\]'"):
+        validate_inputs(["hf:some/dataset"], "text")
+
+
+def test_fe_data_prints_no_third_party_warnings(small_data, tmp_path):
+    proc = run(command("fe-data") + ["preprocess", "--input", small_data["subset"], "--tokenizer-model",
+                                      small_data["tokenizer"], "--output-prefix", str(tmp_path / "x"),
+                                      "--no-progress"])
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr
+
+
+def test_fe_demo_refuses_zero_steps():
+    proc = run(command("fe-demo") + ["--steps", "0"])
+    assert proc.returncode == 2 and "argument --steps: 0 is not a positive number of steps" in proc.stderr
+
+
+def test_fe_demo_with_few_steps_scales_warmup_and_starts_tensorboard_clean(tmp_path):
+    stale = tmp_path / "tensorboard" / "factorengram"
+    stale.mkdir(parents=True)
+    (stale / "events.out.tfevents.stale").write_text("old run")
+    proc = run(command("fe-demo") + ["--steps", "3", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-2000:]
+    assert "optimizer.warmup_steps=0" in proc.stdout
+    assert not (stale / "events.out.tfevents.stale").exists() and len(os.listdir(stale)) == 1
+    assert "model            val ppl  test ppl    parameters   tokens/s" in proc.stdout
+    assert f"TensorBoard: {os.path.join(BIN, 'tensorboard')} --logdir {tmp_path / 'tensorboard'}" in proc.stdout
