@@ -60,21 +60,22 @@ def transformer_config_for(cfg, on_gpu: bool):
 
 
 def count_parameters(model) -> int:
-    """Parameters of the whole model (summed over TP shards and pipeline stages, tied weights once)."""
+    """Parameters of the whole model: summed over TP shards and pipeline stages (tied weights once),
+    and row-sharded tables over the memory-parallel (expert-parallel) group too."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     from fe_megatron.megatron.step import current_device
 
-    local = 0
+    local = torch.zeros(2, dtype=torch.float64, device=current_device())  # [whole on this stage, row-sharded]
     for name, param in model.named_parameters():
         if name.endswith("output_layer.weight") and getattr(model, "share_embeddings_and_output_weights", False):
             continue  # the last stage's copy of the tied embedding
         if param_is_not_tensor_parallel_duplicate(param):
-            local += param.numel()
-    total = torch.tensor([local], dtype=torch.float64, device=current_device())
-    torch.distributed.all_reduce(total, group=parallel_state.get_model_parallel_group())
-    return int(total)
+            local[1 if getattr(param, "row_sharded", False) else 0] += param.numel()
+    torch.distributed.all_reduce(local[1:], group=parallel_state.get_expert_model_parallel_group())
+    torch.distributed.all_reduce(local, group=parallel_state.get_model_parallel_group())
+    return int(local.sum())
 
 
 def _memory_mb() -> float:
@@ -161,14 +162,25 @@ class TrainingRun:
         return batches
 
 
+def check_kernel_backend(name: str, device: torch.device) -> None:
+    """A forced kernel backend must be built and take tensors of the run's device: the tables'
+    gathers, their (row-exchanged) gradients and the hash all run on it."""
+    backend = ops.get_backend(name)
+    if device.type not in backend.devices:
+        raise ValueError(f"kernel backend {name!r} runs on {'/'.join(backend.devices)} tensors, but this run's "
+                         f"tables are on {device.type}; use kernel_backend=auto or one of "
+                         f"{[n for n in ops.available_backends() if device.type in ops.get_backend(n).devices]}")
+
+
 def pretrain(cfg) -> dict:
     """Run (or resume) the configured pretraining; returns the final metrics."""
     from fe_megatron.config import ConfigError
 
     t = cfg.training
     if t.kernel_backend != "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
-            ops.get_backend(t.kernel_backend)
+            check_kernel_backend(t.kernel_backend, device)
         except ValueError as err:
             raise ConfigError("kernel_backend", f"{err} (docs/kernels.md)", section="training") from None
     ops.set_deterministic_backward(t.deterministic_table_grads)
@@ -195,7 +207,7 @@ def set_up(cfg) -> TrainingRun:
     from fe_megatron.megatron.step import causal_mask, current_device
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
-    initialize(p.tensor, p.pipeline, seed=t.seed)
+    initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding)
     on_gpu = torch.cuda.is_available()
     log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
@@ -216,7 +228,8 @@ def set_up(cfg) -> TrainingRun:
 
     tconfig = transformer_config_for(cfg, on_gpu)
     model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory, backend=t.transformer_impl,
-                            share_embeddings=m.tie_embeddings, rotary_base=m.rope_base)
+                            share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
+                            table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
     if on_gpu:
         model.cuda()
     ddp = wrap_ddp(model, tconfig, use_distributed_optimizer=p.distributed_optimizer)

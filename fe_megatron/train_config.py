@@ -22,6 +22,7 @@ from fe_megatron.ops import BACKEND_NAMES
 
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
 TRANSFORMER_IMPLS = ("local", "te")
+TABLE_SHARDINGS = ("replicated", "rows")
 
 
 @dataclass
@@ -30,6 +31,8 @@ class ParallelArgs:
     pipeline: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
+    table_sharding: str = "replicated"  # replicated | rows: tables' rows sharded over the data-parallel ranks
+    prefetch_table_rows: bool = True  # rows: start every layer's row exchange at the start of the microbatch
 
 
 @dataclass
@@ -106,6 +109,8 @@ class TrainConfig:
             fail("training", "precision", f"{t.precision!r} is not one of auto, bf16, fp32")
         if t.recompute not in ("none", "full"):
             fail("training", "recompute", f"{t.recompute!r} is not one of none, full")
+        if self.parallel.table_sharding not in TABLE_SHARDINGS:
+            fail("parallel", "table_sharding", f"{self.parallel.table_sharding!r} is not one of {TABLE_SHARDINGS}")
         if t.transformer_impl not in TRANSFORMER_IMPLS:
             fail("training", "transformer_impl", f"{t.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}")
         if t.kernel_backend not in KERNEL_BACKENDS:

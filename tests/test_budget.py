@@ -44,3 +44,32 @@ def test_fe_plan_cli_prints_total_last():
     assert "backbone_params=" in out and "tables order 2" in out and "dictionary" in out
     bad = subprocess.run(cmd + ["--preset", "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown memory preset 'nope'" in bad.stderr
+
+
+def test_rank_memory_of_whole_and_row_sharded_tables():
+    from fe_megatron.rank_memory import exchange_bytes_per_step, rank_memory
+
+    c = MemoryConfig.from_preset("factorengram-340m")
+    tables = sum(memory_layer_budget(c, layer).tables for layer in c.layers)
+    whole = rank_memory(c, dp=8, table_sharding="replicated", distributed_optimizer=True)
+    rows = rank_memory(c, dp=8, table_sharding="rows", distributed_optimizer=True)
+    assert whole.table_weights == whole.table_grads == 4 * tables and whole.table_optimizer == 8 * tables / 8
+    assert rows.table_weights == rows.table_grads == 4 * tables / 8 and rows.table_optimizer == 8 * tables / 8
+    assert rows.rest == whole.rest and rank_memory(c, tp=2).table_weights == 2 * tables
+    # 64 sequences over 8 ranks: 8 microbatches x 2 layers x 8192 x 12 positions, 7/8 of them elsewhere
+    assert exchange_bytes_per_step(c, 1, 1, 8, 1, 8192, 64) == 8 * 2 * 8192 * 12 * 7 / 8 * (8 + 8 * 256)
+    assert exchange_bytes_per_step(c, 1, 1, 1, 1, 8192, 64) == 0
+
+
+def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
+    exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
+    base = [exe, "--preset", "factorengram-340m", "--dp", "8", "--distributed-optimizer"]
+    rows = subprocess.run(base + ["--table-sharding", "rows"], capture_output=True, text=True, check=True).stdout
+    whole = subprocess.run(base, capture_output=True, text=True, check=True).stdout
+    assert "tables rows" in rows and "row exchange per step and rank: at most 2.64 GiB" in rows
+    assert "tables        0.51      0.51       1.01      2.03" in rows
+    assert "tables        4.06      4.06       1.01      9.13" in whole and "row exchange" not in whole
+    assert rows.strip().splitlines()[-1].startswith("total_params=")
+    bad = subprocess.run(base + ["--micro-batch-size", "3"], capture_output=True, text=True)
+    assert bad.returncode == 2 and ("--global-batch-size 64 is not a multiple of --micro-batch-size x --dp = 3 x 8"
+                                    in bad.stderr)

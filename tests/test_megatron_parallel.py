@@ -12,8 +12,9 @@ def test_memory_branches_tp2_with_and_without_sp_match_plain_modules():
     assert "0 failures" in out
 
 
-def test_memory_branch_context_parallel_matches_plain_module():
-    out = torchrun("check_memory_cp.py")
+@pytest.mark.parametrize("tables", ["replicated", "rows"])
+def test_memory_branch_context_parallel_matches_plain_module(tables):
+    out = torchrun("check_memory_cp.py", "--tables", tables)
     assert "0 failures" in out
 
 

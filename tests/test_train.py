@@ -79,18 +79,41 @@ def test_resume_reproduces_the_uninterrupted_curve_exactly(small_data, tmp_path)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("parallel", [["parallel.tensor=1"], ["parallel.tensor=2", "parallel.sequence_parallel=true"]],
-                         ids=["dp2", "tp2-sp"])
+@pytest.mark.parametrize("parallel", [["parallel.tensor=1"], ["parallel.tensor=2", "parallel.sequence_parallel=true"],
+                                      ["parallel.table_sharding=rows"]],
+                         ids=["dp2", "tp2-sp", "dp2-rows"])
 def test_torchrun_two_processes(small_data, tmp_path, parallel):
     save = str(tmp_path / "run")
     out = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **{
         "training.train_steps": 4, "training.save_interval": 4}) + parallel, nproc=2).stdout
-    dp = 2 if parallel == ["parallel.tensor=1"] else 1
+    dp = 1 if "parallel.tensor=2" in parallel else 2
     assert f"DP={dp}" in out
+    if "parallel.table_sharding=rows" in parallel:  # the same parameter count as whole tables
+        whole = run_pretrain(["--config", CONFIG, "--save", str(tmp_path / "whole")] + small_overrides(
+            small_data, **{"training.train_steps": 3, "training.save_interval": 3}), nproc=1).stdout
+        assert re.search(r"model factorengram: ([\d,]+) parameters", out).group(1) == \
+            re.search(r"model factorengram: ([\d,]+) parameters", whole).group(1)
     rows = metrics(save)
     final = [r for r in rows if r.get("event") == "final"][0]
     assert final["test_loss"] > 0 and rows[1]["lm_loss"] < 7.0
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "4"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tables", ["replicated", "rows"])
+def test_distributed_optimizer_resume_reproduces_the_curve_exactly(small_data, tmp_path, tables):
+    """DP=2 with the distributed optimizer (each rank holds its share of the Adam state), whole or
+    row-sharded tables: stop at step 4, resume, and end on the uninterrupted run's curve bit for bit."""
+    full, half = str(tmp_path / "full"), str(tmp_path / "half")
+    extra = {"parallel.distributed_optimizer": "true", "parallel.table_sharding": tables,
+             "optimizer.table_lr_mult": 2.0, "training.log_interval": 1}
+    run_pretrain(["--config", CONFIG, "--save", full] + small_overrides(small_data, **extra), nproc=2)
+    run_pretrain(["--config", CONFIG, "--save", half] + small_overrides(small_data, **extra,
+                                                                        **{"training.exit_after": 4}), nproc=2)
+    out = run_pretrain(["--config", CONFIG, "--save", half, "--load", half] + small_overrides(small_data, **extra),
+                       nproc=2).stdout
+    assert "at iteration 4" in out
+    assert curve(metrics(full)) == curve(metrics(half)) and len(curve(metrics(full))) >= 8
 
 
 def test_cpp_kernels_change_no_bit_of_a_cpu_run(small_data, tmp_path):

@@ -18,7 +18,8 @@ def base(scale):
     return {
         "model": {"preset": scale},  # the backbone of Table 8: fe_megatron.presets.BACKBONES
         "memory": {"preset": f"factorengram-{scale}"},
-        "parallel": {"tensor": 1, "pipeline": 1, "sequence_parallel": False, "distributed_optimizer": True},
+        "parallel": {"tensor": 1, "pipeline": 1, "sequence_parallel": False, "distributed_optimizer": True,
+                     "table_sharding": "rows"},
         "optimizer": {"lr": 4.0e-4 if big else 1.0e-3, "min_lr": 4.0e-5 if big else 1.0e-4, "weight_decay": 0.01,
                       "beta1": 0.9, "beta2": 0.95, "eps": 1.0e-8, "clip_grad": 1.0,
                       "warmup_steps": 1911 if big else 1024, "table_lr_mult": 1.0, "table_weight_decay_mult": 0.0},

@@ -19,9 +19,12 @@ from fe_megatron.megatron.layer_specs import get_block_spec, get_gpt_layer_with_
 
 def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: int,
                     memory_config: Optional[MemoryConfig] = None, backend: str = "local",
-                    share_embeddings: bool = True, rotary_base: float = 10000.0):
+                    share_embeddings: bool = True, rotary_base: float = 10000.0,
+                    table_sharding: str = "replicated", prefetch_table_rows: bool = True):
     """This pipeline stage's model: FactorEngram/Engram when ``memory_config`` is given, else the
-    plain Transformer with the same backbone (RoPE, RMSNorm, SwiGLU per ``transformer_config``)."""
+    plain Transformer with the same backbone (RoPE, RMSNorm, SwiGLU per ``transformer_config``).
+    ``table_sharding="rows"`` shards the tables' rows over the expert-parallel group
+    (`initialize(..., table_sharding="rows")` makes it the data-parallel one)."""
     kwargs = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                   post_process=parallel_state.is_pipeline_last_stage(),
                   share_embeddings_and_output_weights=share_embeddings, position_embedding_type="rope",
@@ -35,8 +38,10 @@ def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: in
             spec = get_local_layer_spec()
         return GPTModel(transformer_config, get_block_spec(spec, transformer_config), vocab_size,
                         max_sequence_length, **kwargs)
-    spec = get_block_spec(get_gpt_layer_with_factorengram_spec(memory_config, backend=backend), transformer_config)
-    return FactorEngramGPTModel(transformer_config, spec, vocab_size, max_sequence_length, memory_config, **kwargs)
+    layer_spec = get_gpt_layer_with_factorengram_spec(memory_config, backend=backend, table_sharding=table_sharding)
+    spec = get_block_spec(layer_spec, transformer_config)
+    return FactorEngramGPTModel(transformer_config, spec, vocab_size, max_sequence_length, memory_config,
+                                prefetch_table_rows=prefetch_table_rows, **kwargs)
 
 
 def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,

@@ -25,7 +25,7 @@ class FactorEngramGPTModel(GPTModel):
     """
 
     def __init__(self, config, transformer_layer_spec, vocab_size: int, max_sequence_length: int,
-                 memory_config: MemoryConfig, **gpt_model_kwargs):
+                 memory_config: MemoryConfig, prefetch_table_rows: bool = True, **gpt_model_kwargs):
         if memory_config.vocab_size > vocab_size:
             raise ValueError(f"MemoryConfig.vocab_size={memory_config.vocab_size} exceeds the model's "
                              f"vocab_size={vocab_size}")
@@ -37,6 +37,7 @@ class FactorEngramGPTModel(GPTModel):
         self.stage_memory_layers = [layer for layer in self.decoder.layers
                                     if isinstance(layer, FactorEngramTransformerLayer) and layer.memory is not None]
         self.hasher = MicrobatchHasher(memory_config, [layer.layer_index for layer in self.stage_memory_layers])
+        self.prefetch_table_rows = prefetch_table_rows
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs: Optional[dict] = None,
@@ -52,11 +53,25 @@ class FactorEngramGPTModel(GPTModel):
                                      f"{[layer.layer_index for layer in self.stage_memory_layers]} and needs "
                                      "input_ids (or memory_indices); give token ids to every pipeline stage")
                 memory_indices = self.hasher(input_ids)
-            extra_block_kwargs["memory_indices"] = memory_indices
+            extra_block_kwargs["memory_indices"] = self._start_lookups(memory_indices)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
                                inference_context=inference_context, packed_seq_params=packed_seq_params,
                                extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
                                **kwargs)
+
+    def _start_lookups(self, memory_indices: dict) -> dict:
+        """With row-sharded tables, send every memory layer's row requests now (prefetch): the rows
+        come back while the layers before them compute, and each layer waits only for its own.
+        Not under full recompute, whose checkpointed chunks take the indices as tensor inputs (the
+        exchange then runs inside the layer, and again in the recomputation)."""
+        recompute = self.config.recompute_granularity == "full" and self.training
+        if not self.prefetch_table_rows or recompute:
+            return memory_indices
+        started = dict(memory_indices)
+        for layer in self.stage_memory_layers:
+            if layer.memory.row_partition is not None and layer.layer_index in started:
+                started[layer.layer_index] = layer.memory.start_lookup(started[layer.layer_index])
+        return started
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the

@@ -29,11 +29,14 @@ def get_local_layer_spec(**spec_kwargs) -> ModuleSpec:
     return spec
 
 
-def get_gpt_layer_with_factorengram_spec(memory_config: MemoryConfig, backend: str = "local", **spec_kwargs):
+def get_gpt_layer_with_factorengram_spec(memory_config: MemoryConfig, backend: str = "local",
+                                         table_sharding: str = "replicated", **spec_kwargs):
     """A GPT layer spec whose layers carry the memory branch on ``memory_config.layers``.
 
     backend: ``"local"`` (megatron.core's own modules; runs on CPU) or ``"te"``
-    (Transformer Engine, optional). ``spec_kwargs`` go to megatron's spec function
+    (Transformer Engine, optional). table_sharding: ``"replicated"`` (whole tables on every
+    data-parallel rank) or ``"rows"`` (rows sharded over the expert-parallel group, see
+    `fe_megatron.megatron.memory_layer`). ``spec_kwargs`` go to megatron's spec function
     (e.g. ``qk_layernorm``, ``normalization``).
     """
     if backend == "local":
@@ -46,7 +49,7 @@ def get_gpt_layer_with_factorengram_spec(memory_config: MemoryConfig, backend: s
         base = get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
     else:
         raise ValueError(f"backend must be 'local' or 'te', got {backend!r}")
-    return memory_layer_spec(base, memory_config)
+    return memory_layer_spec(base, memory_config, table_sharding)
 
 
 def get_block_spec(layer_spec: ModuleSpec, config, vp_stage: Optional[int] = None) -> ModuleSpec:

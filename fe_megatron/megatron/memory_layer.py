@@ -4,14 +4,31 @@ The branch is the single-process `fe_megatron.memory.FactorEngram` / `Engram`, r
 `MegatronParallelHooks`.  Its parameters' Megatron attributes and its ``sharded_state_dict`` come
 from the sharding plan (`fe_megatron.memory.sharding.SHARDING_PLAN`), so the global names and
 shapes in a checkpoint are those of a single-process module at every layout.
+
+The tables use Megatron's expert-parallel machinery, as MoE experts do.  They carry
+``allreduce=False``, so DDP keeps them in separate buffers reduced over the expert-data-parallel
+group, with the same 1/DP gradient scaling as every other parameter, and Megatron's optimizer
+updates them in its expert optimizer, whose gradient norm sums over the expert-parallel group.
+
+* ``table_sharding="replicated"``: the expert-parallel group has one rank, so the expert-data-
+  parallel group is the data-parallel one: whole tables, gradients all-reduced, as any weight.
+* ``table_sharding="rows"``: the rows are sharded over the expert-parallel group (fe_megatron's
+  trainer makes it the data-parallel group, times the context-parallel one), so the expert-data-
+  parallel group is a single rank: no all-reduce at all, and each table row is counted exactly
+  once in the clipped global norm.
+
+Either way the optimizer is the same chain (the backbone, then the tables), which is why a
+checkpoint of one loads into the other.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
@@ -21,13 +38,19 @@ from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
 from fe_megatron.memory import MemoryBranch, build_memory
 from fe_megatron.memory.sharding import param_sharding
 
+TABLE_SHARDINGS = ("replicated", "rows")
+
 
 def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, layer_index: int,
-                        tp_group: Optional[dist.ProcessGroup] = None) -> MemoryBranch:
+                        tp_group: Optional[dist.ProcessGroup] = None,
+                        table_sharding: str = "replicated") -> MemoryBranch:
     """The branch of insertion layer ``layer_index`` for this rank, with its Megatron attributes."""
+    if table_sharding not in TABLE_SHARDINGS:
+        raise ValueError(f"table_sharding={table_sharding!r} is not one of {TABLE_SHARDINGS}")
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
-    hooks = MegatronParallelHooks(tp_group, config.sequence_parallel, cp_group)
+    rows_group = parallel_state.get_expert_model_parallel_group() if table_sharding == "rows" else None
+    hooks = MegatronParallelHooks(tp_group, config.sequence_parallel, cp_group, rows_group)
     branch = build_memory(memory_config, layer_index, hooks, initialize=config.perform_initialization)
     for name, param in branch.named_parameters():
         sharding = param_sharding(branch.kind, name)
@@ -37,15 +60,50 @@ def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, 
             param.sequence_parallel = hooks.sequence_parallel
         if sharding.is_table:
             param.is_memory_table = True  # the optimizer's table group (builder.build_optimizer)
-            param.allreduce = True
+        # reduced over the expert-data-parallel group only (see the module docstring)
+        param.allreduce = not sharding.row_parallel
+        param.row_sharded = sharding.row_parallel and branch.row_partition is not None
     return branch
 
 
 def memory_sharded_state_dict(branch: MemoryBranch, prefix: str, sharded_offsets: tuple = (),
                               metadata: Optional[dict] = None) -> dict:
-    """ShardedTensors of the branch's parameters, split along the plan's tensor-parallel axes."""
+    """ShardedTensors of the branch's parameters: split along the plan's tensor-parallel axes, and
+    row-sharded tables as one uneven chunk per branch at its global row offset."""
     state = branch.state_dict(prefix="", keep_vars=True)
-    axes = {name: param_sharding(branch.kind, name).tensor_parallel_dim for name in state}
-    return make_sharded_tensors_for_checkpoint(state, prefix, {n: a for n, a in axes.items() if a is not None},
-                                               sharded_offsets, tp_group=branch.parallel.tp_group,
-                                               dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"])
+    row_sharded = {name for name in state
+                   if param_sharding(branch.kind, name).row_parallel and branch.row_partition is not None}
+    axes = {name: param_sharding(branch.kind, name).tensor_parallel_dim for name in state if name not in row_sharded}
+    sharded = make_sharded_tensors_for_checkpoint({n: t for n, t in state.items() if n not in row_sharded}, prefix,
+                                                  {n: a for n, a in axes.items() if a is not None}, sharded_offsets,
+                                                  tp_group=branch.parallel.tp_group,
+                                                  dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"])
+    for name in row_sharded:
+        if sharded_offsets:
+            raise ValueError("row-sharded memory tables are saved layer by layer (non_homogeneous_layers); "
+                             f"got sharded_offsets={sharded_offsets}")
+        sharded[f"{prefix}{name}"] = _row_sharded_factory(branch, name, state[name], f"{prefix}{name}")
+    return sharded
+
+
+def _row_sharded_factory(branch: MemoryBranch, name: str, param: torch.Tensor, key: str) -> ShardedTensorFactory:
+    """This rank's rows of a table, per branch, each at its global offset (the chunks are uneven, so
+    the grid is irregular: ``axis_fragmentations=None``).  A factory, so that the optimizer's states
+    of the table are saved the same way."""
+    global_shape = branch.global_shape(name)
+    slices = branch.global_row_slices(name)
+    column_offset = branch.parallel.tensor_parallel_rank * param.shape[1]
+    edp = parallel_state.get_expert_data_parallel_group()
+    replica_id = (0, 0, dist.get_rank(edp))  # copies only across expert-data-parallel ranks
+
+    def build(key, data, replica_id, flattened_range):
+        return {f"rows{first}": ShardedTensor(key=key, data=data[local:local + rows], dtype=data.dtype,
+                                              local_shape=(rows, data.shape[1]), global_shape=global_shape,
+                                              global_offset=(first, column_offset), axis_fragmentations=None,
+                                              replica_id=replica_id)
+                for first, rows, local in slices}
+
+    def merge(loaded):
+        return torch.cat([loaded[f"rows{first}"] for first, _, _ in slices])
+
+    return ShardedTensorFactory(key, param, build, merge, replica_id)

@@ -94,13 +94,17 @@ def _cp_chunk_location(chunk: int, size: int):
 
 
 class MegatronParallelHooks(ParallelHooks):
-    """TP (with or without SP) and CP communication for one memory branch, sequence-first."""
+    """TP (with or without SP) and CP communication for one memory branch, sequence-first; with
+    ``memory_parallel_group`` the tables' rows are sharded over it (the row exchange itself is
+    `fe_megatron.memory.row_exchange`, shared with every engine)."""
 
     sequence_dim = 0
 
     def __init__(self, tp_group: dist.ProcessGroup, sequence_parallel: bool,
-                 cp_group: Optional[dist.ProcessGroup] = None):
+                 cp_group: Optional[dist.ProcessGroup] = None,
+                 memory_parallel_group: Optional[dist.ProcessGroup] = None):
         self.tp_group = tp_group
+        self.memory_parallel_group = memory_parallel_group
         self.tensor_parallel_size = dist.get_world_size(tp_group)
         self.tensor_parallel_rank = dist.get_rank(tp_group)
         self.sequence_parallel = bool(sequence_parallel) and self.tensor_parallel_size > 1

@@ -33,10 +33,12 @@ def _free_port() -> int:
 
 
 def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 1234,
-               context_parallel_size: int = 1) -> None:
+               context_parallel_size: int = 1, table_sharding: str = "replicated") -> None:
     """Start torch.distributed (nccl on GPU, gloo on CPU), megatron's groups and its RNG streams.
 
-    Runs single-process when no launcher variables are set (world size 1).
+    ``table_sharding="rows"`` makes Megatron's expert-parallel group the data-parallel group (times
+    the context-parallel one): the memory-parallel group the tables' rows are sharded over
+    (`fe_megatron.megatron.memory_layer`).  Runs single-process when no launcher variables are set.
     """
     _env_from_slurm()
     os.environ.setdefault("RANK", "0")
@@ -55,9 +57,11 @@ def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, s
     if world % model_parallel:
         raise ValueError(f"world size {world} is not divisible by TP x PP x CP = {tensor_parallel_size} x "
                          f"{pipeline_parallel_size} x {context_parallel_size}")
+    memory_parallel = world // (tensor_parallel_size * pipeline_parallel_size) if table_sharding == "rows" else 1
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
                                              pipeline_model_parallel_size=pipeline_parallel_size,
-                                             context_parallel_size=context_parallel_size)
+                                             context_parallel_size=context_parallel_size,
+                                             expert_model_parallel_size=memory_parallel)
     set_seed(seed)
 
 

@@ -85,7 +85,7 @@ class FactorEngramTransformerLayer(TransformerLayer):
     or `Engram`) when its 0-based ``layer_index`` is in ``memory_config.layers``."""
 
     def __init__(self, config, submodules, layer_number: int = 1, hidden_dropout=None, pg_collection=None,
-                 vp_stage=None, memory_config: Optional[MemoryConfig] = None):
+                 vp_stage=None, memory_config: Optional[MemoryConfig] = None, table_sharding: str = "replicated"):
         super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage)
         if memory_config is None:
             raise ValueError("FactorEngramTransformerLayer needs memory_config (set it in the spec's params)")
@@ -94,7 +94,7 @@ class FactorEngramTransformerLayer(TransformerLayer):
         self.layer_index = self.layer_number - 1  # Megatron's 1-based number -> MemoryConfig.layers' index
         self.memory = None
         if self.layer_index in memory_config.layers:
-            self.memory = build_memory_branch(config, memory_config, self.layer_index, self.tp_group)
+            self.memory = build_memory_branch(config, memory_config, self.layer_index, self.tp_group, table_sharding)
             if memory_config.placement == "inside_ffn" and type(self.mlp) is not MLP:
                 raise ValueError("placement='inside_ffn' adds the memory to a dense SwiGLU MLP "
                                  f"(megatron.core MLP); this layer's MLP is {type(self.mlp).__name__}")
@@ -297,7 +297,8 @@ def _memory_kwargs(layer, memory_indices: dict) -> dict:
     return {"memory_indices": memory_indices.get(layer.layer_index)}
 
 
-def memory_layer_spec(base_layer_spec: ModuleSpec, memory_config: MemoryConfig) -> ModuleSpec:
+def memory_layer_spec(base_layer_spec: ModuleSpec, memory_config: MemoryConfig,
+                      table_sharding: str = "replicated") -> ModuleSpec:
     """Wrap a GPT layer spec: same submodules, our layer class, the memory config as a parameter."""
     return ModuleSpec(module=FactorEngramTransformerLayer, submodules=base_layer_spec.submodules,
-                      params={"memory_config": memory_config})
+                      params={"memory_config": memory_config, "table_sharding": table_sharding})

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
+from fe_megatron.memory.row_exchange import RowLookup, RowPartition
 from fe_megatron.memory.sharding import local_shape, param_sharding
 from fe_megatron.memory.short_conv import ShortConv
 from fe_megatron.memory.tables import NgramTables
@@ -51,14 +53,19 @@ class MemoryBranch(nn.Module):
             raise ValueError(f"tensor-parallel size {tp} does not divide the branch width s_b={config.branch_width} "
                              f"(coeff_width={config.coeff_width} / {config.num_branches} branches); choose "
                              "coeff_width so that s_b % tp == 0")
-        rows = self.hasher.total_rows(layer_index)
-        self.tables = NgramTables(*self.local_shape("tables.weight", (rows, config.branch_width)))
+        layout = self.hasher.layouts[0]
+        self.row_partition = None  # tables whole on every rank of the memory-parallel group
+        group = self.parallel.memory_parallel_group
+        if group is not None:
+            self.row_partition = RowPartition(layout.moduli, layout.offsets, dist.get_world_size(group),
+                                              dist.get_rank(group))
+        self.tables = NgramTables(*self.local_shape("tables.weight", (layout.total_rows, config.branch_width)))
         self.conv = ShortConv(config.output_size, config.conv_kernel_size, config.conv_dilation, config.norm_eps)
 
     # ----------------------------------------------------------------- parameters
     def local_shape(self, name: str, global_shape: tuple) -> tuple:
         """This rank's shape of parameter ``name``, per the sharding plan."""
-        return local_shape(self.kind, name, global_shape, self.parallel.tensor_parallel_size)
+        return local_shape(self.kind, name, global_shape, self.parallel.tensor_parallel_size, self.row_partition)
 
     def initial_values(self) -> dict:
         """``{parameter name: Normal(std) or a constant}``, as documented in docs/method.md."""
@@ -67,10 +74,19 @@ class MemoryBranch(nn.Module):
     def global_shape(self, name: str) -> tuple:
         """A parameter's shape in a single process (and in every checkpoint), from its local shape."""
         shape = list(self.get_parameter(name).shape)
-        dim = param_sharding(self.kind, name).tensor_parallel_dim
-        if dim is not None:
-            shape[dim] *= self.parallel.tensor_parallel_size
+        sharding = param_sharding(self.kind, name)
+        if sharding.tensor_parallel_dim is not None:
+            shape[sharding.tensor_parallel_dim] *= self.parallel.tensor_parallel_size
+        if sharding.row_parallel and self.row_partition is not None:
+            shape[0] = sum(self.row_partition.branch_rows)
         return tuple(shape)
+
+    def global_row_slices(self, name: str) -> list:
+        """``[(global_first_row, rows, local_first_row)]`` of a parameter: one slice, all of its rows,
+        unless its rows are sharded."""
+        if param_sharding(self.kind, name).row_parallel and self.row_partition is not None:
+            return self.row_partition.slices()
+        return [(0, self.get_parameter(name).shape[0], 0)]
 
     @torch.no_grad()
     def reset_parameters(self, seed: Optional[int] = None) -> None:
@@ -81,25 +97,36 @@ class MemoryBranch(nn.Module):
         initial = self.initial_values()
         for name, param in self.named_parameters():
             value = initial[name]
-            if isinstance(value, Normal):
-                normal_by_global_rows_(param, value.std, seed, name, self.global_shape(name),
+            if not isinstance(value, Normal):
+                param.fill_(value)
+                continue
+            for first, rows, local in self.global_row_slices(name):
+                normal_by_global_rows_(param[local:local + rows], value.std, seed, name, self.global_shape(name),
                                        split_dim=param_sharding(self.kind, name).tensor_parallel_dim,
                                        split_rank=self.parallel.tensor_parallel_rank,
-                                       split_size=self.parallel.tensor_parallel_size)
-            else:
-                param.fill_(value)
+                                       split_size=self.parallel.tensor_parallel_size, row_offset=first)
 
     # ----------------------------------------------------------------- forward pieces
+    def start_lookup(self, indices: torch.Tensor) -> RowLookup:
+        """With row-sharded tables: send this microbatch's requests now and let the rows come back
+        while other work runs (prefetch); pass the result to ``forward`` as ``indices``."""
+        if self.row_partition is None:
+            raise ValueError("start_lookup needs row-sharded tables (ParallelHooks.memory_parallel_group)")
+        return RowLookup(self.tables.weight, indices, self.row_partition, self.parallel.memory_parallel_group)
+
     def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],
-               indices: Optional[torch.Tensor]) -> torch.Tensor:
+               indices) -> torch.Tensor:
         """Eq. 1 and 6: the concatenated table rows of every position (this rank's columns under
-        tensor parallelism), in the hidden states' dtype."""
-        self._check_inputs(hidden_states, token_ids, indices)
+        tensor parallelism), in the hidden states' dtype.  ``indices`` may be a started `RowLookup`."""
+        self._check_inputs(hidden_states, token_ids, indices.indices if isinstance(indices, RowLookup) else indices)
         if indices is None:
             indices = self.hasher.indices(token_ids)
             if self.parallel.sequence_dim == 0:
                 indices = indices.transpose(0, 1)
-        return self.tables(indices).to(hidden_states.dtype)
+        if self.row_partition is None:
+            return self.tables(indices).to(hidden_states.dtype)
+        lookup = indices if isinstance(indices, RowLookup) else self.start_lookup(indices)
+        return lookup.rows().flatten(-2).to(hidden_states.dtype)
 
     def refine(self, values: torch.Tensor) -> torch.Tensor:
         """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""

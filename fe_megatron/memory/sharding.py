@@ -15,6 +15,10 @@ the same name.  Splits:
   Engram's projections ``[out, branches, s_b]``, so each rank's coefficients meet their own rows
   of D.  ``None``: whole on every tensor-parallel rank.  Those parameters see only the rank's
   own tokens under sequence parallelism, so their gradients are summed over the TP group.
+* ``row_parallel``: with row sharding on (``parallel.table_sharding: rows``), the rows are split
+  over the memory-parallel group, per branch, as `fe_megatron.memory.row_exchange.RowPartition`
+  says; lookups then go through the all-to-all row exchange.  This composes with the column
+  split: a rank holds about ``rows / N x columns / tp``.
 * ``is_table``: an n-gram table (learning-rate and weight-decay multipliers, `docs/training.md`).
 
 The rationale for the split is in docs/parallelism.md.
@@ -31,6 +35,7 @@ import torch
 @dataclass(frozen=True)
 class ParamSharding:
     tensor_parallel_dim: Optional[int] = None
+    row_parallel: bool = False
     is_table: bool = False
 
     @property
@@ -39,7 +44,7 @@ class ParamSharding:
 
 
 _WHOLE = ParamSharding()
-_TABLE = ParamSharding(tensor_parallel_dim=1, is_table=True)
+_TABLE = ParamSharding(tensor_parallel_dim=1, row_parallel=True, is_table=True)
 
 SHARDING_PLAN = {
     "factorengram": {
@@ -72,36 +77,51 @@ def param_sharding(kind: str, name: str) -> ParamSharding:
                        "add one (its split axis and attributes)") from None
 
 
-def local_shape(kind: str, name: str, global_shape: tuple, tensor_parallel_size: int) -> tuple:
-    """This rank's shape of a parameter whose single-process shape is ``global_shape``."""
-    dim = param_sharding(kind, name).tensor_parallel_dim
-    if dim is None or tensor_parallel_size == 1:
-        return tuple(global_shape)
-    if global_shape[dim] % tensor_parallel_size:
-        raise ValueError(f"tensor-parallel size {tensor_parallel_size} does not divide axis {dim} of {kind} "
-                         f"{name} {tuple(global_shape)}")
+def local_shape(kind: str, name: str, global_shape: tuple, tensor_parallel_size: int, row_partition=None) -> tuple:
+    """This rank's shape of a parameter whose single-process shape is ``global_shape``; ``row_partition``
+    (a `RowPartition`, or None when the tables are whole on every rank) gives its rows."""
+    sharding = param_sharding(kind, name)
     shape = list(global_shape)
-    shape[dim] //= tensor_parallel_size
+    dim = sharding.tensor_parallel_dim
+    if dim is not None and tensor_parallel_size > 1:
+        if global_shape[dim] % tensor_parallel_size:
+            raise ValueError(f"tensor-parallel size {tensor_parallel_size} does not divide axis {dim} of {kind} "
+                             f"{name} {tuple(global_shape)}")
+        shape[dim] //= tensor_parallel_size
+    if sharding.row_parallel and row_partition is not None:
+        shape[0] = row_partition.local_rows()
     return tuple(shape)
 
 
-def shard_state_dict(state_dict: dict, kind: str, tensor_parallel_rank: int, tensor_parallel_size: int) -> dict:
-    """The state dict of tensor-parallel rank ``rank`` for a single-process (or gathered) ``state_dict``."""
+def shard_state_dict(state_dict: dict, kind: str, tensor_parallel_rank: int, tensor_parallel_size: int,
+                     row_partition=None) -> dict:
+    """The state dict of one rank (``tensor_parallel_rank``, and ``row_partition.rank`` of the
+    memory-parallel group when the tables are row-sharded) for a single-process ``state_dict``."""
     out = {}
     for name, tensor in state_dict.items():
-        dim = param_sharding(kind, name).tensor_parallel_dim
-        if dim is None:
-            out[name] = tensor.clone()
-        else:
+        sharding = param_sharding(kind, name)
+        dim = sharding.tensor_parallel_dim
+        if dim is not None:
             width = tensor.shape[dim] // tensor_parallel_size
-            out[name] = tensor.narrow(dim, tensor_parallel_rank * width, width).contiguous()
+            tensor = tensor.narrow(dim, tensor_parallel_rank * width, width)
+        if sharding.row_parallel and row_partition is not None:
+            tensor = row_partition.take(tensor)
+        out[name] = tensor.contiguous().clone()
     return out
 
 
-def unshard_state_dicts(shards: list, kind: str) -> dict:
-    """Inverse of `shard_state_dict`: the tensor-parallel ranks' state dicts, in rank order, to one."""
+def unshard_state_dicts(shards: list, kind: str, row_partition=None) -> dict:
+    """Inverse of `shard_state_dict`: one state dict from the ranks' ones.  ``shards[i][j]`` is the
+    state dict of tensor-parallel rank ``j`` and memory-parallel rank ``i``; without row sharding
+    a flat list over tensor-parallel ranks is accepted."""
+    grid = shards if isinstance(shards[0], list) else [shards]
     out = {}
-    for name, first in shards[0].items():
-        dim = param_sharding(kind, name).tensor_parallel_dim
-        out[name] = first.clone() if dim is None else torch.cat([shard[name] for shard in shards], dim=dim)
+    for name in grid[0][0]:
+        sharding = param_sharding(kind, name)
+        dim = sharding.tensor_parallel_dim
+        rows = [t[0][name] if dim is None else torch.cat([s[name] for s in t], dim=dim) for t in grid]
+        if sharding.row_parallel and row_partition is not None:
+            out[name] = row_partition.assemble(rows)
+        else:
+            out[name] = rows[0].clone()
     return out

@@ -182,6 +182,30 @@ def check_row_indices(flat_indices: torch.Tensor, num_rows: int, shape: tuple) -
                          f"indices (shape {tuple(shape)}) is outside the table's rows [0, {num_rows})")
 
 
+def deterministic_backward() -> bool:
+    """Whether table gradients are reduced in sorted, reproducible order (see `set_deterministic_backward`)."""
+    return _settings["deterministic"] or torch.are_deterministic_algorithms_enabled()
+
+
+def gather_rows_forward(weight: torch.Tensor, flat_indices: torch.Tensor, backend: str = None) -> torch.Tensor:
+    """``weight[flat_indices]`` ([rows, w], [M] int64 -> [M, w]) without autograd, with ``backend`` or the
+    current choice for the weight's device and dtype."""
+    if _settings["debug"]:
+        check_row_indices(flat_indices, weight.shape[0], tuple(flat_indices.shape))
+    backend = backend or current_backend(weight.device, weight.dtype)
+    return _backends[backend].module.gather_rows_forward(weight.contiguous(), flat_indices.contiguous())
+
+
+def gather_rows_backward(grad_rows: torch.Tensor, flat_indices: torch.Tensor, out: torch.Tensor,
+                         deterministic: bool = None, backend: str = None) -> None:
+    """``out[i] += sum_{m: flat_indices[m] = i} grad_rows[m]`` in place (sorted and reproducible unless
+    ``deterministic`` is False), with ``backend`` or the current choice for ``out``."""
+    deterministic = deterministic_backward() if deterministic is None else deterministic
+    backend = backend or current_backend(out.device, out.dtype)
+    _backends[backend].module.gather_rows_backward(grad_rows.contiguous(), flat_indices.contiguous(), out,
+                                                    deterministic)
+
+
 class _GatherRows(torch.autograd.Function):
     """``weight[indices]`` whose backward reduces each unique row once.
 
@@ -206,7 +230,7 @@ class _GatherRows(torch.autograd.Function):
     def backward(ctx, grad_output):
         weight, flat = ctx.saved_tensors
         grad_rows = grad_output.reshape(flat.numel(), weight.shape[1]).contiguous()
-        deterministic = _settings["deterministic"] or torch.are_deterministic_algorithms_enabled()
+        deterministic = deterministic_backward()
         backend = _backends[ctx.backend].module
         fused_accumulation = getattr(weight, "grad_added_to_main_grad", None) is not None
         if fused_accumulation and getattr(weight, "main_grad", None) is not None:

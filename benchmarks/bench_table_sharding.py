@@ -1,0 +1,101 @@
+"""Training tokens/s and per-rank table memory at DP=N: whole tables against row-sharded ones.
+
+    torchrun --nproc_per_node 2 benchmarks/bench_table_sharding.py [--size small] [--steps 5]
+
+Three runs in the same processes, on the same batches, with the same Megatron DDP + Adam path as
+fe-pretrain: ``replicated`` (whole tables, their gradients all-reduced), ``rows`` (rows sharded,
+looked up by all-to-all, each layer's exchange started at the start of the microbatch), and
+``rows-no-prefetch`` (each layer starts its own exchange when it needs the rows).  The backbone
+and table sizes keep the paper's ratio of table to backbone parameters (about 3 to 1).
+"""
+
+import argparse
+import json
+import platform
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+SIZES = {
+    # 6 x d512 backbone (36M parameters) and 119M table parameters: the 340M model's 3:1 ratio
+    "small": dict(backbone=dict(vocab_size=32000, hidden_size=512, num_layers=6, num_attention_heads=8,
+                                ffn_hidden_size=1408, seq_length=256),
+                  memory=dict(preset="factorengram-340m", table_capacity=[32000, 100_000, 100_000], coeff_width=768,
+                              memory_dim=768, layers=[2, 3]), micro_batch=2, microbatches=2),
+    # the demo's model
+    "tiny": dict(backbone=dict(preset="tiny"), memory=dict(preset="factorengram-tiny"), micro_batch=8,
+                 microbatches=2),
+}
+MODES = (("replicated", "replicated", True), ("rows", "rows", True), ("rows-no-prefetch", "rows", False))
+
+
+def run(size: dict, table_sharding: str, prefetch: bool, steps: int) -> dict:
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+
+    from fe_megatron.config import BackboneConfig, MemoryConfig
+    from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.parallel import initialize
+    from fe_megatron.megatron.step import causal_mask, train_step
+    from fe_megatron.train import transformer_config_for
+    from fe_megatron.train_config import TrainConfig
+
+    backbone = BackboneConfig.from_dict(size["backbone"])
+    initialize(seed=1, table_sharding=table_sharding)
+    tconfig = transformer_config_for(TrainConfig(model=backbone), on_gpu=torch.cuda.is_available())
+    memory = MemoryConfig.from_dict(size["memory"], backbone=backbone)
+    model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory, table_sharding=table_sharding,
+                            prefetch_table_rows=prefetch)
+    ddp = wrap_ddp(model, tconfig)
+    opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0))
+    connect_schedule_hooks(tconfig, [ddp], opt)
+    seq, mbs = backbone.seq_length, size["micro_batch"]
+    gen = torch.Generator().manual_seed(100 + parallel_state.get_data_parallel_rank())
+    batches = []
+    for _ in range(size["microbatches"]):
+        tokens = torch.randint(0, backbone.vocab_size, (mbs, seq + 1), generator=gen)
+        batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(mbs, seq),
+                            position_ids=torch.arange(seq).expand(mbs, -1), attention_mask=causal_mask(seq)))
+    for _ in range(2):
+        train_step([ddp], opt, batches, seq, mbs)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step([ddp], opt, batches, seq, mbs)
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    tables = [layer.memory.tables.weight for layer in model.stage_memory_layers]
+    state = [opt.chained_optimizers[-1].optimizer.state.get(t, {}) for t in tables]
+    table_bytes = sum(t.numel() * 4 + t.main_grad.numel() * 4 for t in tables) + sum(
+        v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    tokens_per_step = size["microbatches"] * mbs * seq * dist.get_world_size()
+    result = {"tokens_per_s": tokens_per_step * steps / elapsed, "table_bytes_per_rank": table_bytes}
+    parallel_state.destroy_model_parallel()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    results = {name: run(SIZES[args.size], sharding, prefetch, args.steps) for name, sharding, prefetch in MODES}
+    if dist.get_rank() == 0:
+        base = results["replicated"]
+        print(json.dumps({"size": args.size, "ranks": dist.get_world_size(), "date": time.strftime("%Y-%m-%d"),
+                          "device": f"{platform.machine()} CPU, {torch.get_num_threads()} threads per rank",
+                          **{f"{name}_tokens_per_s": round(r["tokens_per_s"]) for name, r in results.items()},
+                          **{f"{name}_table_MB_per_rank": round(r["table_bytes_per_rank"] / 2 ** 20)
+                             for name, r in results.items()},
+                          "rows_over_replicated": round(results["rows"]["tokens_per_s"] / base["tokens_per_s"], 3),
+                          "prefetch_gain": round(results["rows"]["tokens_per_s"] /
+                                                 results["rows-no-prefetch"]["tokens_per_s"], 3)}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Tables sharded by rows over the data-parallel ranks (parallel.table_sharding: rows)."""
+
+import pytest
+import torch
+
+from fe_megatron.memory.row_exchange import RowPartition
+from tests.torchrun_util import torchrun
+
+
+def partitions(branch_rows, size):
+    offsets = [0]
+    for rows in branch_rows[:-1]:
+        offsets.append(offsets[-1] + rows)
+    return [RowPartition(tuple(branch_rows), tuple(offsets), size, rank) for rank in range(size)]
+
+
+@pytest.mark.parametrize("branch_rows, size", [((10, 9, 97), 4), ((5,), 5), ((1000, 5003, 7001), 7), ((3, 8), 1)])
+def test_partition_covers_every_row_once_and_locates_it(branch_rows, size):
+    ranks = partitions(branch_rows, size)
+    full = torch.randn(sum(branch_rows), 3)
+    shards = [p.take(full) for p in ranks]
+    owner, local = ranks[0].locate(torch.arange(sum(branch_rows)))
+    assert torch.equal(torch.stack([shards[o][i] for o, i in zip(owner.tolist(), local.tolist())]), full)
+    assert torch.equal(ranks[0].assemble(shards), full)
+    for p, shard in zip(ranks, shards):
+        assert p.local_rows() == shard.shape[0]
+        for branch, rows in enumerate(branch_rows):  # every rank holds about 1/N of every branch
+            start, stop = p.branch_range(branch)
+            assert rows // size <= stop - start <= rows // size + 1
+
+
+def test_group_larger_than_a_branch_is_refused_naming_the_sizes():
+    with pytest.raises(ValueError, match=r"the memory-parallel group has 4 ranks but branch 0 of this layer has only "
+                                         r"3 rows; every rank must own rows of every branch"):
+        partitions((3, 10), 4)
+
+
+def test_forced_kernel_backend_must_take_the_tables_device():
+    from fe_megatron.train import check_kernel_backend
+
+    check_kernel_backend("cpp", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"kernel backend 'cpp' runs on cpu tensors, but this run's tables are on "
+                                         r"cuda; use kernel_backend=auto or one of \['torch'"):
+        check_kernel_backend("cpp", torch.device("cuda"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """DP=1 with whole tables (TP=1 and TP=2): initial weights, per-step losses, final weights."""
+    root = tmp_path_factory.mktemp("row_sharding")
+    for tp, init in ((1, "--save-init"), (2, "--init")):  # both start from the same initial weights
+        torchrun("check_row_sharding.py", "--tables", "replicated", "--tp", str(tp), init, str(root / "init"),
+                 "--steps", "0:3", "--record", str(root / f"ref_tp{tp}.json"), "--save-final",
+                 str(root / f"final_tp{tp}"), nproc=tp)
+    return root
+
+
+@pytest.mark.distributed
+def test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them(reference):
+    """DP=2 with sharded tables against DP=1 with whole ones on the same global batches: losses,
+    gradient norms and every parameter after 3 Adam steps; then a checkpoint of step 1."""
+    r = reference
+    out = torchrun("check_row_sharding.py", "--tables", "rows", "--init", str(r / "init"), "--steps", "0:3",
+                   "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"), "--save-step",
+                   "1", str(r / "rows_step1"), "--check-memory")
+    assert "0 failures" in out
+
+
+@pytest.mark.distributed
+def test_dp2_tp2_rows_match_dp1_tp2_whole_tables(reference):
+    r = reference
+    out = torchrun("check_row_sharding.py", "--tables", "rows", "--tp", "2", "--init", str(r / "init"),
+                   "--steps", "0:3", "--compare", str(r / "ref_tp2.json"), "--compare-final", str(r / "final_tp2"),
+                   "--check-memory", nproc=4)
+    assert "0 failures" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, extra", [(4, ["--pp", "2"]), (2, ["--recompute"])], ids=["pp2-dp2", "recompute"])
+def test_rows_under_pipeline_parallelism_and_recompute(reference, nproc, extra):
+    """Row-sharded tables on a two-stage pipeline (each stage its own memory-parallel group), and
+    under full activation recompute (the exchange runs again in the recomputation)."""
+    r = reference
+    out = torchrun("check_row_sharding.py", "--tables", "rows", *extra, "--init", str(r / "init"), "--steps", "0:3",
+                   "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"), "--check-memory",
+                   nproc=nproc)
+    assert "0 failures" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc, tables, tp", [(1, "rows", 1), (1, "replicated", 1), (2, "replicated", 1),
+                                               (4, "rows", 2)],
+                         ids=["dp1", "dp1-replicated", "dp2-replicated", "dp2-tp2"])
+def test_rows_checkpoint_resumes_in_other_layouts(reference, nproc, tables, tp):
+    """A DP=2 row-sharded checkpoint (model, Adam state, schedule) continues exactly in another layout."""
+    r = reference
+    if not (r / "rows_step1").exists():
+        test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them(r)
+    # against the uninterrupted run that wrote the checkpoint (TP=1): its steps 1 and 2
+    out = torchrun("check_row_sharding.py", "--tables", tables, "--tp", str(tp), "--load", str(r / "rows_step1"),
+                   "--steps", "1:3", "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"),
+                   nproc=nproc)
+    assert "0 failures" in out
