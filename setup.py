@@ -65,7 +65,8 @@ setup(
         "triton": ["triton>=3.1"],
         "hf": ["transformers>=4.46", "datasets>=2.19"],
         "deepspeed": ["deepspeed>=0.16"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "transformers>=4.46", "pyarrow>=14", "triton>=3.1"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "transformers>=4.46", "pyarrow>=14",
+                 "triton>=3.1"],
     },
     entry_points={"console_scripts": [
         "fe-plan=fe_megatron.plan:main",

@@ -34,7 +34,7 @@ PLACEMENTS = ("before_attn", "before_ffn", "inside_ffn")
 GATES = ("basis", "scalar", "none")
 MEMORY_KINDS = ("factorengram", "engram")
 BACKBONE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
-                   "seq_length", "init_std", "norm_eps", "rope_base", "tie_embeddings")
+                   "seq_length", "init_std", "norm_eps", "rope_base", "tie_embeddings", "dropout")
 
 
 class ConfigError(ValueError):
@@ -73,6 +73,7 @@ class BackboneConfig:
     norm_eps: float = 1e-5  # every RMSNorm, the memory's too
     rope_base: float = 10000.0
     tie_embeddings: bool = True  # input embedding and output layer share their weight
+    dropout: float = 0.0  # hidden and attention dropout (the paper's runs use none)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
@@ -80,6 +81,8 @@ class BackboneConfig:
             _positive_int(name, getattr(self, name), "BackboneConfig")
         for name in ("init_std", "norm_eps", "rope_base"):
             _positive_float(name, getattr(self, name), "BackboneConfig")
+        if isinstance(self.dropout, bool) or not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
+            raise ConfigError("dropout", f"{self.dropout!r} must be a number in [0, 1)", section="BackboneConfig")
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError("tie_embeddings", f"{self.tie_embeddings!r} must be true or false",
                               section="BackboneConfig")
@@ -275,7 +278,7 @@ class MemoryConfig:
         values = apply_preset(values, PRESETS, "memory", where, "MemoryConfig")
         misplaced = sorted(set(values) & set(BACKBONE_FIELDS))
         if misplaced:
-            raise ConfigError(misplaced[0], f"is a backbone field: set it in the backbone (the training config's "
+            raise ConfigError(misplaced[0], "is a backbone field: set it in the backbone (the training config's "
                                             "model section, or MemoryConfig.backbone), not in the memory",
                               _line(where.get(misplaced[0])))
         if backbone is not None:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import time
 
@@ -51,7 +52,8 @@ def transformer_config_for(cfg, on_gpu: bool):
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         ffn_hidden_size=m.ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=m.norm_eps, init_method_std=m.init_std, add_bias_linear=False,
-        bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, masked_softmax_fusion=on_gpu,
+        bias_activation_fusion=False, hidden_dropout=m.dropout, attention_dropout=m.dropout,
+        masked_softmax_fusion=on_gpu,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=not on_gpu, tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline, sequence_parallel=p.sequence_parallel, bf16=bf16,
@@ -132,6 +134,7 @@ class TrainingRun:
     step to start from, and where metrics go."""
 
     cfg: object
+    info: dict  # the run info saved with every checkpoint (`run_info`)
     model: object  # this pipeline stage's FactorEngramGPTModel (or GPTModel)
     ddp: object  # the model in Megatron's DistributedDataParallel
     optimizer: object
@@ -192,6 +195,45 @@ def pretrain(cfg) -> dict:
             run.metrics.close()
 
 
+def run_info(cfg, data_parallel_size: int) -> dict:
+    """What every checkpoint records about the run that wrote it (``fe_run.json``): the resolved
+    config, the tokenizer and its checksum, and the parallel layout."""
+    import torch.distributed as dist
+
+    from fe_megatron import __version__
+    from fe_megatron.checkpoint_files import file_digest
+
+    p = cfg.parallel
+    return {"config": dataclasses.asdict(cfg), "fe_megatron": __version__,
+            "tokenizer": {"path": os.path.abspath(cfg.data.tokenizer_model),
+                          "sha256": file_digest(cfg.data.tokenizer_model)["sha256"]},
+            "layout": {"world": dist.get_world_size(), "tensor": p.tensor, "pipeline": p.pipeline,
+                       "data": data_parallel_size, "table_sharding": p.table_sharding}}
+
+
+def choose_checkpoint(cfg, info: dict):
+    """The verified checkpoint folder ``--load`` resumes from (None: start from step 0), after the
+    resume guards (`fe_megatron.resume_guard`) compared its config with this run's."""
+    from fe_megatron import resume_guard
+    from fe_megatron.checkpoint_files import CheckpointError, read_run_info
+    from fe_megatron.megatron.checkpointing import find_checkpoint
+
+    if not cfg.load:
+        return None
+    folder = find_checkpoint(cfg.load, cfg.training.on_corrupt_checkpoint, log)
+    if folder is None:
+        log(f"no checkpoint in {cfg.load} yet: starting from step 0")
+        return None
+    refused, changed = resume_guard.compare(read_run_info(folder), info)
+    if refused:
+        raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
+                              + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
+                              "directory without --load.")
+    for line in changed:
+        log(f"changed since the checkpoint: {line}")
+    return folder
+
+
 def set_up(cfg) -> TrainingRun:
     """Process groups, data, model, optimizer and schedule; resume from ``cfg.load`` if it has a checkpoint."""
     from megatron.core import parallel_state
@@ -202,6 +244,7 @@ def set_up(cfg) -> TrainingRun:
     from fe_megatron.data.sources import DataError
     from fe_megatron.data.tokenizer import SentencePieceTokenizer
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.checkpoint_files import read_run_info
     from fe_megatron.megatron.checkpointing import load_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, current_device
@@ -217,6 +260,8 @@ def set_up(cfg) -> TrainingRun:
                         f"model.vocab_size={m.vocab_size}; the embedding must cover the tokenizer "
                         f"(set model.vocab_size >= {tokenizer.vocab_size})")
     dp = parallel_state.get_data_parallel_world_size()
+    info = run_info(cfg, dp)
+    resume_from = choose_checkpoint(cfg, info)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
                          f"data-parallel size = {t.micro_batch_size} x {dp}")
@@ -244,15 +289,21 @@ def set_up(cfg) -> TrainingRun:
         lr_decay_steps=t.train_steps, lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=t.train_steps, wd_incr_style="constant")
     start = 0
-    if cfg.load:
-        start = load_checkpoint(cfg.load, [ddp], optimizer, scheduler, p.distributed_optimizer)
-        log(f"resumed from {cfg.load} at iteration {start}")
+    if resume_from is not None:
+        same_layout = (read_run_info(resume_from) or {}).get("layout") == info["layout"]
+        start = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
+                                restore_rng=same_layout)
+        log(f"resumed from {resume_from} at iteration {start}; random states "
+            f"{'restored' if same_layout else 'not restored (the parallel layout changed)'}")
 
-    run = TrainingRun(cfg=cfg, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler, datasets=datasets,
+    run = TrainingRun(cfg=cfg, info=info, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
+                      datasets=datasets,
                       num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
                       attention_mask=causal_mask(m.seq_length, current_device()),
                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
                       parameters=count_parameters(model))
+    if cfg.save and torch.distributed.get_rank() == 0 and os.path.exists(os.path.join(cfg.save, REQUEUE_MARKER)):
+        os.remove(os.path.join(cfg.save, REQUEUE_MARKER))  # an earlier stop's request, answered by this start
     run.metrics.write({"event": "start", "kind": cfg.model_kind, "parameters": run.parameters, "start_step": start,
                        "world_size": torch.distributed.get_world_size(), "dp": dp, "tp": p.tensor, "pp": p.pipeline})
     log(f"model {cfg.model_kind}: {run.parameters:,} parameters; TP={p.tensor} PP={p.pipeline} DP={dp}; "
@@ -269,55 +320,121 @@ def evaluate(run: TrainingRun, dataset, index: int) -> float:
     return eval_step([run.ddp], batches, run.cfg.model.seq_length, t.micro_batch_size)
 
 
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: saved on SIGUSR1/SIGTERM; launch_scripts/slurm requeues the job
+NONFINITE_EXIT_CODE = 3
+REQUEUE_MARKER = "requeue_requested"
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is not finite, under ``training.on_nonfinite: halt``."""
+
+
+class StopRequests:
+    """SIGUSR1 (SLURM's warning before preemption or the time limit) and SIGTERM set a flag; after
+    each step all ranks agree (one all-reduce) and stop together, at the same step."""
+
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        from fe_megatron.megatron.step import current_device
+
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int64, device=current_device())  # NCCL: on GPU
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag)
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def train(run: TrainingRun) -> dict:
     """The training loop from ``run.start_step``: log, evaluate and save at their intervals, and
     report the test perplexity at the end.
 
     Throughput is timed over training steps only (evaluation and saving excluded).  Log lines
     show the last window's tokens/s and an ETA from the run's mean step time so far; the final
-    record holds the run's mean tokens/s without the first window (start-up and warm-up)."""
-    from fe_megatron.megatron.checkpointing import save_checkpoint
+    record holds the run's mean tokens/s without the first window (start-up and warm-up).
+    A non-finite loss or gradient norm halts (nothing saved) or skips the update, per
+    ``training.on_nonfinite``; SIGUSR1 or SIGTERM ends the run after the current step with a
+    checkpoint (docs/operations.md)."""
+    stop = StopRequests()
+    try:
+        return _train(run, stop)
+    finally:
+        stop.restore()
+
+
+def _train(run: TrainingRun, stop: StopRequests) -> dict:
+    from fe_megatron import faults
     from fe_megatron.megatron.step import train_step
 
     cfg, t = run.cfg, run.cfg.training
     train_ds, valid_ds, test_ds = run.datasets
-    last = {}
+    rank = torch.distributed.get_rank()
+    last, skipped = {}, 0
     tokens_per_step = t.global_batch_size * cfg.model.seq_length
     window_start, window_steps = time.time(), 0
     loop_start = time.time()
     timed = {"steps": 0, "seconds": 0.0}  # every log window but the first
     for step in range(run.start_step, t.train_steps):
+        done = step + 1
         batches = run.batches(train_ds, step * t.global_batch_size, run.num_microbatches)
-        lm, sparsity, grad_norm, _ = train_step([run.ddp], run.optimizer, batches, cfg.model.seq_length,
-                                                t.micro_batch_size)
+        if faults.at("nan_loss", done, rank):
+            batches[0]["loss_mask"] = batches[0]["loss_mask"] * float("nan")
+        result = train_step([run.ddp], run.optimizer, batches, cfg.model.seq_length, t.micro_batch_size,
+                            check_finite=True)
+        if result.nonfinite:
+            report = (f"non-finite loss or gradient norm at step {done} (lm loss {result.lm_loss}, grad norm "
+                      f"{result.grad_norm}):\n  " + "\n  ".join(result.nonfinite))
+            if t.on_nonfinite == "halt":
+                raise NonFiniteError(f"{report}\nHalting without saving (training.on_nonfinite=halt); the "
+                                     "last checkpoint is intact. training.on_nonfinite=skip drops such steps instead.")
+            skipped += 1
+            log(f"{report}\nskipped the update (training.on_nonfinite=skip; {skipped} step(s) skipped so far)")
+            run.metrics.write({"step": done, "skipped_steps": skipped})
         run.scheduler.step(increment=1)
         window_steps += 1
-        done = step + 1
         if done % t.log_interval == 0 or done == t.train_steps:
             elapsed = time.time() - window_start
             if last:
                 timed["steps"] += window_steps
                 timed["seconds"] += elapsed
             eta = (time.time() - loop_start) / (done - run.start_step) * (t.train_steps - done)
-            last = {"step": done, "lm_loss": lm, "sparsity_loss": sparsity,
-                    "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm or 0.0),
+            last = {"step": done, "lm_loss": result.lm_loss, "sparsity_loss": result.sparsity_loss,
+                    "lr": run.optimizer.param_groups[0]["lr"], "grad_norm": result.grad_norm,
                     "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9), "memory_mb": _memory_mb(),
                     "eta_s": round(eta)}
             run.metrics.write(last)
-            log(f"step {done:>6}/{t.train_steps} | lm loss {lm:.4f} | sparsity {sparsity:.4f} | lr {last['lr']:.2e} | "
-                f"grad norm {last['grad_norm']:.3f} | {last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB | "
-                f"ETA {_duration(eta)}")
+            log(f"step {done:>6}/{t.train_steps} | lm loss {result.lm_loss:.4f} | "
+                f"sparsity {result.sparsity_loss:.4f} | lr {last['lr']:.2e} | grad norm {last['grad_norm']:.3f} | "
+                f"{last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB | ETA {_duration(eta)}")
             window_start, window_steps = time.time(), 0
         if done % t.eval_interval == 0 or done == t.train_steps:
             val = evaluate(run, valid_ds, done // max(t.eval_interval, 1))
+            if not math.isfinite(val):
+                raise NonFiniteError(f"validation loss at step {done} is {val}; halting before any save, the last "
+                                     "checkpoint is intact")
             run.metrics.write({"step": done, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
             log(f"step {done:>6} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
             window_start = time.time()
-        if cfg.save and (done % t.save_interval == 0 or done == t.train_steps):
-            path = save_checkpoint(cfg.save, [run.ddp], run.optimizer, run.scheduler, done,
-                                   cfg.parallel.distributed_optimizer)
-            log(f"saved {path}")
+        stopping = stop.agreed()
+        if cfg.save and (stopping or done % t.save_interval == 0 or done == t.train_steps):
+            save(run, done)
             window_start = time.time()
+        if stopping:
+            log(f"{stop.received or 'a stop signal on another rank'}: stopped after step {done}"
+                f"{' with a checkpoint' if cfg.save else ' (no --save: nothing saved)'}; rerun with --load to resume")
+            if cfg.save and rank == 0:
+                with open(os.path.join(cfg.save, REQUEUE_MARKER), "w") as fh:
+                    fh.write(str(done))
+            return {"event": "preempted", "step": done}
         if t.exit_after and done >= t.exit_after:
             log(f"exiting after step {done} (training.exit_after)")
             return {"event": "exit", "step": done}
@@ -325,10 +442,19 @@ def train(run: TrainingRun) -> dict:
     mean_tokens_per_s = (tokens_per_step * timed["steps"] / timed["seconds"] if timed["steps"]
                          else last.get("tokens_per_s"))
     final = {"event": "final", "step": t.train_steps, "test_loss": test, "test_ppl": math.exp(min(test, 50)),
-             "parameters": run.parameters, "tokens_per_s": mean_tokens_per_s}
+             "parameters": run.parameters, "tokens_per_s": mean_tokens_per_s, "skipped_steps": skipped}
     run.metrics.write(final)
     log(f"test loss {test:.4f} | perplexity {final['test_ppl']:.2f}")
     return final
+
+
+def save(run: TrainingRun, step: int) -> None:
+    from fe_megatron.megatron.checkpointing import save_checkpoint
+
+    cfg = run.cfg
+    path = save_checkpoint(cfg.save, [run.ddp], run.optimizer, run.scheduler, step, cfg.parallel.distributed_optimizer,
+                           run_info=run.info, keep=cfg.training.keep_checkpoints)
+    log(f"saved {path}")
 
 
 def _duration(seconds: float) -> str:
@@ -360,16 +486,25 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:  # ConfigError, invalid YAML, a missing file
         print(f"fe-pretrain: error: {err}", file=sys.stderr)
         return 2
+    from fe_megatron.checkpoint_files import CheckpointError
+
     try:
-        pretrain(cfg)
-    except (ConfigError, DataError, FileNotFoundError) as err:
+        result = pretrain(cfg)
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
         print(f"fe-pretrain: error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"fe-pretrain: error: {err}", file=sys.stderr)
+        return NONFINITE_EXIT_CODE
     finally:
         from fe_megatron.megatron.parallel import shutdown
 
         if torch.distributed.is_initialized():
             shutdown()
+    if result.get("event") == "preempted":
+        # Under torchrun a non-zero exit would make the agent restart the workers here; the launch
+        # script reads the marker file that the run wrote instead (launch_scripts/slurm/pretrain.sbatch).
+        return 0 if "TORCHELASTIC_RESTART_COUNT" in os.environ else REQUEUE_EXIT_CODE
     return 0
 
 

@@ -64,6 +64,9 @@ class TrainingArgs:
     eval_interval: int = 1000
     eval_steps: int = 10
     save_interval: int = 1000
+    keep_checkpoints: int = 0  # keep the newest K checkpoints, delete older ones; 0 = keep all
+    on_corrupt_checkpoint: str = "error"  # error | previous: resume from the newest intact one before it
+    on_nonfinite: str = "halt"  # halt (exit 3, nothing saved) | skip (drop the step's update, count it)
     exit_after: int = 0  # stop (after saving) once this many steps are done; 0 = run to train_steps
 
 
@@ -113,6 +116,12 @@ class TrainConfig:
             fail("parallel", "table_sharding", f"{self.parallel.table_sharding!r} is not one of {TABLE_SHARDINGS}")
         if t.transformer_impl not in TRANSFORMER_IMPLS:
             fail("training", "transformer_impl", f"{t.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}")
+        if t.on_corrupt_checkpoint not in ("error", "previous"):
+            fail("training", "on_corrupt_checkpoint", f"{t.on_corrupt_checkpoint!r} is not one of error, previous")
+        if t.on_nonfinite not in ("halt", "skip"):
+            fail("training", "on_nonfinite", f"{t.on_nonfinite!r} is not one of halt, skip")
+        if isinstance(t.keep_checkpoints, bool) or not isinstance(t.keep_checkpoints, int) or t.keep_checkpoints < 0:
+            fail("training", "keep_checkpoints", f"{t.keep_checkpoints!r} must be an integer >= 0 (0 keeps all)")
         if t.kernel_backend not in KERNEL_BACKENDS:
             fail("training", "kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
         if not self.data.tokenizer_model:

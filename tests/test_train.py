@@ -32,10 +32,10 @@ def pretrain_cmd(nproc=1):
             "-m", "fe_megatron.train"]
 
 
-def run_pretrain(args, nproc=1, check=True):
+def run_pretrain(args, nproc=1, check=True, extra_env=None):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1")
+    env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
     env.pop("PYTHONWARNINGS", None)
     proc = subprocess.run(pretrain_cmd(nproc) + args, capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=600)

@@ -1,7 +1,9 @@
 """Read documents from txt / jsonl / jsonl.gz / parquet files or a Hugging Face dataset.
 
-Bad input fails before any output is written, naming the file and line: a malformed
-JSON line, a line without the text field, a non-string text, an empty corpus.
+Bad input fails before any output is written, naming the file and line: bytes that are
+not UTF-8, a malformed JSON line, a line without the text field, a non-string text, text
+that is not valid Unicode (an unpaired surrogate escaped in JSON), an empty corpus.
+Documents that are empty or only whitespace are skipped in every format.
 """
 
 from __future__ import annotations
@@ -16,35 +18,48 @@ class DataError(ValueError):
     """A problem with the input data, naming where it is."""
 
 
-def _open_text(path: str):
-    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+def _lines(path: str) -> Iterator[tuple]:
+    """``(line number, text)`` of each line, decoded as UTF-8 one line at a time, so that bytes
+    that are not UTF-8 are reported with their line."""
+    with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as fh:
+        for line_no, raw in enumerate(fh, 1):
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                f"{err.start + 1}); re-encode the file as UTF-8") from None
 
 
 def iter_jsonl(path: str, text_key: str) -> Iterator[str]:
-    with _open_text(path) as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict) or text_key not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"{path}:{line_no}: no '{text_key}' field (found: {keys}); "
-                                "choose the field with --text-key")
-            text = record[text_key]
-            if not isinstance(text, str):
-                raise DataError(f"{path}:{line_no}: field '{text_key}' is a {type(text).__name__}, expected a string")
+    for line_no, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(record, dict) or text_key not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"{path}:{line_no}: no '{text_key}' field (found: {keys}); "
+                            "choose the field with --text-key")
+        text = record[text_key]
+        if not isinstance(text, str):
+            raise DataError(f"{path}:{line_no}: field '{text_key}' is a {type(text).__name__}, expected a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DataError(f"{path}:{line_no}: field '{text_key}' holds an unpaired surrogate "
+                            f"(\\u{ord(text[err.start]):04x} at character {err.start}), which is not valid "
+                            "Unicode text") from None
+        if text.strip():
             yield text
 
 
 def iter_txt(path: str) -> Iterator[str]:
     """A .txt file holds one document per line."""
-    with _open_text(path) as fh:
-        for line in fh:
-            if line.strip():
-                yield line.rstrip("\n")
+    for _, line in _lines(path):
+        if line.strip():
+            yield line.rstrip("\r\n")
 
 
 def iter_parquet(path: str, text_key: str) -> Iterator[str]:
@@ -55,7 +70,7 @@ def iter_parquet(path: str, text_key: str) -> Iterator[str]:
         raise DataError(f"{path}: no '{text_key}' column (columns: {table.schema.names})")
     for batch in table.iter_batches(columns=[text_key]):
         for text in batch.column(0).to_pylist():
-            if text:
+            if text and text.strip():
                 yield text
 
 

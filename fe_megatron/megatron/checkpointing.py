@@ -1,21 +1,51 @@
-"""Distributed checkpoints of model, optimizer, scheduler and progress.
+"""Distributed checkpoints of model, optimizer, scheduler, RNG states and progress.
 
-Layout: ``<dir>/iter_0000100/`` (a megatron dist checkpoint, torch_dist format) and
-``<dir>/latest_checkpointed_iteration.txt``. A checkpoint is written to
-``iter_XXXXXXX.tmp`` and renamed only after every rank has finished, then the tracker
-file is replaced atomically: an interrupted save never damages the previous checkpoint.
+Layout and guarantees: `fe_megatron.checkpoint_files` (a Megatron dist checkpoint, torch_dist
+format, plus the run's config and a checksum manifest per ``iter_XXXXXXX`` folder).  A save
+is written under ``.tmp``, hashed by all ranks together, renamed and only then named by the
+tracker; a save that fails on any rank leaves the tracker and the previous checkpoint alone.
+A load verifies every file first and names the damaged one.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import signal
+import sys
 
+import numpy
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, tensor_parallel
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from fe_megatron import faults
+from fe_megatron.checkpoint_files import (MANIFEST, RUN_INFO, CheckpointError, check_files, checkpoint_files,
+                                          complete_iterations, file_digest, iteration_dir, prune, read_manifest,
+                                          read_tracker, write_manifest, write_run_info, write_tracker)
+from fe_megatron.megatron.step import current_device
+from fe_megatron.process_death import die_with_parent
+
+RNG_FILE = "rng_state_rank{rank:05d}.pt"
+
+
+def _writer_queue_dies_with_trainer() -> None:
+    """megatron-core's checkpoint writer collects results through a queue served by a spawned
+    ``multiprocessing.Manager`` process, which outlives a trainer killed with SIGKILL (a rank
+    killed during a save, or any ``kill -9``): each restart then leaks a ~250 MB process that
+    holds the launcher's output pipes open.  Create that queue here, from a manager told to die
+    with its parent (Linux only; elsewhere megatron-core creates its own)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None or not sys.platform.startswith("linux"):
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent)
+    filesystem_async._results_queue = manager.Queue()
 
 
 def _state(model_chunks, optimizer, scheduler, iteration, is_loading: bool, distributed_optimizer: bool):
@@ -34,56 +64,128 @@ def _state(model_chunks, optimizer, scheduler, iteration, is_loading: bool, dist
     return state
 
 
+def rng_state() -> dict:
+    """This rank's random states: Python's, NumPy's, torch's (CPU and CUDA) and Megatron's tracker."""
+    state = {"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    numpy.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def save_checkpoint(directory: str, model_chunks, optimizer, scheduler, iteration: int,
-                    distributed_optimizer: bool = False) -> str:
-    final = os.path.join(directory, f"iter_{iteration:07d}")
+                    distributed_optimizer: bool = False, run_info: dict = None, keep: int = 0) -> str:
+    """Save ``iteration`` under ``directory``; ``run_info`` goes to ``fe_run.json``; ``keep`` > 0
+    deletes all but the newest ``keep`` checkpoints afterwards.  Returns the checkpoint folder."""
+    final = iteration_dir(directory, iteration)
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _writer_queue_dies_with_trainer()
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_state(model_chunks, optimizer, scheduler, iteration, False, distributed_optimizer), tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
+    error = None
+    try:
+        dist_checkpointing.save(_state(model_chunks, optimizer, scheduler, iteration, False, distributed_optimizer),
+                                tmp)
+        torch.save(rng_state(), os.path.join(tmp, RNG_FILE.format(rank=rank)))
+        if rank == 0 and run_info is not None:
+            write_run_info(tmp, run_info)
+        if faults.at("fail_after_save", iteration, rank):
+            raise RuntimeError(f"injected fault: fail_after_save@{iteration}:{rank}")
+    except Exception as err:  # noqa: BLE001 - any rank's failure must keep the tracker where it is
+        error = err
+    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=current_device())  # NCCL: on GPU
+    dist.all_reduce(failed)
+    if int(failed):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"saving iteration {iteration} failed on {int(failed)} rank(s)"
+                              f"{f' (here: {error})' if error is not None else ''}; the tracker still names "
+                              "the previous checkpoint") from error
+    names = [checkpoint_files(tmp) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    mine = {name: file_digest(os.path.join(tmp, name)) for i, name in enumerate(names[0]) if i % world == rank}
+    digests = [None] * world
+    dist.all_gather_object(digests, mine)
+    if faults.at("kill_during_save", iteration, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        write_manifest(tmp, {name: digest for part in digests for name, digest in part.items()}, iteration)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        tracker_tmp = os.path.join(directory, TRACKER + ".tmp")
-        with open(tracker_tmp, "w") as fh:
-            fh.write(str(iteration))
-        os.replace(tracker_tmp, os.path.join(directory, TRACKER))
+        write_tracker(directory, iteration)
+        prune(directory, keep, protect=iteration)
     dist.barrier()
     return final
 
 
-def latest_iteration(directory: str):
-    path = os.path.join(directory, TRACKER)
-    if not os.path.isfile(path):
+def verify_checkpoint(folder: str) -> list:
+    """Problems with ``folder``'s files against its manifest, one line per file (all ranks share
+    the hashing); ``[]`` when it is intact.  A checkpoint written before manifests existed (no
+    manifest and no run info) is not verified."""
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as err:
+        return [str(err)]
+    if manifest is None:
+        if os.path.isfile(os.path.join(folder, RUN_INFO)):  # written by a release that writes manifests
+            return [f"{os.path.join(folder, MANIFEST)}: missing"]
+        return []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = sorted(manifest["files"])
+    problems = [None] * world
+    dist.all_gather_object(problems, check_files(folder, manifest, names[rank::world]))
+    return [problem for part in problems for problem in part]
+
+
+def find_checkpoint(directory: str, on_corrupt: str = "error", log=print):
+    """The folder of the checkpoint to resume from, verified: the tracker's, or (with
+    ``on_corrupt="previous"``) the newest intact one before a damaged one.  None when the run
+    has no checkpoint yet."""
+    latest = read_tracker(directory)
+    if latest is None:
         return None
-    with open(path) as fh:
-        text = fh.read().strip()
-    if not text.isdigit():
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
-    if not os.path.isdir(os.path.join(directory, f"iter_{int(text):07d}")):
-        raise FileNotFoundError(f"{path} names iteration {text} but {directory}/iter_{int(text):07d} is missing")
-    return int(text)
+    for iteration in reversed([it for it in complete_iterations(directory) if it <= latest]):
+        folder = iteration_dir(directory, iteration)
+        problems = verify_checkpoint(folder)
+        if not problems:
+            return folder
+        report = f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems)
+        if on_corrupt != "previous":
+            raise CheckpointError(f"{report}\nRefusing to load it. Set training.on_corrupt_checkpoint=previous to "
+                                  "resume from the newest intact checkpoint before it, or restore the files.")
+        log(f"{report}\ntrying the checkpoint before it (training.on_corrupt_checkpoint=previous)")
+    raise CheckpointError(f"no intact checkpoint in {directory}: every one failed its checksums")
 
 
-def load_checkpoint(directory: str, model_chunks, optimizer, scheduler, distributed_optimizer: bool = False) -> int:
-    """Load the latest checkpoint under ``directory``; returns its iteration (0 when there is none)."""
-    iteration = latest_iteration(directory)
-    if iteration is None:
-        return 0
-    path = os.path.join(directory, f"iter_{iteration:07d}")
+def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed_optimizer: bool = False,
+                    restore_rng: bool = True) -> int:
+    """Load checkpoint ``folder`` (model, optimizer, schedule, and with ``restore_rng`` this rank's
+    random states); returns its iteration."""
     _give_fresh_adam_states_a_step(optimizer)
-    sharded = _state(model_chunks, optimizer, scheduler, iteration, True, distributed_optimizer)
-    common = dist_checkpointing.load_common_state_dict(path)
-    state = dist_checkpointing.load(sharded, path)
+    sharded = _state(model_chunks, optimizer, scheduler, None, True, distributed_optimizer)
+    common = dist_checkpointing.load_common_state_dict(folder)
+    state = dist_checkpointing.load(sharded, folder)
     model_chunks[0].module.load_state_dict(state["model"])
     _adapt_single_optimizer_state(state["optimizer"], optimizer)
     with torch.no_grad():  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_step_counts(state["optimizer"], optimizer)
     scheduler.load_state_dict(common["scheduler"])
+    rng_file = os.path.join(folder, RNG_FILE.format(rank=dist.get_rank()))
+    if restore_rng and os.path.isfile(rng_file):
+        set_rng_state(torch.load(rng_file, weights_only=False))
     return int(common["iteration"])
 
 

@@ -32,6 +32,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _init_process_group(backend: str) -> None:
+    """``init_process_group`` from the launcher's environment, in a key space of this attempt's own.
+
+    Under torchrun, workers connect to the store that torchrun's agent hosts, and torch adds no
+    per-attempt prefix to its keys, assuming a new store for every restart.  torchrun reuses
+    the store, so after ``--max-restarts`` restarts a group the restarted workers read the dead
+    workers' addresses and fail in gloo's connectFullMesh ("Connection refused").  Prefixing the
+    keys with torchrun's restart count keeps every attempt apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    from torch.distributed.constants import default_pg_timeout
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=default_pg_timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/fe_megatron/attempt_{attempt}", store), rank=rank,
+                            world_size=world)
+
+
 def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 1234,
                context_parallel_size: int = 1, table_sharding: str = "replicated") -> None:
     """Start torch.distributed (nccl on GPU, gloo on CPU), megatron's groups and its RNG streams.
@@ -51,7 +73,7 @@ def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, s
     if on_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if on_gpu else "gloo")
+        _init_process_group("nccl" if on_gpu else "gloo")
     world = dist.get_world_size()
     model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world % model_parallel:

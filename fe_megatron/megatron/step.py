@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from functools import partial
 
 import torch
@@ -81,15 +83,52 @@ def run_microbatches(model_chunks: list, batches: list, seq_length: int, micro_b
         decoder_seq_length=seq_length, forward_only=forward_only)
 
 
-def train_step(model_chunks: list, optimizer, batches: list, seq_length: int, micro_batch_size: int):
+@dataclasses.dataclass
+class StepResult:
+    """One optimizer step: the LM and sparsity losses (global means), the gradient norm, whether the
+    update was applied, and, when the loss or the gradient norm was not finite, where."""
+
+    lm_loss: float
+    sparsity_loss: float
+    grad_norm: float
+    updated: bool
+    nonfinite: list = dataclasses.field(default_factory=list)  # "rank R microbatch M: lm loss nan", ...
+
+    def __iter__(self):  # lm, sparsity, grad_norm, updated = train_step(...)
+        return iter((self.lm_loss, self.sparsity_loss, self.grad_norm, self.updated))
+
+
+def train_step(model_chunks: list, optimizer, batches: list, seq_length: int, micro_batch_size: int,
+               check_finite: bool = False) -> StepResult:
     """Forward and backward over ``batches`` (the microbatches of one global batch on this DP rank),
-    then one optimizer step. Returns ``(lm_loss, sparsity_loss, grad_norm, update_successful)``."""
+    then one optimizer step.  With ``check_finite`` the loss and the gradient norm are checked
+    first, and no update is applied when either is not finite (``StepResult.nonfinite`` says
+    which rank's microbatch went wrong)."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_microbatches(model_chunks, batches, seq_length, micro_batch_size, forward_only=False)
-    update_successful, grad_norm, _ = optimizer.step()
-    return mean_lm_loss(losses), pop_sparsity_loss(model_chunks, len(batches)), grad_norm, update_successful
+    lm = mean_lm_loss(losses)
+    sparsity = pop_sparsity_loss(model_chunks, len(batches))
+    if check_finite:
+        optimizer.prepare_grads()
+        grad_norm = float(optimizer.get_grad_norm())
+        if not (math.isfinite(lm) and math.isfinite(grad_norm)):
+            return StepResult(lm, sparsity, grad_norm, False, _locate_nonfinite(losses, lm, grad_norm))
+    updated, grad_norm, _ = optimizer.step()
+    return StepResult(lm, sparsity, float(grad_norm or 0.0), bool(updated))
+
+
+def _locate_nonfinite(losses: list, lm: float, grad_norm: float) -> list:
+    """Every rank's microbatches whose loss is not finite (a collective: call it on every rank)."""
+    mine = [f"rank {torch.distributed.get_rank()} microbatch {index}: lm loss {float(entry['lm loss'])}"
+            for index, entry in enumerate(losses) if not math.isfinite(float(entry["lm loss"]))]
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    found = [line for part in everyone for line in part]
+    if not found:
+        found = [f"every microbatch's loss is finite (mean {lm}) but the gradient norm is {grad_norm}"]
+    return found
 
 
 @torch.no_grad()

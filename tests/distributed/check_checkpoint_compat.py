@@ -13,11 +13,10 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 
 from common import Checker, tiny_memory_config, tiny_transformer_config
 from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-from fe_megatron.megatron.checkpointing import load_checkpoint
+from fe_megatron.megatron.checkpointing import find_checkpoint, load_checkpoint
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, train_step
 
@@ -45,7 +44,7 @@ def main():
                                     lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
                                     wd_incr_steps=10, wd_incr_style="constant")
     check = Checker()
-    iteration = load_checkpoint(os.path.join(DATA, args.name), [ddp], opt, sched)
+    iteration = load_checkpoint(find_checkpoint(os.path.join(DATA, args.name)), [ddp], opt, sched)
     record = json.load(open(os.path.join(DATA, f"{args.name}.json")))
     check.true(f"iteration {iteration} == {record['iteration']}", iteration == record["iteration"])
     tokens, labels = torch.tensor(record["tokens"]), torch.tensor(record["labels"])

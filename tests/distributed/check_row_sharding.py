@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from common import Checker, tiny_memory_config, tiny_transformer_config
 from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
+from fe_megatron.megatron.checkpointing import find_checkpoint, load_checkpoint, save_checkpoint
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, train_step
 
@@ -148,7 +148,7 @@ def main():
     if args.init:
         load_model(model, args.init)
     if args.load:
-        start = load_checkpoint(args.load, [ddp], opt, sched)
+        start = load_checkpoint(find_checkpoint(args.load), [ddp], opt, sched)
         check.true(f"resumed at {start} == {first}", start == first)
     if args.check_memory:
         check_memory(check, model, ddp, args.tables)
