@@ -212,26 +212,28 @@ def run_info(cfg, data_parallel_size: int) -> dict:
 
 
 def choose_checkpoint(cfg, info: dict):
-    """The verified checkpoint folder ``--load`` resumes from (None: start from step 0), after the
-    resume guards (`fe_megatron.resume_guard`) compared its config with this run's."""
+    """``(folder, its run info)`` of the verified checkpoint ``--load`` resumes from (``(None, None)``:
+    start from step 0), after the resume guards (`fe_megatron.resume_guard`) compared its config
+    with this run's."""
     from fe_megatron import resume_guard
     from fe_megatron.checkpoint_files import CheckpointError, read_run_info
     from fe_megatron.megatron.checkpointing import find_checkpoint
 
     if not cfg.load:
-        return None
+        return None, None
     folder = find_checkpoint(cfg.load, cfg.training.on_corrupt_checkpoint, log)
     if folder is None:
         log(f"no checkpoint in {cfg.load} yet: starting from step 0")
-        return None
-    refused, changed = resume_guard.compare(read_run_info(folder), info)
+        return None, None
+    saved = read_run_info(folder)
+    refused, changed = resume_guard.compare(saved, info)
     if refused:
         raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
                               + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
                               "directory without --load.")
     for line in changed:
         log(f"changed since the checkpoint: {line}")
-    return folder
+    return folder, saved
 
 
 def set_up(cfg) -> TrainingRun:
@@ -244,7 +246,6 @@ def set_up(cfg) -> TrainingRun:
     from fe_megatron.data.sources import DataError
     from fe_megatron.data.tokenizer import SentencePieceTokenizer
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-    from fe_megatron.checkpoint_files import read_run_info
     from fe_megatron.megatron.checkpointing import load_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, current_device
@@ -261,7 +262,7 @@ def set_up(cfg) -> TrainingRun:
                         f"(set model.vocab_size >= {tokenizer.vocab_size})")
     dp = parallel_state.get_data_parallel_world_size()
     info = run_info(cfg, dp)
-    resume_from = choose_checkpoint(cfg, info)
+    resume_from, saved_info = choose_checkpoint(cfg, info)
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ValueError(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
                          f"data-parallel size = {t.micro_batch_size} x {dp}")
@@ -290,7 +291,7 @@ def set_up(cfg) -> TrainingRun:
         wd_incr_steps=t.train_steps, wd_incr_style="constant")
     start = 0
     if resume_from is not None:
-        same_layout = (read_run_info(resume_from) or {}).get("layout") == info["layout"]
+        same_layout = (saved_info or {}).get("layout") == info["layout"]
         start = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
                                 restore_rng=same_layout)
         log(f"resumed from {resume_from} at iteration {start}; random states "

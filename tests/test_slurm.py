@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.test_operations import final_curve
+from tests.test_operations import final_curve, metrics_if_any
 from tests.test_train import CONFIG, ROOT, metrics, small_overrides
 
 pytestmark = pytest.mark.distributed
@@ -177,7 +177,7 @@ def test_a_job_sent_sigusr1_requeues_and_ends_on_the_uninterrupted_loss(slurm, s
     run_dir = tmp_path / "preempted"
     job = sbatch(slurm, run_dir, small_data)
     deadline = time.time() + 300
-    while time.time() < deadline and not any(r.get("step", 0) >= 3 for r in _records(run_dir / "checkpoints")):
+    while time.time() < deadline and not any(r.get("step", 0) >= 3 for r in metrics_if_any(run_dir / "checkpoints")):
         time.sleep(0.2)
     # what --signal=USR1@300 sends before the time limit: SIGUSR1 to every process of the job's steps
     subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
@@ -191,12 +191,6 @@ def test_a_job_sent_sigusr1_requeues_and_ends_on_the_uninterrupted_loss(slurm, s
     assert [r["test_loss"] for r in metrics(run_dir / "checkpoints") if r.get("event") == "final"] == \
         [r["test_loss"] for r in metrics(full_dir / "checkpoints") if r.get("event") == "final"]
 
-
-def _records(save):
-    try:
-        return metrics(save)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
 
 
 def test_the_ablation_array_runs_one_config_per_task(slurm, small_data, tmp_path):
@@ -223,7 +217,7 @@ def test_the_ablation_array_runs_one_config_per_task(slurm, small_data, tmp_path
         time.sleep(1)
     for gate in ("basis", "scalar"):
         save = tmp_path / "runs" / f"ablations-{array}" / f"{gate}_gate" / "checkpoints"
-        assert [r["step"] for r in _records(save) if r.get("event") == "final"] == [4], _log(save.parent)
+        assert [r["step"] for r in metrics_if_any(save) if r.get("event") == "final"] == [4], _log(save.parent)
         info = json.loads((save / "iter_0000004" / "fe_run.json").read_text())
         assert info["config"]["memory"]["gate"] == gate
     assert "array task 2, but the list has 2 configs (0-1)" in (tmp_path / "task-2.out").read_text()
