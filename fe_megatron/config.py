@@ -33,7 +33,8 @@ from typing import Any, Optional, Sequence, Union
 PLACEMENTS = ("before_attn", "before_ffn", "inside_ffn")
 GATES = ("basis", "scalar", "none")
 MEMORY_KINDS = ("factorengram", "engram")
-BACKBONE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+BACKBONE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                   "ffn_hidden_size",
                    "seq_length", "init_std", "norm_eps", "rope_base", "tie_embeddings", "dropout")
 
 
@@ -67,6 +68,7 @@ class BackboneConfig:
     hidden_size: int = 1024  # d
     num_layers: int = 24
     num_attention_heads: int = 16
+    num_query_groups: Optional[int] = None  # key/value heads (grouped-query attention); None = one per head
     ffn_hidden_size: int = 2816  # SwiGLU width (8/3 d rounded up to a multiple of 256)
     seq_length: int = 8192  # training context (and RoPE's maximum position)
     init_std: float = 0.02  # Megatron's init_method_std: every weight matrix, the memory's Q and key too
@@ -89,6 +91,11 @@ class BackboneConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("num_attention_heads", f"{self.num_attention_heads} does not divide hidden_size="
                                                      f"{self.hidden_size}", section="BackboneConfig")
+        if self.num_query_groups is not None:
+            _positive_int("num_query_groups", self.num_query_groups, "BackboneConfig")
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError("num_query_groups", f"{self.num_query_groups} does not divide num_attention_heads="
+                                                      f"{self.num_attention_heads}", section="BackboneConfig")
 
     @classmethod
     def from_dict(cls, values: dict, where: Optional[dict] = None) -> "BackboneConfig":
@@ -336,6 +343,28 @@ def apply_preset(values: dict, presets: dict, what: str, where: Optional[dict], 
     return {**presets[name], **values}
 
 
+def yaml_loader():
+    """PyYAML's safe loader reading ``1e-2`` as a number, as YAML 1.2 does (PyYAML follows YAML 1.1,
+    which wants ``1.0e-2`` and would hand the optimizer a string)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
+        r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+    return Loader
+
+
+def load_yaml(text: str):
+    import yaml
+
+    return yaml.load(text, Loader=yaml_loader())
+
+
 def read_yaml_mapping(path: Union[str, Path]):
     """``(data, where)``: a YAML file's top-level mapping and, for every key (recursively), its
     ``file:line`` (a nested mapping's ``where`` is a dict of the same form)."""
@@ -344,8 +373,8 @@ def read_yaml_mapping(path: Union[str, Path]):
     path = Path(path)
     text = path.read_text()
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=yaml_loader())
+        data = load_yaml(text)
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: invalid YAML: {err}") from None
     if data is None:

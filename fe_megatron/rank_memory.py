@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fe_megatron.budget import memory_layer_budget
+from fe_megatron.budget import layer_params, memory_layer_budget
 from fe_megatron.config import MemoryConfig
 
 TABLE_SHARDINGS = ("replicated", "rows")
@@ -54,10 +54,10 @@ class RankMemory:
 
 def _stage_params(config: MemoryConfig, pp: int, stage: int) -> tuple:
     """(table parameters, other parameters) of pipeline stage ``stage`` (layers split evenly)."""
-    d, f, layers = config.hidden_size, config.ffn_hidden_size, config.num_layers
+    d, layers = config.hidden_size, config.num_layers
     per_stage = layers // pp
     first, last = stage * per_stage, (stage + 1) * per_stage if stage < pp - 1 else layers
-    rest = (last - first) * (4 * d * d + 3 * d * f + 2 * d)
+    rest = (last - first) * layer_params(config)
     if stage == 0 or stage == pp - 1:
         rest += config.vocab_size * d  # the embedding, and the tied output layer's copy on the last stage
     if stage == pp - 1:

@@ -17,6 +17,7 @@ GUARDED = {
     ("model", "hidden_size"): "every weight's shape",
     ("model", "num_layers"): "the layers",
     ("model", "num_attention_heads"): "the attention's shapes",
+    ("model", "num_query_groups"): "the attention's key and value shapes",
     ("model", "ffn_hidden_size"): "the MLP's shapes",
     ("model", "tie_embeddings"): "the output layer",
     ("memory", "kind"): "the memory branch's parameters",

@@ -15,6 +15,9 @@ KNOWN_THIRD_PARTY_WARNINGS = (
     (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
     # megatron.core's checkpoint loader calls torch's deprecated load_state_dict
     (FutureWarning, r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing"),
+    # torch's checkpoint planner, on the ShardedTensors megatron.core's loader builds
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
+     r"torch\.distributed\.checkpoint"),
     # megatron.core's own migration notices to its callers
     (DeprecationWarning, r"Warning: tp_group is None", r"megatron\."),
     (DeprecationWarning, r"MLP requires ffn_hidden_size", r"megatron\."),

@@ -50,6 +50,7 @@ def transformer_config_for(cfg, on_gpu: bool):
         if t.recompute == "full" else {}
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=m.norm_eps, init_method_std=m.init_std, add_bias_linear=False,
         bias_activation_fusion=False, hidden_dropout=m.dropout, attention_dropout=m.dropout,
@@ -59,6 +60,18 @@ def transformer_config_for(cfg, on_gpu: bool):
         pipeline_model_parallel_size=p.pipeline, sequence_parallel=p.sequence_parallel, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
+
+
+def freeze_backbone(model) -> None:
+    """``training.freeze_backbone``: train the memory branches only (after a graft onto a pretrained
+    model); every other weight keeps its value and gets no gradient or optimizer state."""
+    trainable = 0
+    for name, param in model.named_parameters():
+        param.requires_grad = ".memory." in name
+        trainable += param.numel() if param.requires_grad else 0
+    if not trainable:
+        raise ValueError("training.freeze_backbone=true but the model has no memory branch to train "
+                         "(memory: null); set freeze_backbone=false")
 
 
 def count_parameters(model) -> int:
@@ -202,11 +215,12 @@ def run_info(cfg, data_parallel_size: int) -> dict:
 
     from fe_megatron import __version__
     from fe_megatron.checkpoint_files import file_digest
+    from fe_megatron.data.tokenizer import tokenizer_file
 
     p = cfg.parallel
     return {"config": dataclasses.asdict(cfg), "fe_megatron": __version__,
             "tokenizer": {"path": os.path.abspath(cfg.data.tokenizer_model),
-                          "sha256": file_digest(cfg.data.tokenizer_model)["sha256"]},
+                          "sha256": file_digest(tokenizer_file(cfg.data.tokenizer_model))["sha256"]},
             "layout": {"world": dist.get_world_size(), "tensor": p.tensor, "pipeline": p.pipeline,
                        "data": data_parallel_size, "table_sharding": p.table_sharding}}
 
@@ -244,9 +258,9 @@ def set_up(cfg) -> TrainingRun:
 
     from fe_megatron.data.datasets import build_datasets
     from fe_megatron.data.sources import DataError
-    from fe_megatron.data.tokenizer import SentencePieceTokenizer
+    from fe_megatron.data.tokenizer import load_tokenizer
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-    from fe_megatron.megatron.checkpointing import load_checkpoint
+    from fe_megatron.megatron.checkpointing import holds_weights_only, load_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, current_device
 
@@ -255,7 +269,7 @@ def set_up(cfg) -> TrainingRun:
     on_gpu = torch.cuda.is_available()
     log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
-    tokenizer = SentencePieceTokenizer(cfg.data.tokenizer_model)
+    tokenizer = load_tokenizer(cfg.data.tokenizer_model)
     if tokenizer.vocab_size > m.vocab_size:
         raise DataError(f"data.tokenizer_model {cfg.data.tokenizer_model} has {tokenizer.vocab_size} tokens but "
                         f"model.vocab_size={m.vocab_size}; the embedding must cover the tokenizer "
@@ -278,6 +292,8 @@ def set_up(cfg) -> TrainingRun:
                             table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
     if on_gpu:
         model.cuda()
+    if t.freeze_backbone:
+        freeze_backbone(model)
     ddp = wrap_ddp(model, tconfig, use_distributed_optimizer=p.distributed_optimizer)
     optimizer = build_optimizer([ddp], OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
@@ -294,8 +310,12 @@ def set_up(cfg) -> TrainingRun:
         same_layout = (saved_info or {}).get("layout") == info["layout"]
         start = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
                                 restore_rng=same_layout)
-        log(f"resumed from {resume_from} at iteration {start}; random states "
-            f"{'restored' if same_layout else 'not restored (the parallel layout changed)'}")
+        if holds_weights_only(resume_from):
+            log(f"loaded the weights of {resume_from} (a converted checkpoint: no optimizer state); training "
+                "starts at step 0")
+        else:
+            log(f"resumed from {resume_from} at iteration {start}; random states "
+                f"{'restored' if same_layout else 'not restored (the parallel layout changed)'}")
 
     run = TrainingRun(cfg=cfg, info=info, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
                       datasets=datasets,

@@ -15,9 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import yaml
 
-from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, read_yaml_mapping
+from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, load_yaml, read_yaml_mapping
 from fe_megatron.ops import BACKEND_NAMES
 
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
@@ -67,6 +66,7 @@ class TrainingArgs:
     keep_checkpoints: int = 0  # keep the newest K checkpoints, delete older ones; 0 = keep all
     on_corrupt_checkpoint: str = "error"  # error | previous: resume from the newest intact one before it
     on_nonfinite: str = "halt"  # halt (exit 3, nothing saved) | skip (drop the step's update, count it)
+    freeze_backbone: bool = False  # train only the memory branches (continued pretraining after fe-convert graft)
     exit_after: int = 0  # stop (after saving) once this many steps are done; 0 = run to train_steps
 
 
@@ -122,10 +122,15 @@ class TrainConfig:
             fail("training", "on_nonfinite", f"{t.on_nonfinite!r} is not one of halt, skip")
         if isinstance(t.keep_checkpoints, bool) or not isinstance(t.keep_checkpoints, int) or t.keep_checkpoints < 0:
             fail("training", "keep_checkpoints", f"{t.keep_checkpoints!r} must be an integer >= 0 (0 keeps all)")
+        if not isinstance(t.freeze_backbone, bool):
+            fail("training", "freeze_backbone", f"{t.freeze_backbone!r} must be true or false")
+        if t.freeze_backbone and self.memory is None:
+            fail("training", "freeze_backbone", "is true but memory is null: there would be nothing to train")
         if t.kernel_backend not in KERNEL_BACKENDS:
             fail("training", "kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
         if not self.data.tokenizer_model:
-            fail("data", "tokenizer_model", "is empty; give a sentencepiece .model file")
+            fail("data", "tokenizer_model", "is empty; give a sentencepiece .model file or a Hugging Face "
+                                            "tokenizer directory")
         if not self.data.train_data:
             fail("data", "train_data", "is empty; give an indexed-dataset prefix (PREFIX.bin/.idx)")
 
@@ -148,7 +153,7 @@ def _set_dotted(tree: dict, where: dict, item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(key, f"cannot set {key}: {part} is not a section", section=None)
         lines = lines.setdefault(part, {}) if isinstance(lines.get(part, {}), dict) else {}
-    node[parts[-1]] = yaml.safe_load(text)
+    node[parts[-1]] = load_yaml(text)
     lines[parts[-1]] = f"override '{item}'"
 
 

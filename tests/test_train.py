@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -37,8 +38,16 @@ def run_pretrain(args, nproc=1, check=True, extra_env=None):
                                                              "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
     env.pop("PYTHONWARNINGS", None)
-    proc = subprocess.run(pretrain_cmd(nproc) + args, capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=600)
+    # A session of its own, so that a timeout kills torchrun's workers too (not only torchrun).
+    with subprocess.Popen(pretrain_cmd(nproc) + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env, cwd=ROOT, start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(f"fe-pretrain ran past 600 s:\n{stdout[-3000:]}{stderr[-3000:]}") from None
+    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

@@ -11,7 +11,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
 from fe_megatron.data.sources import DataError, iter_documents, validate_inputs
-from fe_megatron.data.tokenizer import SentencePieceTokenizer
+from fe_megatron.data.tokenizer import load_tokenizer
 
 
 def preprocess(inputs: List[str], tokenizer_model: str, output_prefix: str, text_key: str = "text",
@@ -21,7 +21,7 @@ def preprocess(inputs: List[str], tokenizer_model: str, output_prefix: str, text
     Writes to temporary files and renames them at the end, so an interrupted run never
     leaves a half-written dataset under ``output_prefix``. Returns the counts.
     """
-    tokenizer = SentencePieceTokenizer(tokenizer_model)
+    tokenizer = load_tokenizer(tokenizer_model)
     expected = validate_inputs(inputs, text_key)
     dtype = numpy.uint16 if tokenizer.vocab_size < 65500 else numpy.int32
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)

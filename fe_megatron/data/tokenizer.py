@@ -1,6 +1,8 @@
-"""A sentencepiece tokenizer with the attributes megatron.core's datasets read (``vocab_size``,
-``eod``, ``pad``), and training one. megatron.core renames its tokenizer base class between
-releases and only duck-types it, so this is a plain class."""
+"""Tokenizers with the attributes megatron.core's datasets read (``vocab_size``, ``eod``, ``pad``):
+a sentencepiece ``.model`` file (`SentencePieceTokenizer`, what fe-data trains) or a Hugging Face
+tokenizer directory (`HFTokenizer`, e.g. a pretrained model's, for continued pretraining after a
+graft).  `load_tokenizer` picks by path.  megatron.core renames its tokenizer base class between
+releases and only duck-types it, so these are plain classes."""
 
 from __future__ import annotations
 
@@ -56,6 +58,77 @@ class SentencePieceTokenizer:
     @property
     def bos(self) -> int:
         return self.sp.bos_id()
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer directory (``tokenizer.json`` or ``tokenizer_config.json``); the
+    end-of-document token is its ``eos_token``."""
+
+    def __init__(self, directory: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ImportError(f"tokenizer {directory!r} is a Hugging Face tokenizer directory, which needs "
+                              "transformers: pip install -e '.[hf]'") from None
+        self.model_file = directory
+        self.tokenizer = AutoTokenizer.from_pretrained(directory)
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {directory!r} has no eos_token to mark document ends")
+
+    @property
+    def unique_identifiers(self) -> dict:
+        return {"class": type(self).__name__, "tokenizer_path": [os.path.abspath(self.model_file)]}
+
+    def tokenize(self, text: str) -> numpy.ndarray:
+        return numpy.asarray(self.tokenizer.encode(text, add_special_tokens=False), dtype=numpy.int64)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    @property
+    def vocab(self):
+        return self.tokenizer.get_vocab()
+
+    @property
+    def inv_vocab(self):
+        return {i: piece for piece, i in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    @property
+    def eod(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def pad(self) -> int:
+        """-1 (none) when the tokenizer has no pad token of its own: many pretrained tokenizers reuse
+        their end-of-text token, and fe-pretrain's documents are never padded."""
+        pad = self.tokenizer.pad_token_id
+        return -1 if pad is None or pad in (self.tokenizer.eos_token_id, self.tokenizer.bos_token_id) else pad
+
+    @property
+    def bos(self) -> int:
+        return self.tokenizer.bos_token_id if self.tokenizer.bos_token_id is not None else -1
+
+
+def load_tokenizer(path: str):
+    """`HFTokenizer` for a directory, `SentencePieceTokenizer` for a ``.model`` file."""
+    if os.path.isdir(path):
+        return HFTokenizer(path)
+    return SentencePieceTokenizer(path)
+
+
+def tokenizer_file(path: str) -> str:
+    """The file that defines a tokenizer (what a checkpoint's checksum covers): the ``.model`` file,
+    or a directory's ``tokenizer.json`` (its ``tokenizer_config.json`` when there is none)."""
+    if not os.path.isdir(path):
+        return path
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise FileNotFoundError(f"tokenizer directory {path!r} has no tokenizer.json or tokenizer_config.json")
 
 
 def train_sentencepiece(text_iter, model_prefix: str, vocab_size: int = 32000, model_type: str = "bpe") -> str:

@@ -49,8 +49,11 @@ def _writer_queue_dies_with_trainer() -> None:
 
 
 def _state(model_chunks, optimizer, scheduler, iteration, is_loading: bool, distributed_optimizer: bool):
-    model = model_chunks[0].module
+    """What a checkpoint holds; weights only when ``optimizer`` is None (a converted checkpoint)."""
+    model = getattr(model_chunks[0], "module", model_chunks[0])
     model_sd = model.sharded_state_dict()
+    if optimizer is None:
+        return {"model": model_sd} if is_loading else {"model": model_sd, "iteration": iteration}
     # The optimizer chain is [backbone, tables] (memory_layer.py); without the chain's "chained_<i>."
     # key prefix a checkpoint's optimizer states have the same names in every layout.
     metadata = {"chained_optim_avoid_prefix": True}
@@ -85,7 +88,8 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(directory: str, model_chunks, optimizer, scheduler, iteration: int,
                     distributed_optimizer: bool = False, run_info: dict = None, keep: int = 0) -> str:
     """Save ``iteration`` under ``directory``; ``run_info`` goes to ``fe_run.json``; ``keep`` > 0
-    deletes all but the newest ``keep`` checkpoints afterwards.  Returns the checkpoint folder."""
+    deletes all but the newest ``keep`` checkpoints afterwards.  With ``optimizer=None`` only the
+    weights are saved (a converted checkpoint).  Returns the checkpoint folder."""
     final = iteration_dir(directory, iteration)
     tmp = final + ".tmp"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,7 +102,8 @@ def save_checkpoint(directory: str, model_chunks, optimizer, scheduler, iteratio
     try:
         dist_checkpointing.save(_state(model_chunks, optimizer, scheduler, iteration, False, distributed_optimizer),
                                 tmp)
-        torch.save(rng_state(), os.path.join(tmp, RNG_FILE.format(rank=rank)))
+        if optimizer is not None:
+            torch.save(rng_state(), os.path.join(tmp, RNG_FILE.format(rank=rank)))
         if rank == 0 and run_info is not None:
             write_run_info(tmp, run_info)
         if faults.at("fail_after_save", iteration, rank):
@@ -169,15 +174,27 @@ def find_checkpoint(directory: str, on_corrupt: str = "error", log=print):
     raise CheckpointError(f"no intact checkpoint in {directory}: every one failed its checksums")
 
 
+def holds_weights_only(folder: str) -> bool:
+    """Whether checkpoint ``folder`` holds the model's weights only (written by ``fe-convert``):
+    no optimizer state, no schedule, no random states."""
+    return "scheduler" not in dist_checkpointing.load_common_state_dict(folder)
+
+
 def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed_optimizer: bool = False,
                     restore_rng: bool = True) -> int:
     """Load checkpoint ``folder`` (model, optimizer, schedule, and with ``restore_rng`` this rank's
-    random states); returns its iteration."""
+    random states); returns its iteration.  A weights-only checkpoint (`holds_weights_only`) loads
+    the weights, leaves the fresh optimizer and schedule alone and returns 0: training starts there."""
+    model = getattr(model_chunks[0], "module", model_chunks[0])
+    common = dist_checkpointing.load_common_state_dict(folder)
+    if "scheduler" not in common:
+        model.load_state_dict(dist_checkpointing.load(_state(model_chunks, None, None, None, True, False),
+                                                      folder)["model"])
+        return 0
     _give_fresh_adam_states_a_step(optimizer)
     sharded = _state(model_chunks, optimizer, scheduler, None, True, distributed_optimizer)
-    common = dist_checkpointing.load_common_state_dict(folder)
     state = dist_checkpointing.load(sharded, folder)
-    model_chunks[0].module.load_state_dict(state["model"])
+    model.load_state_dict(state["model"])
     _adapt_single_optimizer_state(state["optimizer"], optimizer)
     with torch.no_grad():  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(state["optimizer"])

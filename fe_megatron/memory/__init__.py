@@ -9,6 +9,7 @@ from typing import Optional
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.branch import MemoryBranch
+from fe_megatron.memory.decoding import Decoding, DecodingState
 from fe_megatron.memory.engram import Engram
 from fe_megatron.memory.factorengram import FactorEngram
 from fe_megatron.memory.loss import sparsity_loss
@@ -26,5 +27,5 @@ def build_memory(config: MemoryConfig, layer_index: int, parallel: Optional[Para
     return BRANCH_CLASSES[config.kind](config, layer_index, parallel, initialize)
 
 
-__all__ = ["BRANCH_CLASSES", "Engram", "FactorEngram", "MemoryBranch", "NgramTables", "ParallelHooks",
-           "SHARDING_PLAN", "ShortConv", "build_memory", "sparsity_loss"]
+__all__ = ["BRANCH_CLASSES", "Decoding", "DecodingState", "Engram", "FactorEngram", "MemoryBranch", "NgramTables",
+           "ParallelHooks", "SHARDING_PLAN", "ShortConv", "build_memory", "sparsity_loss"]

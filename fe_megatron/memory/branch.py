@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
 from fe_megatron.memory.row_exchange import RowLookup, RowPartition
@@ -115,10 +116,16 @@ class MemoryBranch(nn.Module):
         return RowLookup(self.tables.weight, indices, self.row_partition, self.parallel.memory_parallel_group)
 
     def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],
-               indices) -> torch.Tensor:
+               indices, decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 1 and 6: the concatenated table rows of every position (this rank's columns under
-        tensor parallelism), in the hidden states' dtype.  ``indices`` may be a started `RowLookup`."""
+        tensor parallelism), in the hidden states' dtype.  ``indices`` may be a started `RowLookup`;
+        ``decoding`` (padding, incremental state) addresses ``token_ids`` after earlier calls'."""
         self._check_inputs(hidden_states, token_ids, indices.indices if isinstance(indices, RowLookup) else indices)
+        if decoding is not None:
+            if token_ids is None or self.parallel is not SINGLE_PROCESS:
+                raise ValueError("decoding (padding masks, incremental state) needs token_ids and a single-process "
+                                 "branch")
+            indices = decoding.indices(self, token_ids)
         if indices is None:
             indices = self.hasher.indices(token_ids)
             if self.parallel.sequence_dim == 0:
@@ -128,8 +135,10 @@ class MemoryBranch(nn.Module):
         lookup = indices if isinstance(indices, RowLookup) else self.start_lookup(indices)
         return lookup.rows().flatten(-2).to(hidden_states.dtype)
 
-    def refine(self, values: torch.Tensor) -> torch.Tensor:
+    def refine(self, values: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""
+        if decoding is not None:
+            return decoding.refine(self.conv, values)
         return values + self.parallel.short_conv(self.conv, values)
 
     def _check_inputs(self, hidden_states, token_ids, indices) -> None:

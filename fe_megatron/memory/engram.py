@@ -10,6 +10,7 @@ import torch.nn as nn
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import functional as FM
 from fe_megatron.memory.branch import MemoryBranch, Normal
+from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.parallel_hooks import ParallelHooks
 
 
@@ -66,10 +67,10 @@ class Engram(MemoryBranch):
         return values
 
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
-                indices: Optional[torch.Tensor] = None):
-        embeddings = self.lookup(hidden_states, token_ids, indices)
+                indices: Optional[torch.Tensor] = None, decoding: Optional[Decoding] = None):
+        embeddings = self.lookup(hidden_states, token_ids, indices, decoding)
         values = self.parallel.sum_partial_results(self.value_proj(embeddings))
         if self.config.gate == "scalar":
             key = self.key_norm(self.parallel.sum_partial_results(self.key_proj(embeddings)))
             values = FM.engram_gate(key, self.query_norm(hidden_states), self.config.hidden_size) * values
-        return self.refine(values), FM.l1_per_position(embeddings)
+        return self.refine(values, decoding), FM.l1_per_position(embeddings)

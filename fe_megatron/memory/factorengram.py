@@ -11,6 +11,7 @@ import torch.nn as nn
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import functional as FM
 from fe_megatron.memory.branch import MemoryBranch, Normal
+from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.parallel_hooks import ParallelHooks
 
 
@@ -62,12 +63,12 @@ class FactorEngram(MemoryBranch):
         return self.query_norm(self.query_proj(hidden_states))
 
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
-                indices: Optional[torch.Tensor] = None):
-        coefficients = self.lookup(hidden_states, token_ids, indices)  # z_t, Eq. 6
+                indices: Optional[torch.Tensor] = None, decoding: Optional[Decoding] = None):
+        coefficients = self.lookup(hidden_states, token_ids, indices, decoding)  # z_t, Eq. 6
         l1 = FM.l1_per_position(coefficients)  # Eq. 12
         memory = self.gated_memory(hidden_states, coefficients)  # e_t, Eq. 7-9 (or Eq. 14)
         values = self.value_proj(memory)  # v_t, Eq. 9
-        return self.refine(values), l1  # m_t, Eq. 10
+        return self.refine(values, decoding), l1  # m_t, Eq. 10
 
     def gated_memory(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
         """``e_t``: Eq. 7-9 for the basis gate, Eq. 14 for the scalar gate, ``D^T z_t`` for none."""

@@ -219,12 +219,22 @@ class NgramHasher:
 
         With several layers, the branches of all layers are concatenated in layer order.
         """
+        return self.indices_of_lookup_ids(self.lookup_ids(token_ids, validate))
+
+    def lookup_ids(self, token_ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """``[batch, seq]`` token ids -> the int64 ids the addressing reads (after token compression);
+        ``pad_id`` is the one id no token maps to (a position before the sequence start)."""
         if validate:
             validate_token_ids(token_ids, self.config.vocab_size)
-        mult, mod, off, lookup = self._device_constants(token_ids.device)
         ids = token_ids.to(torch.int64)
-        if lookup is not None:
-            ids = lookup[ids]
+        lookup = self._device_constants(token_ids.device)[3]
+        return ids if lookup is None else lookup[ids]
+
+    def indices_of_lookup_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Eq. 1 on ids from `lookup_ids` (``pad_id`` allowed): ``[batch, seq, branches]`` row indices.
+        An incremental decoder passes the last ``max_order - 1`` ids before the new ones and drops
+        their rows, so a step's cost does not grow with the context."""
+        mult, mod, off, _ = self._device_constants(ids.device)
         return ops.ngram_hash(ids, mult, mod, off, self.pad_id)
 
     def indices_per_layer(self, token_ids: torch.Tensor, validate: bool = True) -> dict:

@@ -1,0 +1,268 @@
+"""`FactorEngramForCausalLM`: the transformers model of an fe_megatron checkpoint.
+
+Transformers' Llama (attention, RoPE, RMSNorm, SwiGLU, KV cache, generation) with the memory
+branch of `fe_megatron.memory` (the one implementation, not a copy) on the layers that
+``config.memory["layers"]`` names, at its placement:
+
+* ``before_attn``: ``h <- h + m(h)`` on the layer input (Eq. 11);
+* ``before_ffn``:  ``h <- h + m(h)`` on the post-attention residual;
+* ``inside_ffn``:  ``down(silu(gate x) * (up x + m(h)))`` with ``x`` the normed post-attention
+  residual ``h``.
+
+The branch reads the residual stream before any norm, as in the Megatron layers
+(`fe_megatron.megatron.transformer_layer`), so both compute the same function.
+
+Cached generation: `FactorEngramCache` is transformers' `DynamicCache` plus each branch's
+`fe_megatron.memory.DecodingState` (the last ``max_order - 1`` ids and ``(K-1) r`` values), so a
+decoding step costs the same whatever the context length.  Left padding is handled as in
+`fe_megatron.memory.decoding`: padded positions count as lying before the sequence start.
+
+With ``labels`` the loss is Eq. 13: the LM loss plus ``lambda`` times the L1 penalty averaged
+over insertion layers (Eq. 12).
+
+This file is also written next to converted weights, for ``trust_remote_code=True`` loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from transformers import DynamicCache, GenerationMixin
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPreTrainedModel, LlamaRMSNorm,
+                                                      LlamaRotaryEmbedding)
+
+from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memory
+
+from .configuration_fe_megatron import FactorEngramConfig
+
+
+class FactorEngramCache(DynamicCache):
+    """Transformers' `DynamicCache` plus ``memory_states``: ``{layer_index: DecodingState}``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.memory_states: dict = {}
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        self.memory_states = {layer: state.select(beam_idx) for layer, state in self.memory_states.items()}
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        self.memory_states = {layer: state.select(indices) for layer, state in self.memory_states.items()}
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self.memory_states = {layer: state.repeat_interleave(repeats) for layer, state in self.memory_states.items()}
+
+    def crop(self, max_length: int):
+        if self.memory_states:
+            raise NotImplementedError("FactorEngramCache cannot be cropped: the memory branches keep only the last "
+                                      "few token ids and values, not the whole history (assisted or speculative "
+                                      "decoding needs a crop); generate without an assistant model")
+        super().crop(max_length)
+
+
+@dataclass
+class FactorEngramModelOutput(BaseModelOutputWithPast):
+    """`BaseModelOutputWithPast` plus ``sparsity_loss``: Eq. 12 averaged over insertion layers."""
+
+    sparsity_loss: Optional[torch.FloatTensor] = None
+
+
+class FactorEngramDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer with a memory branch (``self.memory``) at ``memory_config.placement``."""
+
+    def __init__(self, config: FactorEngramConfig, layer_idx: int, memory_config):
+        super().__init__(config, layer_idx)
+        self.layer_index = layer_idx
+        # Initialized by FactorEngramPreTrainedModel._init_weights, unless loaded from a checkpoint.
+        self.memory = build_memory(memory_config, layer_idx, initialize=False)
+        for module in self.memory.modules():
+            module._fe_memory_part = True
+
+    def _memory(self, hidden_states, token_ids, decoding, sparsity_terms: list):
+        memory_out, l1 = self.memory(hidden_states, token_ids, decoding=decoding)
+        if decoding is not None and decoding.valid is not None:
+            l1 = l1[decoding.valid]  # padding is not text
+        sparsity_terms.append(l1.float().mean())
+        return memory_out
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
+                position_embeddings=None, *, memory_token_ids=None, memory_decoding=None, sparsity_terms=None,
+                **kwargs):
+        placement = self.memory.config.placement
+        sparsity_terms = [] if sparsity_terms is None else sparsity_terms
+        if placement == "before_attn":
+            hidden_states = hidden_states + self._memory(hidden_states, memory_token_ids, memory_decoding,
+                                                         sparsity_terms)
+        residual = hidden_states
+        attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                          attention_mask=attention_mask, position_ids=position_ids,
+                                          past_key_values=past_key_values, use_cache=use_cache,
+                                          position_embeddings=position_embeddings, **kwargs)
+        hidden_states = residual + attention_out
+        if placement == "before_ffn":
+            hidden_states = hidden_states + self._memory(hidden_states, memory_token_ids, memory_decoding,
+                                                         sparsity_terms)
+        residual = hidden_states
+        normed = self.post_attention_layernorm(hidden_states)
+        if placement == "inside_ffn":
+            up_addend = self._memory(hidden_states, memory_token_ids, memory_decoding, sparsity_terms)
+            mlp = self.mlp
+            return residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * (mlp.up_proj(normed) + up_addend))
+        return residual + self.mlp(normed)
+
+
+class FactorEngramPreTrainedModel(LlamaPreTrainedModel):
+    config_class = FactorEngramConfig
+    config: FactorEngramConfig
+    _no_split_modules = ["LlamaDecoderLayer", "FactorEngramDecoderLayer"]
+    _can_compile_fullgraph = False  # token-id range checks synchronize with the host
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        """A memory branch initializes itself (docs/method.md), unless it was loaded whole."""
+        if isinstance(module, MemoryBranch):
+            if not all(getattr(param, "_is_hf_initialized", False) for param in module.parameters()):
+                module.reset_parameters()
+            return
+        if getattr(module, "_fe_memory_part", False):
+            return
+        super()._init_weights(module)
+
+
+class FactorEngramModel(FactorEngramPreTrainedModel):
+    """`LlamaModel` with memory branches; its forward feeds them the token ids."""
+
+    def __init__(self, config: FactorEngramConfig):
+        super().__init__(config)
+        memory = config.memory_config()
+        if memory is not None:
+            beyond = [layer for layer in memory.layers if layer >= config.num_hidden_layers]
+            if beyond:
+                raise ValueError(f"memory layers {beyond} do not exist: the model has {config.num_hidden_layers} "
+                                 f"layers (0-based indices 0..{config.num_hidden_layers - 1})")
+            if memory.placement == "inside_ffn" and config.hidden_act != "silu":
+                raise ValueError(f"placement 'inside_ffn' needs a SwiGLU MLP (hidden_act='silu'), got "
+                                 f"{config.hidden_act!r}")
+        memory_layers = set(memory.layers) if memory is not None else set()
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList([
+            FactorEngramDecoderLayer(config, index, memory) if index in memory_layers
+            else LlamaDecoderLayer(config, index) for index in range(config.num_hidden_layers)])
+        self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.memory_layers = sorted(memory_layers)
+        self.post_init()
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
+                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None, **kwargs):
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if self.memory_layers and input_ids is None:
+            raise ValueError("the memory branches address their tables by token id: pass input_ids, not "
+                             "inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = FactorEngramCache(config=self.config)
+        if position_ids is None:
+            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
+            position_ids = position_ids.unsqueeze(0)
+        causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
+                                         attention_mask=attention_mask, past_key_values=past_key_values,
+                                         position_ids=position_ids)
+        decodings = self._decodings(input_ids, attention_mask, past_key_values)
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        sparsity_terms: list = []
+        for decoder_layer in self.layers[: self.config.num_hidden_layers]:
+            memory_kwargs = {}
+            if isinstance(decoder_layer, FactorEngramDecoderLayer):
+                memory_kwargs = dict(memory_token_ids=input_ids, sparsity_terms=sparsity_terms,
+                                     memory_decoding=decodings.get(decoder_layer.layer_index))
+            hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
+                                          position_embeddings=position_embeddings, position_ids=position_ids,
+                                          past_key_values=past_key_values, use_cache=use_cache, **memory_kwargs,
+                                          **kwargs)
+        hidden_states = self.norm(hidden_states)
+        sparsity = torch.stack(sparsity_terms).mean() if sparsity_terms else None
+        return FactorEngramModelOutput(last_hidden_state=hidden_states,
+                                       past_key_values=past_key_values if use_cache else None,
+                                       sparsity_loss=sparsity)
+
+    def _decodings(self, input_ids, attention_mask, past_key_values) -> dict:
+        """``{layer_index: Decoding}``: the padding of the new positions and, with a cache, each
+        branch's state from earlier calls.  Empty when there is nothing to mask or carry."""
+        if not self.memory_layers:
+            return {}
+        valid = None
+        if attention_mask is not None and attention_mask.dim() == 2:
+            new = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:].bool()
+            valid = None if bool(new.all()) else new
+        if past_key_values is None:
+            return {} if valid is None else {layer: Decoding(valid) for layer in self.memory_layers}
+        if not isinstance(past_key_values, FactorEngramCache):
+            raise TypeError(f"past_key_values is a {type(past_key_values).__name__}; a model with memory branches "
+                            "keeps their decoding state in a FactorEngramCache (leave past_key_values unset, or "
+                            "pass FactorEngramCache(config=model.config))")
+        states = past_key_values.memory_states
+        if not states:
+            if past_key_values.get_seq_length() > 0:
+                raise ValueError("this FactorEngramCache holds keys and values but no memory state; it was not "
+                                 "filled by this model")
+            for layer in self.memory_layers:
+                branch = self.layers[layer].memory
+                states[layer] = DecodingState.empty(branch, input_ids.shape[0], input_ids.device,
+                                                    self.embed_tokens.weight.dtype)
+        return {layer: Decoding(valid, states[layer]) for layer in self.memory_layers}
+
+
+class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
+    """Causal LM over `FactorEngramModel`; ``loss`` (with ``labels``) is Eq. 13."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: FactorEngramConfig):
+        super().__init__(config)
+        self.model = FactorEngramModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                             **kwargs)
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            memory = self.config.memory
+            if outputs.sparsity_loss is not None and memory.get("sparsity_lambda", 0.0):
+                loss = loss + memory["sparsity_lambda"] * outputs.sparsity_loss  # Eq. 13
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() makes a `DynamicCache`; make it a `FactorEngramCache` (the memory's state too)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+            model_kwargs["past_key_values"] = FactorEngramCache(config=self.config.get_text_config(decoder=True))

