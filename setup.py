@@ -76,5 +76,6 @@ setup(
         "fe-data=fe_megatron.data.cli:main",
         "fe-demo=fe_megatron.demo:main",
         "fe-convert=fe_megatron.hf.convert:main",
+        "fe-eval=fe_megatron.evaluation.cli:main",
     ]},
 )

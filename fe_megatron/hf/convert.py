@@ -164,7 +164,7 @@ class DistCheckpoint:
 
 
 # ----------------------------------------------------------------------------- tokenizers
-def _tokenizer_from_run(info: dict, override: Optional[str]) -> str:
+def run_tokenizer(info: dict, override: Optional[str]) -> str:
     from fe_megatron.data.tokenizer import tokenizer_file
 
     recorded = info.get("tokenizer") or {}
@@ -212,7 +212,7 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
     folder = find_checkpoint_folder(load, iteration)
     info = read_run_info(folder)
     backbone, memory = configs_of(info)
-    tokenizer_path = _tokenizer_from_run(info, tokenizer)
+    tokenizer_path = run_tokenizer(info, tokenizer)
     checkpoint = DistCheckpoint(folder)
     tmp = _fresh_output(output)
     try:

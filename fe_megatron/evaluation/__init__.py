@@ -1,0 +1,1 @@
+"""Evaluating trained models: ``fe-eval`` (perplexity, LAMBADA, multiple choice, NIAH)."""

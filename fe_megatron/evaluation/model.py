@@ -1,0 +1,92 @@
+"""A trained model for evaluation: load it from a run directory or a transformers directory, and
+score token sequences with it.
+
+A run directory's checkpoint (any TP/PP/DP layout and table sharding: its tensors are stored
+whole by global name) is read tensor by tensor into `fe_megatron.hf.FactorEngramForCausalLM`,
+the same function as the Megatron model (tested to 1e-5 in ``tests/test_hf.py``); no optimizer
+is built.  The tokenizer is the run's, found through ``fe_run.json`` and checked by checksum.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+class EvalModel:
+    """``model`` (a transformers causal LM in eval mode), ``encode`` (text -> ids) and the longest
+    sequence the model was built for (``max_length``)."""
+
+    def __init__(self, model, encode, decode, max_length: int, source: str):
+        self.model = model.eval()
+        self.encode = encode
+        self.decode = decode
+        self.max_length = max_length
+        self.source = source
+
+    @classmethod
+    def load(cls, path: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None) -> "EvalModel":
+        """From a run directory (fe-pretrain's ``--save``) or a transformers model directory."""
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return cls._from_transformers(path)
+        return cls._from_run(path, iteration, tokenizer)
+
+    @classmethod
+    def _from_transformers(cls, path: str) -> "EvalModel":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        import fe_megatron.hf  # noqa: F401 - registers FactorEngramForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(path)
+        return cls(model, lambda text: tok.encode(text, add_special_tokens=False), tok.decode,
+                   model.config.max_position_embeddings, path)
+
+    @classmethod
+    def _from_run(cls, path: str, iteration: Optional[int], tokenizer: Optional[str]) -> "EvalModel":
+        from fe_megatron.checkpoint_files import read_run_info
+        from fe_megatron.data.tokenizer import load_tokenizer
+        from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
+        from fe_megatron.hf.convert import (DistCheckpoint, configs_of, find_checkpoint_folder, run_tokenizer,
+                                            split_checkpoint_tensor)
+
+        folder = find_checkpoint_folder(path, iteration)
+        info = read_run_info(folder)
+        backbone, memory = configs_of(info)
+        tok = load_tokenizer(run_tokenizer(info, tokenizer))
+        model = FactorEngramForCausalLM(FactorEngramConfig.from_fe_megatron(backbone, memory))
+        params = model.state_dict()
+        checkpoint = DistCheckpoint(folder)
+        with torch.no_grad():
+            for name in checkpoint.weight_names():
+                for hf_name, tensor in split_checkpoint_tensor(name, checkpoint.load(name), backbone):
+                    params[hf_name].copy_(tensor)
+        return cls(model, lambda text: [int(i) for i in tok.tokenize(text)], tok.detokenize, backbone.seq_length,
+                   folder)
+
+    # ------------------------------------------------------------------ scoring
+    @torch.no_grad()
+    def logprobs(self, ids: list) -> torch.Tensor:
+        """``log p(ids[t] | ids[:t])`` for t = 1 .. len(ids) - 1 (fp64); ``len(ids) <= max_length``."""
+        if len(ids) > self.max_length:
+            raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's {self.max_length}")
+        logits = self.model(torch.tensor([ids])).logits[0, :-1].double()
+        return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+    @torch.no_grad()
+    def continuation(self, context: list, continuation: list) -> tuple:
+        """``(log-probabilities of the continuation's tokens, whether greedy decoding predicts every
+        one of them)`` after ``context`` (the context is cut on the left to fit)."""
+        ids = (context + continuation)[-self.max_length:]
+        logits = self.model(torch.tensor([ids])).logits[0, -len(continuation) - 1:-1].double()
+        target = torch.tensor(continuation)
+        logprobs = torch.log_softmax(logits, -1).gather(1, target.unsqueeze(1)).squeeze(1)
+        return logprobs, bool((logits.argmax(-1) == target).all())
+
+    @torch.no_grad()
+    def greedy(self, ids: list, new_tokens: int) -> list:
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0)
+        return out[0, len(ids):].tolist()

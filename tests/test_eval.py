@@ -1,0 +1,178 @@
+"""fe-eval against hand computations: a model whose every weight is zero predicts the uniform
+distribution over its vocabulary V, so each token costs exactly log V."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fe_megatron.config import BackboneConfig, MemoryConfig
+from fe_megatron.evaluation import tasks
+from fe_megatron.evaluation.cli import main as fe_eval
+from fe_megatron.evaluation.model import EvalModel
+from tests.test_train import CONFIG, ROOT, run_pretrain, small_overrides
+
+VOCAB = 512
+LENGTH = 256
+
+
+@pytest.fixture(scope="module")
+def uniform_dir(small_data, tmp_path_factory):
+    from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM, save_tokenizer
+
+    backbone = BackboneConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=2,
+                              ffn_hidden_size=64, seq_length=LENGTH)
+    memory = MemoryConfig(backbone=backbone, ngram_orders=[1, 2], heads_per_order=1, table_capacity=[VOCAB, 997],
+                          coeff_width=16, memory_dim=16, layers=[1])
+    model = FactorEngramForCausalLM(FactorEngramConfig.from_fe_megatron(backbone, memory))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    directory = str(tmp_path_factory.mktemp("uniform"))
+    model.save_pretrained(directory)
+    save_tokenizer(small_data["tokenizer"], directory)
+    return directory
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+    return str(path)
+
+
+def test_perplexity_of_the_uniform_model_is_its_vocabulary(uniform_dir, tmp_path):
+    model = EvalModel.load(uniform_dir)
+    docs = ["The Congress shall have power to lay and collect taxes.",
+            " ".join(["We the people of the United States, in order to form a more perfect union,"] * 24), "Hi"]
+    for stride in (LENGTH - 1, 16, 1):
+        sums = tasks.perplexity(model, docs, stride)
+        lengths = [len(model.encode(doc)) for doc in docs]
+        assert max(lengths) > 2 * LENGTH  # rolling windows are exercised
+        assert sums["tokens"] == sum(n - 1 for n in lengths)  # every token once, the first of each document never
+        result = tasks.summarize_perplexity(sums)
+        assert result["token_ppl"] == pytest.approx(VOCAB, rel=1e-9)
+        words = sum(len(doc.split()) for doc in docs)
+        assert result["word_ppl"] == pytest.approx(math.exp(sums["tokens"] * math.log(VOCAB) / words), rel=1e-9)
+
+
+def test_rolling_windows_score_each_token_with_the_context_the_stride_leaves():
+    """A non-uniform model, token by token: position t is scored in the first window that reaches
+    it, reading that window's tokens before it."""
+    from tests.test_hf import tiny_model
+
+    length, stride = 32, 8
+    model = EvalModel(tiny_model(), lambda text: [int(b) % 256 for b in text.encode()], None, length, "tiny")
+    ids = model.encode("rolling windows over a document longer than the model's context " * 2)
+    expected = 0.0
+    for t in range(1, len(ids)):
+        begin = next(k * stride for k in range(len(ids)) if k * stride + length > t)
+        expected -= float(model.logprobs(ids[begin:t + 1])[-1])
+    model.encode, text = (lambda _: ids), "x"
+    sums = tasks.perplexity(model, [text], stride)
+    assert sums["tokens"] == len(ids) - 1
+    assert sums["nll"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_lambada_scores_the_whole_target_word(uniform_dir, tmp_path):
+    items = [{"context": "The state of the Union is", "target": "strong"},
+             {"text": "We hold these truths to be self-evident"}]
+    path = write_jsonl(tmp_path / "lambada.jsonl", items)
+    model = EvalModel.load(uniform_dir)
+    result = tasks.summarize_lambada(tasks.lambada(model, tasks.read_items(path, ())))
+    targets = [len(model.encode("The state of the Union is strong")) - len(model.encode("The state of the Union is")),
+               len(model.encode("We hold these truths to be self-evident"))
+               - len(model.encode("We hold these truths to be"))]
+    assert result["accuracy"] == 0.0  # uniform logits pick token 0, which no word is
+    assert result["target_nll"] == pytest.approx(sum(targets) * math.log(VOCAB) / 2, rel=1e-9)
+    assert result["ppl"] == pytest.approx(VOCAB, rel=1e-9)
+
+
+def test_multiple_choice_raw_and_length_normalized(uniform_dir, tmp_path):
+    model = EvalModel.load(uniform_dir)
+    choices = ["a", "a considerably longer answer with many pieces"]
+    questions = [{"context_question": "Which?", "choices": choices, "label": 0},
+                 {"context_question": "Which?", "choices": choices, "label": 1}]
+    pairs = [{"sentence": "The cup did not fit in the box because the _ was too big.", "option1": "cup",
+              "option2": "box", "label": 1}]
+    result = tasks.summarize_mc(tasks.multiple_choice(
+        model, tasks.read_items(write_jsonl(tmp_path / "q.jsonl", questions), ("label",)), "q.jsonl"))
+    # uniform: a choice costs (its tokens) x log V; raw picks the fewest tokens, normalized the fewest per character
+    lengths = [len(model.encode(" " + c)) for c in choices]
+    raw_pick = 0 if lengths[0] <= lengths[1] else 1
+    norm_pick = min(range(2), key=lambda i: (lengths[i] / (len(choices[i]) + 1), i))
+    assert result["acc"] == 0.5 and result["correct"] == 1 and raw_pick == 0
+    assert result["correct_norm"] == 1 and norm_pick in (0, 1)
+    result = tasks.summarize_mc(tasks.multiple_choice(
+        model, tasks.read_items(write_jsonl(tmp_path / "w.jsonl", pairs), ("label",)), "w.jsonl"))
+    assert result["acc"] == 1.0  # the same continuation scores the same: the tie goes to option 1, the label
+
+
+def test_niah_places_the_needle_at_its_depth_and_scores_exact_answers(uniform_dir, tmp_path):
+    model = EvalModel.load(uniform_dir)
+    import random
+
+    needles, question, answer = tasks.niah_needles(2, random.Random(0))
+    assert len(needles) == 4 and answer.strip() in " ".join(needles)
+    haystack = list(range(3, 400))
+    for depth in (0.0, 0.5, 1.0):
+        prompt = tasks.niah_prompt(model, haystack, needles, question, 240, depth)
+        needle_ids = model.encode(" " + " ".join(needles) + " ")
+        start = int(round(depth * (240 - len(needle_ids) - len(model.encode(" " + question)))))
+        assert len(prompt) == 240 and prompt[start:start + len(needle_ids)] == needle_ids
+    hay = write_jsonl(tmp_path / "hay.jsonl", [{"text": "The grass is green and the sky is blue. " * 80}])
+    out = tmp_path / "niah.json"
+    assert fe_eval(["niah", "--load", uniform_dir, "--haystack", hay, "--context", "224,256", "--variant", "1,2",
+                    "--depths", "0,1", "--samples", "2", "--output", str(out)]) == 0
+    report = json.load(open(out))
+    assert report["NIAH-1"] == 0.0 and len(report["results"]) == 2 * 2 * 2
+    assert os.path.isfile(str(out).replace(".json", "_niah1.png"))
+
+
+def test_bad_input_names_the_file_and_line(uniform_dir, tmp_path, capsys):
+    missing = write_jsonl(tmp_path / "bad.jsonl", [{"context_question": "q", "choices": ["a"], "label": 0},
+                                                   {"context_question": "q", "choices": ["a"]}])
+    assert fe_eval(["mc", "--load", uniform_dir, "--data", missing]) == 2
+    assert f"{missing}:2: no 'label' field" in capsys.readouterr().err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert fe_eval(["lambada", "--load", uniform_dir, "--data", str(empty)]) == 2
+    assert "no items (the file is empty)" in capsys.readouterr().err
+    hay = write_jsonl(tmp_path / "hay.jsonl", [{"text": "grass " * 500}])
+    assert fe_eval(["niah", "--load", uniform_dir, "--haystack", hay, "--context", "4096"]) == 2
+    assert "--context 4096 is longer than the model's sequence length 256" in capsys.readouterr().err
+    no_checkpoint = tmp_path / "run"
+    no_checkpoint.mkdir()
+    assert fe_eval(["ppl", "--load", str(no_checkpoint), "--data", hay]) == 2
+    assert "is not an fe-pretrain checkpoint directory" in capsys.readouterr().err
+
+
+def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(small_data, tmp_path):
+    from fe_megatron.hf.convert import mcore_to_hf
+
+    run = str(tmp_path / "run")
+    run_pretrain(["--config", CONFIG, "--save", run] + small_overrides(
+        small_data, **{"training.train_steps": 2, "training.save_interval": 2, "optimizer.warmup_steps": 1,
+                       "training.eval_interval": 2}))
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": line} for line in [
+        "Fellow citizens of the Senate and of the House of Representatives.",
+        "The state of the Union is strong, and our economy grows.", "We must do more.", "Thank you."]])
+    outputs = {}
+    for name, load in (("run", run), ("hf", mcore_to_hf(run, str(tmp_path / "hf")))):
+        assert fe_eval(["ppl", "--load", load, "--data", text, "--stride", "32", "--output",
+                        str(tmp_path / f"{name}.json")]) == 0
+        outputs[name] = json.load(open(tmp_path / f"{name}.json"))["results"][0]
+    assert outputs["run"]["token_ppl"] == pytest.approx(outputs["hf"]["token_ppl"], rel=1e-6)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                           "fe_megatron.evaluation.cli", "ppl", "--load", run, "--data", text, "--stride", "32",
+                           "--output", str(tmp_path / "two.json")], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(env, OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.load(open(tmp_path / "two.json"))["results"][0]
+    assert two["tokens"] == outputs["run"]["tokens"] and two["documents"] == 4
+    assert two["token_ppl"] == pytest.approx(outputs["run"]["token_ppl"], rel=1e-7)  # sums in another order
