@@ -77,5 +77,6 @@ setup(
         "fe-demo=fe_megatron.demo:main",
         "fe-convert=fe_megatron.hf.convert:main",
         "fe-eval=fe_megatron.evaluation.cli:main",
+        "fe-inspect=fe_megatron.evaluation.inspect:main",
     ]},
 )

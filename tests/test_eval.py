@@ -151,13 +151,19 @@ def test_bad_input_names_the_file_and_line(uniform_dir, tmp_path, capsys):
     assert "is not an fe-pretrain checkpoint directory" in capsys.readouterr().err
 
 
-def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(small_data, tmp_path):
+@pytest.fixture(scope="module")
+def trained_run(small_data, tmp_path_factory):
+    run = str(tmp_path_factory.mktemp("eval") / "run")
+    run_pretrain(["--config", CONFIG, "--save", run] + small_overrides(
+        small_data, **{"training.train_steps": 4, "training.save_interval": 4, "optimizer.warmup_steps": 1,
+                       "training.eval_interval": 4, "optimizer.lr": 1e-2}))
+    return run
+
+
+def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(trained_run, tmp_path):
     from fe_megatron.hf.convert import mcore_to_hf
 
-    run = str(tmp_path / "run")
-    run_pretrain(["--config", CONFIG, "--save", run] + small_overrides(
-        small_data, **{"training.train_steps": 2, "training.save_interval": 2, "optimizer.warmup_steps": 1,
-                       "training.eval_interval": 2}))
+    run = trained_run
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": line} for line in [
         "Fellow citizens of the Senate and of the House of Representatives.",
         "The state of the Union is strong, and our economy grows.", "We must do more.", "Thank you."]])
@@ -176,3 +182,26 @@ def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(sma
     two = json.load(open(tmp_path / "two.json"))["results"][0]
     assert two["tokens"] == outputs["run"]["tokens"] and two["documents"] == 4
     assert two["token_ppl"] == pytest.approx(outputs["run"]["token_ppl"], rel=1e-7)  # sums in another order
+
+
+def test_inspect_reports_every_insertion_layer(trained_run, small_data, tmp_path):
+    from fe_megatron.evaluation.inspect import main as fe_inspect
+
+    out = tmp_path / "inspect"
+    assert fe_inspect(["--load", trained_run, "--data", small_data["subset"], "--max-tokens", "2000",
+                       "--output", str(out)]) == 0
+    summary = json.load(open(out / "summary.json"))
+    assert sorted(summary) == ["1", "2"]  # factorengram-tiny's layers
+    layer = summary["1"]
+    assert len(layer["basis_usage"]) == 192 and 0.0 < layer["mean_active"] < 1.0
+    assert 0.0 < layer["z_below_threshold"] < 1.0
+    assert sorted(layer["gates_by_order"]) == ["1", "2", "3"]
+    assert all(0.0 < g["mean"] < 1.0 for g in layer["gates_by_order"].values())
+    assert sorted(layer["collisions"], key=int) == ["2", "3", "4", "5"]  # the hashed (bigram, trigram) branches
+    assert all(c["distinct_ngrams"] > 100 for c in layer["collisions"].values())
+    assert (out / "basis_usage.png").is_file() and (out / "gates_by_order.png").is_file()
+    # threshold 0: nothing is below it, every coefficient is active everywhere
+    assert fe_inspect(["--load", trained_run, "--data", small_data["subset"], "--max-tokens", "300",
+                       "--threshold", "0", "--output", str(tmp_path / "zero")]) == 0
+    zero = json.load(open(tmp_path / "zero" / "summary.json"))["2"]
+    assert zero["z_below_threshold"] == 0.0 and zero["never_active"] == 0 and zero["mean_active"] == 1.0
