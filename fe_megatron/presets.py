@@ -7,6 +7,7 @@ rounded up to a multiple of 256 (Llama convention), tied input/output embeddings
 Memory presets (`PRESETS`), each naming the backbone it was defined for:
 
 * ``factorengram-340m`` / ``factorengram-1b``: Table 8 (Appendix B.1).
+* ``engram-1b``: Table 2's 1B Engram row (the 1B tables without unigrams, scalar gate).
 * ``engram-340m``, ``engram-unigram-340m``, ``factorengram-scalar-gate-340m``,
   ``factorengram-no-unigram-340m``: the component ablations of Table 3.
 * ``factorengram-340m-lambda-{0,1e-4,1e-3,1e-2}``: the sparsity sweep of Table 4.
@@ -45,6 +46,9 @@ PRESETS = {
     "engram-340m": dict(_BASE_340M, **_NO_UNIGRAM, memory_dim=2048, kind="engram", gate="scalar",
                         sparsity_lambda=0.0),
     "engram-unigram-340m": dict(_BASE_340M, kind="engram", gate="scalar", sparsity_lambda=0.0),
+    # Table 2's 1B Engram row: the 1B tables without unigrams, dense rows of width s_b = 320.
+    "engram-1b": dict(_BASE_340M, backbone="1b", kind="engram", gate="scalar", sparsity_lambda=0.0,
+                      ngram_orders=[2, 3], table_capacity=[250_000, 750_000], coeff_width=2560, memory_dim=2560),
     "factorengram-scalar-gate-340m": dict(_BASE_340M, gate="scalar"),
     "factorengram-no-unigram-340m": dict(_BASE_340M, **_NO_UNIGRAM),
     # Table 5: within-layer placement.

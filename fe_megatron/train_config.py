@@ -45,7 +45,7 @@ class OptimizerArgs:
     clip_grad: float = 1.0
     warmup_steps: int = 1024
     table_lr_mult: float = 1.0
-    table_weight_decay_mult: float = 0.0
+    table_weight_decay_mult: float = 1.0  # the paper's: decay the tables like every weight; 0 = Engram-style exemption
 
 
 @dataclass

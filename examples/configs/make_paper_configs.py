@@ -22,7 +22,8 @@ def base(scale):
                      "table_sharding": "rows"},
         "optimizer": {"lr": 4.0e-4 if big else 1.0e-3, "min_lr": 4.0e-5 if big else 1.0e-4, "weight_decay": 0.01,
                       "beta1": 0.9, "beta2": 0.95, "eps": 1.0e-8, "clip_grad": 1.0,
-                      "warmup_steps": 1911 if big else 1024, "table_lr_mult": 1.0, "table_weight_decay_mult": 0.0},
+                      # Table 8: weight decay 0.01 on every weight, the tables included (no exemption is stated)
+                      "warmup_steps": 1911 if big else 1024, "table_lr_mult": 1.0, "table_weight_decay_mult": 1.0},
         "training": {"train_steps": 229320 if big else 57344, "micro_batch_size": 1, "global_batch_size": 64,
                      "seed": 1234, "precision": "bf16", "recompute": "none", "transformer_impl": "te",
                      "log_interval": 10, "eval_interval": 2000, "eval_steps": 20, "save_interval": 2000},
@@ -49,6 +50,7 @@ CONFIGS = [
     variant("340m", "paper_340m_transformer", transformer=True),
     variant("1b", "paper_1b_transformer", transformer=True),
     variant("340m", "paper_340m_engram", preset="engram-340m"),
+    variant("1b", "paper_1b_engram", preset="engram-1b"),
     variant("340m", "paper_340m_engram_unigram", preset="engram-unigram-340m"),
     variant("340m", "paper_340m_scalar_gate", preset="factorengram-scalar-gate-340m"),
     variant("340m", "paper_340m_no_unigram", preset="factorengram-no-unigram-340m"),

@@ -8,6 +8,8 @@ Groups (every run shares the backbone, the data, the tokens and the schedule):
   lambda     the sparsity weight 0, 1e-4, 1e-2 beside the main run's 1e-3 (Table 4)
   placement  before the FFN and inside it beside the main run's before-attention (Table 5)
   depth      single layers and a shallow/deep pair beside the main run's middle pair
+  weight decay  the tables decayed like every weight (the paper's Table 8) beside the main run's
+             Engram-style exemption
 
 ``cpu-tiny`` is the bundled demo's 4-layer d=128 backbone on the State of the Union corpus;
 ``gpu`` is a 12-layer d=768 backbone (~85M parameters without embeddings) with a 32K tokenizer,
@@ -44,6 +46,8 @@ GROUPS = {
     "placement": [("before FFN", ["memory.placement=before_ffn"]), ("inside FFN", ["memory.placement=inside_ffn"])],
     "depth": [("layer 0", ["memory.layers=[0]"]), ("layer 3", ["memory.layers=[3]"]),
               ("layers 0 & 3", ["memory.layers=[0,3]"])],
+    # Table 8's weight decay on the tables too (the demo config exempts them, as Engram does)
+    "weight decay": [("tables decayed (paper)", ["optimizer.table_weight_decay_mult=1.0"])],
 }
 SIZES = {
     "cpu-tiny": [],

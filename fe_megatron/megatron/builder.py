@@ -54,11 +54,12 @@ def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,
 
 
 def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table_lr_mult: float = 1.0,
-                    table_weight_decay_mult: float = 0.0):
+                    table_weight_decay_mult: float = 1.0):
     """Megatron's optimizer with the usual groups (no weight decay on norms and biases) plus one for
     the memory tables: learning-rate multiplier ``table_lr_mult``, weight decay multiplier
-    ``table_weight_decay_mult`` (0 by default: decaying rarely-seen rows towards zero every step
-    would erase them between visits).
+    ``table_weight_decay_mult`` (1 by default, as the paper trains: decay 0.01 on every weight;
+    0 is Engram's exemption, which keeps decay from pulling rarely-seen rows towards zero between
+    visits).
 
     The table learning rate is the group's ``max_lr`` / ``min_lr``; the group also carries
     ``lr_mult`` because Megatron's checkpoint loader tells groups apart by ``(wd_mult, lr_mult,

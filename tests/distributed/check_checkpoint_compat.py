@@ -38,7 +38,8 @@ def main():
     model = build_gpt_model(cfg, 128, 32, mc)
     ddp = wrap_ddp(model, cfg)
     opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01,
-                                                 clip_grad=1.0), table_lr_mult=2.0)
+                                                 clip_grad=1.0), table_lr_mult=2.0,
+                          table_weight_decay_mult=0.0)  # release 0.1.0's default, which wrote the fixture
     connect_schedule_hooks(cfg, [ddp], opt)
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
                                     lr_decay_steps=10, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
