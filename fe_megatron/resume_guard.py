@@ -33,6 +33,10 @@ GUARDED = {
     ("memory", "placement"): "where the memory is added, and its output width",
     ("memory", "conv_kernel_size"): "the convolution's shape",
     ("memory", "conv_dilation"): "which positions the convolution reads",
+    ("optimizer", "table_lr_mult"): "the optimizer's parameter groups, which the checkpoint's optimizer state "
+                                    "is loaded by",
+    ("optimizer", "table_weight_decay_mult"): "the optimizer's parameter groups, which the checkpoint's optimizer "
+                                              "state is loaded by (before release 0.2 its default was 0.0)",
     ("tokenizer", "sha256"): "the meaning of every token id",
 }
 

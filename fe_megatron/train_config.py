@@ -15,7 +15,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-
 from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, load_yaml, read_yaml_mapping
 from fe_megatron.ops import BACKEND_NAMES
 

@@ -94,22 +94,48 @@ def test_lambada_scores_the_whole_target_word(uniform_dir, tmp_path):
 
 def test_multiple_choice_raw_and_length_normalized(uniform_dir, tmp_path):
     model = EvalModel.load(uniform_dir)
-    choices = ["a", "a considerably longer answer with many pieces"]
-    questions = [{"context_question": "Which?", "choices": choices, "label": 0},
-                 {"context_question": "Which?", "choices": choices, "label": 1}]
+    # uniform: a choice costs (its tokens) x log V. Raw picks the fewest tokens; normalized picks
+    # the fewest tokens per character of the choice
+    choices = ["zq", "the the the the the"]
+    tokens = [len(model.encode(" " + c)) for c in choices]
+    raw_pick = min(range(2), key=lambda i: tokens[i])
+    norm_pick = min(range(2), key=lambda i: tokens[i] / len(choices[i]))
+    assert raw_pick == 0 and norm_pick == 1  # the two scores disagree here
+
+    def evaluate(label):
+        items = [{"context_question": "Which?", "choices": choices, "label": label}]
+        path = write_jsonl(tmp_path / f"q{label}.jsonl", items)
+        return tasks.summarize_mc(tasks.multiple_choice(model, tasks.read_items(path, ("label",)), path))
+
+    assert (evaluate(0)["acc"], evaluate(0)["acc_norm"]) == (1.0, 0.0)
+    assert (evaluate(1)["acc"], evaluate(1)["acc_norm"]) == (0.0, 1.0)
     pairs = [{"sentence": "The cup did not fit in the box because the _ was too big.", "option1": "cup",
-              "option2": "box", "label": 1}]
-    result = tasks.summarize_mc(tasks.multiple_choice(
-        model, tasks.read_items(write_jsonl(tmp_path / "q.jsonl", questions), ("label",)), "q.jsonl"))
-    # uniform: a choice costs (its tokens) x log V; raw picks the fewest tokens, normalized the fewest per character
-    lengths = [len(model.encode(" " + c)) for c in choices]
-    raw_pick = 0 if lengths[0] <= lengths[1] else 1
-    norm_pick = min(range(2), key=lambda i: (lengths[i] / (len(choices[i]) + 1), i))
-    assert result["acc"] == 0.5 and result["correct"] == 1 and raw_pick == 0
-    assert result["correct_norm"] == 1 and norm_pick in (0, 1)
+              "option2": "box", "label": 2}]
     result = tasks.summarize_mc(tasks.multiple_choice(
         model, tasks.read_items(write_jsonl(tmp_path / "w.jsonl", pairs), ("label",)), "w.jsonl"))
-    assert result["acc"] == 1.0  # the same continuation scores the same: the tie goes to option 1, the label
+    assert result["acc"] == 0.0  # the same continuation scores the same: the tie goes to option 1, not the label
+
+
+def test_niah_counts_an_exact_answer_as_correct(uniform_dir):
+    """The scorer, with a reader that answers from the prompt: it finds the asked key's value."""
+    model = EvalModel.load(uniform_dir)
+
+    class Reader(EvalModel):
+        def greedy(self, ids, new_tokens):
+            import re
+
+            text = self.decode(ids)
+            asked = re.search(r"What is the special magic number(?: for (\w+))?\?", text)
+            key = f" for {asked.group(1)}" if asked.group(1) else ""
+            value = re.search(rf"The special magic number{key} is (\d+)\.", text).group(1)
+            return self.encode(" " + value)[:new_tokens]
+
+    reader = Reader(model.model, model.encode, model.decode, model.max_length, "reader")
+    haystack = [" ".join(["The grass is green and the sky is blue."] * 60)]
+    for variant in (1, 2):
+        cells = tasks.niah(reader, haystack, variant, [240], [0.0, 1.0], 2, seed=0)
+        assert cells == {"240,0.0": [2, 2], "240,1.0": [2, 2]}
+    assert tasks.niah(model, haystack, 1, [240], [0.5], 2, seed=0) == {"240,0.5": [0, 2]}
 
 
 def test_niah_places_the_needle_at_its_depth_and_scores_exact_answers(uniform_dir, tmp_path):

@@ -138,7 +138,7 @@ def test_resume_guards_refuse_every_guarded_change_naming_both_values(small_data
         return {"config": dataclasses.asdict(cfg), "tokenizer": {"sha256": sha}}
 
     changes = {"model.vocab_size": 1024, "model.hidden_size": 64, "model.num_layers": 6, "model.num_attention_heads": 8,
-               "model.num_query_groups": 2,
+               "model.num_query_groups": 2, "optimizer.table_lr_mult": 2.0, "optimizer.table_weight_decay_mult": 1.0,
                "model.ffn_hidden_size": 256, "model.tie_embeddings": False, "memory.hash_seed": 3,
                "memory.ngram_orders": [1, 2], "memory.heads_per_order": 1, "memory.table_capacity": [512, 4096, 4099],
                "memory.coeff_width": 96, "memory.memory_dim": 64, "memory.layers": [0], "memory.gate": "scalar",

@@ -29,33 +29,42 @@ sys.path.insert(0, ROOT)
 from fe_megatron.demo import CONFIG, CORPUS, read_metrics, run  # noqa: E402
 
 SEEDS = (1234, 1235)
-# Engram without unigram on the tiny memory: 2 orders x 2 heads of width 32 (the FactorEngram
-# preset's branch width), dense rows (memory_dim = coeff_width), no sparsity penalty.
-ENGRAM = ["memory.kind=engram", "memory.gate=scalar", "memory.ngram_orders=[2,3]",
-          "memory.table_capacity=[16384,16384]", "memory.coeff_width=128", "memory.memory_dim=128",
-          "memory.sparsity_lambda=0.0"]
-GROUPS = {
-    "main": [("transformer", ["memory=null"]), ("engram", ENGRAM), ("factorengram", [])],
-    "components": [("scalar gate", ["memory.gate=scalar"]),
-                   ("no unigram", ["memory.ngram_orders=[2,3]", "memory.table_capacity=[16384,16384]",
-                                   "memory.coeff_width=128"]),
-                   ("engram + unigram", ["memory.kind=engram", "memory.gate=scalar", "memory.memory_dim=192",
-                                         "memory.sparsity_lambda=0.0"])],
-    "lambda": [("lambda 0", ["memory.sparsity_lambda=0.0"]), ("lambda 1e-4", ["memory.sparsity_lambda=1e-4"]),
-               ("lambda 1e-2", ["memory.sparsity_lambda=1e-2"])],
-    "placement": [("before FFN", ["memory.placement=before_ffn"]), ("inside FFN", ["memory.placement=inside_ffn"])],
-    "depth": [("layer 0", ["memory.layers=[0]"]), ("layer 3", ["memory.layers=[3]"]),
-              ("layers 0 & 3", ["memory.layers=[0,3]"])],
-    # Table 8's weight decay on the tables too (the demo config exempts them, as Engram does)
-    "weight decay": [("tables decayed (paper)", ["optimizer.table_weight_decay_mult=1.0"])],
-}
+# Each size: its overrides of the demo config, the width of one branch (s_b), the hashed tables'
+# capacity, the main run's insertion layers and the depth sweep's.  Variants keep every remaining
+# branch identical, so "no unigram" and Engram drop exactly the unigram tables (as the presets do).
 SIZES = {
-    "cpu-tiny": [],
-    "gpu": ["model.hidden_size=768", "model.num_layers=12", "model.num_attention_heads=12",
-            "model.ffn_hidden_size=2048", "model.seq_length=1024", "model.vocab_size=32000",
-            "memory.table_capacity=[32000,250000,250000]", "memory.coeff_width=1536", "memory.memory_dim=1536",
-            "memory.layers=[5,6]", "training.micro_batch_size=8", "training.global_batch_size=64"],
+    "cpu-tiny": dict(overrides=[], width=32, capacity=16384, depth=([0], [3], [0, 3])),
+    "gpu": dict(overrides=["model.hidden_size=768", "model.num_layers=12", "model.num_attention_heads=12",
+                           "model.ffn_hidden_size=2048", "model.seq_length=1024", "model.vocab_size=32000",
+                           "memory.table_capacity=[32000,250000,250000]", "memory.coeff_width=1536",
+                           "memory.memory_dim=1536", "memory.layers=[5,6]", "training.micro_batch_size=8",
+                           "training.global_batch_size=64"],
+                width=256, capacity=250000, depth=([1], [10], [1, 10])),
 }
+
+
+def groups(size: str) -> dict:
+    """The runs of each group at ``size``: ``{group: [(name, overrides)]}``."""
+    spec = SIZES[size]
+    no_unigram = ["memory.ngram_orders=[2,3]", f"memory.table_capacity=[{spec['capacity']},{spec['capacity']}]",
+                  f"memory.coeff_width={4 * spec['width']}"]
+    engram = no_unigram + ["memory.kind=engram", "memory.gate=scalar", f"memory.memory_dim={4 * spec['width']}",
+                           "memory.sparsity_lambda=0.0"]
+    depth = [(("layer " if len(layers) == 1 else "layers ") + " & ".join(map(str, layers)),
+              [f"memory.layers=[{','.join(map(str, layers))}]"]) for layers in spec["depth"]]
+    return {
+        "main": [("transformer", ["memory=null"]), ("engram", engram), ("factorengram", [])],
+        "components": [("scalar gate", ["memory.gate=scalar"]), ("no unigram", no_unigram),
+                       ("engram + unigram", ["memory.kind=engram", "memory.gate=scalar",
+                                             f"memory.memory_dim={6 * spec['width']}", "memory.sparsity_lambda=0.0"])],
+        "lambda": [("lambda 0", ["memory.sparsity_lambda=0.0"]), ("lambda 1e-4", ["memory.sparsity_lambda=1e-4"]),
+                   ("lambda 1e-2", ["memory.sparsity_lambda=1e-2"])],
+        "placement": [("before FFN", ["memory.placement=before_ffn"]),
+                      ("inside FFN", ["memory.placement=inside_ffn"])],
+        "depth": depth,
+        # Table 8's weight decay on the tables too (the demo config exempts them, as Engram does)
+        "weight decay": [("tables decayed (paper)", ["optimizer.table_weight_decay_mult=1.0"])],
+    }
 
 
 def slug(name: str) -> str:
@@ -81,8 +90,13 @@ def main() -> int:
     parser.add_argument("--out", default="runs/reproduce")
     parser.add_argument("--steps", type=int, default=200, help="training steps per run (default 200)")
     parser.add_argument("--corpus", default=CORPUS, help="jsonl(.gz) corpus (default: the bundled one)")
-    parser.add_argument("--groups", default=",".join(GROUPS), help="comma-separated groups to run")
+    parser.add_argument("--groups", help="comma-separated groups to run (default: all)")
     args = parser.parse_args()
+    plan = groups(args.size)
+    chosen = args.groups.split(",") if args.groups else list(plan)
+    unknown = [name for name in chosen if name not in plan]
+    if unknown:
+        parser.error(f"--groups: unknown {unknown}; choose from {', '.join(plan)}")
     out = os.path.abspath(args.out)
     os.makedirs(out, exist_ok=True)
     py = sys.executable
@@ -95,13 +109,13 @@ def main() -> int:
         run([py, "-m", "fe_megatron.data.cli", "preprocess", "--input", args.corpus, "--tokenizer-model", tokenizer,
              "--output-prefix", prefix, "--no-progress"])
     results = {}
-    for group in args.groups.split(","):
-        for name, overrides in GROUPS[group]:
+    for group in chosen:
+        for name, overrides in plan[group]:
             for seed in (SEEDS if group == "main" else SEEDS[:1]):
                 label = f"{name} (seed {seed})" if group == "main" else name
                 run_dir = os.path.join(out, group, f"{slug(name)}_{seed}")
                 if not finished(run_dir):
-                    run([py, "-m", "fe_megatron.train", "--config", CONFIG, *SIZES[args.size], *overrides,
+                    run([py, "-m", "fe_megatron.train", "--config", CONFIG, *SIZES[args.size]["overrides"], *overrides,
                          f"data.tokenizer_model={tokenizer}", f"data.train_data=[{prefix}]", f"save={run_dir}",
                          f"data.cache_dir={os.path.join(out, 'cache')}", f"training.seed={seed}",
                          f"training.train_steps={args.steps}", f"training.save_interval={args.steps}",

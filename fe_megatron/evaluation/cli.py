@@ -112,7 +112,7 @@ def run(args) -> dict:
                 if not ({"context", "target"} <= set(record) or "text" in record):
                     raise tasks.DataError(f"{path}:{line}: expected 'context' and 'target' fields (or 'text', whose "
                                           f"last word is the target), found {sorted(record)}")
-            sums = _sum(tasks.lambada(model, items[rank::world]), world)
+            sums = _sum(tasks.lambada(model, items[rank::world], path), world)
             rows.append({"file": path, **tasks.summarize_lambada(sums)})
         columns = ["file", "accuracy", "target_nll", "ppl", "items"]
     elif args.command == "mc":
@@ -123,6 +123,8 @@ def run(args) -> dict:
         columns = ["file", "acc", "acc_norm", "items"]
     else:
         haystack = tasks.read_haystack(args.haystack)
+        if rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(_output_path(args))), exist_ok=True)
         for variant in args.variant:
             cells = _sum(tasks.niah(model, haystack, variant, args.context, args.depths, args.samples, args.seed,
                                     rank, world), world)
@@ -132,7 +134,7 @@ def run(args) -> dict:
                              "accuracy": correct / total, "samples": int(total)})
             report[f"NIAH-{variant}"] = sum(c for c, _ in cells.values()) / sum(t for _, t in cells.values())
             if rank == 0:
-                png = _output_path(args).replace(".json", f"_niah{variant}.png")
+                png = f"{os.path.splitext(_output_path(args))[0]}_niah{variant}.png"
                 _heatmap(cells, args.context, args.depths, f"NIAH-{variant}: {os.path.basename(args.load)}", png)
                 report[f"heatmap_{variant}"] = png
         columns = ["variant", "context", "depth", "accuracy", "samples"]
@@ -187,9 +189,13 @@ def main(argv=None) -> int:
             sub.add_argument("--text-key", default="text", help="jsonl field holding the text")
     args = parser.parse_args(argv)
     try:
-        if args.command == "niah" and (not args.context or any(v not in (1, 2, 3) for v in args.variant)):
-            raise ValueError(f"--context needs at least one length and --variant values in 1,2,3; got "
-                             f"{args.context} and {args.variant}")
+        if args.command == "niah":
+            if not args.context or any(v not in (1, 2, 3) for v in args.variant):
+                raise ValueError(f"--context needs at least one length and --variant values in 1,2,3; got "
+                                 f"{args.context} and {args.variant}")
+            if args.samples < 1 or any(not 0.0 <= d <= 1.0 for d in args.depths):
+                raise ValueError(f"--samples must be >= 1 and --depths within [0, 1]; got {args.samples} and "
+                                 f"{args.depths}")
         run(args)
     except (ValueError, FileNotFoundError) as err:  # DataError, CheckpointError, ConversionError included
         print(f"fe-eval {args.command}: error: {err}", file=sys.stderr)

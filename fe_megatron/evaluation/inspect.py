@@ -27,37 +27,44 @@ import torch
 from fe_megatron.memory import functional as FM
 
 
-def _capture_inputs(model) -> dict:
-    """``{layer_index: (hidden_states, token_ids)}`` of each memory branch's calls (forward pre-hooks)."""
-    captured = {}
+def _capture_inputs(model) -> tuple:
+    """``{layer_index: (hidden_states, token_ids)}`` of each memory branch's last call, and the
+    forward pre-hooks' handles."""
+    captured, handles = {}, []
     for layer in model.model.layers:
         memory = getattr(layer, "memory", None)
         if memory is not None:
             def hook(module, args, kwargs, index=layer.layer_index):
                 captured[index] = (args[0].detach(), args[1] if len(args) > 1 else kwargs.get("token_ids"))
-            memory.register_forward_pre_hook(hook, with_kwargs=True)
-    return captured
+            handles.append(memory.register_forward_pre_hook(hook, with_kwargs=True))
+    return captured, handles
 
 
 @torch.no_grad()
-def inspect_memory(eval_model, texts: list, threshold: float, max_tokens: int) -> dict:
-    """The statistics above, per insertion layer."""
+def inspect_memory(eval_model, texts, threshold: float, max_tokens: int) -> dict:
+    """The statistics above, per insertion layer, over the first ``max_tokens`` tokens of ``texts``."""
     model = eval_model.model
-    captured = _capture_inputs(model)
+    captured, handles = _capture_inputs(model)
     layers = {}
     ngrams = defaultdict(lambda: defaultdict(set))  # (layer, branch) -> row -> distinct n-grams
     seen = 0
-    for text in texts:
-        ids = eval_model.encode(text)
-        for first in range(0, len(ids), eval_model.max_length):
-            window = ids[first:first + eval_model.max_length]
-            if seen >= max_tokens or len(window) < 2:
+    try:
+        for text in texts:
+            if seen >= max_tokens:
                 break
-            model(torch.tensor([window]))
-            seen += len(window)
-            for index, (hidden, token_ids) in captured.items():
-                _accumulate(layers.setdefault(index, _empty(model, index)), model.model.layers[index].memory, hidden,
-                            token_ids, threshold, ngrams, index, window)
+            ids = eval_model.encode(text)
+            for first in range(0, len(ids), eval_model.max_length):
+                window = ids[first:first + eval_model.max_length]
+                if seen >= max_tokens or len(window) < 2:
+                    break
+                model(torch.tensor([window]), use_cache=False)
+                seen += len(window)
+                for index, (hidden, token_ids) in captured.items():
+                    _accumulate(layers.setdefault(index, _empty(model, index)), model.model.layers[index].memory,
+                                hidden, token_ids, threshold, ngrams, index, window)
+    finally:
+        for handle in handles:
+            handle.remove()
     if not layers:
         raise ValueError("the model has no memory branch to inspect (memory: null)")
     return {index: _finish(stats, ngrams, index) for index, stats in sorted(layers.items())}
@@ -197,7 +204,7 @@ def main(argv=None) -> int:
 
     try:
         model = EvalModel.load(args.load, args.iteration, args.tokenizer)
-        summary = inspect_memory(model, list(iter_documents([args.data])), args.threshold, args.max_tokens)
+        summary = inspect_memory(model, iter_documents([args.data]), args.threshold, args.max_tokens)
     except (ValueError, FileNotFoundError) as err:
         print(f"fe-inspect: error: {err}", file=sys.stderr)
         return 2

@@ -59,10 +59,15 @@ class EvalModel:
         model = FactorEngramForCausalLM(FactorEngramConfig.from_fe_megatron(backbone, memory))
         params = model.state_dict()
         checkpoint = DistCheckpoint(folder)
+        filled = set()
         with torch.no_grad():
             for name in checkpoint.weight_names():
                 for hf_name, tensor in split_checkpoint_tensor(name, checkpoint.load(name), backbone):
                     params[hf_name].copy_(tensor)
+                    filled.add(hf_name)
+        missing = sorted(set(params) - filled - ({"lm_head.weight"} if backbone.tie_embeddings else set()))
+        if missing:
+            raise ValueError(f"{folder} lacks weights {missing[:5]} of the model its fe_run.json describes")
         return cls(model, lambda text: [int(i) for i in tok.tokenize(text)], tok.detokenize, backbone.seq_length,
                    folder)
 
@@ -72,7 +77,7 @@ class EvalModel:
         """``log p(ids[t] | ids[:t])`` for t = 1 .. len(ids) - 1 (fp64); ``len(ids) <= max_length``."""
         if len(ids) > self.max_length:
             raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's {self.max_length}")
-        logits = self.model(torch.tensor([ids])).logits[0, :-1].double()
+        logits = self.model(torch.tensor([ids]), use_cache=False).logits[0, :-1].double()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
 
     @torch.no_grad()
@@ -80,7 +85,7 @@ class EvalModel:
         """``(log-probabilities of the continuation's tokens, whether greedy decoding predicts every
         one of them)`` after ``context`` (the context is cut on the left to fit)."""
         ids = (context + continuation)[-self.max_length:]
-        logits = self.model(torch.tensor([ids])).logits[0, -len(continuation) - 1:-1].double()
+        logits = self.model(torch.tensor([ids]), use_cache=False).logits[0, -len(continuation) - 1:-1].double()
         target = torch.tensor(continuation)
         logprobs = torch.log_softmax(logits, -1).gather(1, target.unsqueeze(1)).squeeze(1)
         return logprobs, bool((logits.argmax(-1) == target).all())

@@ -78,11 +78,14 @@ def lambada_item(record: dict) -> tuple:
     return record["context"].rstrip(), record["target"].strip()
 
 
-def lambada(model, items: list) -> dict:
+def lambada(model, items: list, path: str = "") -> dict:
     """Last-word accuracy (every token of the target word predicted greedily) and target NLL."""
     correct, nll, tokens = 0, 0.0, 0
-    for _, record in items:
+    for line_no, record in items:
         context, target = lambada_item(record)
+        if not context or not target:
+            raise DataError(f"{path}:{line_no}: the item needs a context and a target word, got context "
+                            f"{context!r} and target {target!r}")
         context_ids = model.encode(context)
         full = model.encode(f"{context} {target}")
         # the target's tokens are what the full text adds to the context (tokenizers may merge the space)
@@ -112,8 +115,8 @@ def mc_format(record: dict) -> str:
 
 
 def multiple_choice(model, items: list, path: str) -> dict:
-    """Accuracy by log-likelihood, raw and normalized by the choice's length in characters
-    (lm-evaluation-harness's ``acc_norm``).  Question items score ``" " + choice`` after
+    """Accuracy by log-likelihood, raw and divided by the choice's length in characters (without
+    the leading space; lm-evaluation-harness's ``acc_norm``).  Question items score ``" " + choice`` after
     ``Question: ...\\nAnswer:``; WinoGrande pairs score the rest of the sentence after the blank
     filled by each option (partial scoring)."""
     raw, normalized = 0, 0
@@ -125,7 +128,7 @@ def multiple_choice(model, items: list, path: str) -> dict:
                             f"sentence/option1/option2/label fields, found {sorted(record)}") from None
         if kind == "question":
             context = model.encode(f"Question: {record['context_question']}\nAnswer:")
-            options = [(context, f" {choice}") for choice in record["choices"]]
+            options = [(context, f" {choice}") for choice in record["choices"]]  # scored with the space
             label = int(record["label"])
         else:
             before, _, after = record["sentence"].partition("_")
@@ -136,7 +139,7 @@ def multiple_choice(model, items: list, path: str) -> dict:
         scores = []
         for context, continuation in options:
             logprobs, _ = model.continuation(context, model.encode(continuation))
-            scores.append((float(logprobs.sum()), float(logprobs.sum()) / max(len(continuation), 1)))
+            scores.append((float(logprobs.sum()), float(logprobs.sum()) / max(len(continuation.strip()), 1)))
         raw += int(max(range(len(scores)), key=lambda i: scores[i][0]) == label)
         normalized += int(max(range(len(scores)), key=lambda i: scores[i][1]) == label)
     return {"correct": raw, "correct_norm": normalized, "items": len(items)}
@@ -186,7 +189,8 @@ def niah_prompt(model, haystack_ids: list, needles: list, question: str, context
         raise ValueError(f"context {context} is too short for the needles and the question "
                          f"({len(needle_ids) + len(question_ids)} tokens)")
     if len(haystack_ids) < fill:
-        raise ValueError(f"the haystack has {len(haystack_ids)} tokens; context {context} needs {fill}")
+        raise ValueError(f"the haystack has {len(haystack_ids)} tokens; context {context} needs {fill}: give a "
+                         "longer --haystack file")
     cut = int(round(depth * fill))
     return haystack_ids[:cut] + needle_ids + haystack_ids[cut:fill] + question_ids
 

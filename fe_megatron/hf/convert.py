@@ -90,8 +90,9 @@ def find_checkpoint_folder(load: str, iteration: Optional[int] = None) -> str:
         if problems:
             raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))
     if read_run_info(folder) is None:
-        raise ConversionError(f"{folder} has no fe_run.json (the run's config): it was written by a release "
-                              "before 0.2 or by another program; resave it with fe-pretrain")
+        raise ConversionError(f"{folder} has no fe_run.json (the run's config): it was written before fe-pretrain "
+                              "recorded one, or by another program. Resume the run with fe-pretrain --load until "
+                              "its next save, which records it")
     return folder
 
 
@@ -221,11 +222,10 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
             backbone, memory, bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id,
             pad_token_id=hf_tokenizer.pad_token_id, architectures=["FactorEngramForCausalLM"], auto_map=AUTO_MAP)
         expected = _hf_weight_shapes(config)
-        groups, covered = [], set()
+        groups = []
         for name in checkpoint.weight_names():
             parts = split_checkpoint_tensor(name, torch.empty(checkpoint.shape(name), device="meta"), backbone)
             groups.append((name, [(hf_name, tuple(t.shape), checkpoint.dtype(name)) for hf_name, t in parts]))
-            covered.update(hf_name for hf_name, _ in parts)
         _check_same_weights(expected, {n: s for _, entries in groups for n, s, _ in entries}, folder)
         total = sum(weights_bytes(entries) for _, entries in groups)
         progress = Progress(total, f"mcore-to-hf {folder}")
@@ -317,6 +317,8 @@ def hf_to_mcore(input_dir: str, output: str, tp: int = 1, pp: int = 1, table_sha
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        source.close()
     return _publish(tmp, output)
 
 
@@ -614,7 +616,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "mcore-to-hf":
             out = mcore_to_hf(args.load, args.output, args.iteration, args.tokenizer)
-            print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True)")
+            print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
+                  "fe_megatron.hf, or with trust_remote_code=True")
         elif args.command == "hf-to-mcore":
             out = hf_to_mcore(args.input, args.output, args.tp, args.pp, args.table_sharding)
             print(f"wrote {out}: continue with fe-pretrain --config {out}/train.yaml --load {out} --save {out} "

@@ -136,3 +136,7 @@ class SafetensorsSource:
 
     def rows(self, name: str, first: int, last: int) -> torch.Tensor:
         return self._file(name).get_slice(name)[first:last]
+
+    def close(self) -> None:
+        """Drop the open files (safetensors unmaps a file when its handle goes)."""
+        self._open = {}

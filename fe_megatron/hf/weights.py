@@ -36,7 +36,6 @@ GLOBAL_RULES = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
                 "decoder.final_layernorm.weight": "model.norm.weight",
                 "output_layer.weight": "lm_head.weight"}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def is_weight(megatron_name: str) -> bool:
@@ -57,23 +56,6 @@ def hf_names(megatron_name: str) -> Optional[tuple]:
     for megatron_rests, hf_rests in LAYER_RULES:
         if rest in megatron_rests:
             return tuple(f"model.layers.{layer}.{name}" for name in hf_rests)
-    return None
-
-
-def megatron_name(hf_name: str) -> Optional[str]:
-    """The local spec's Megatron name of the weight a Hugging Face weight is (part of)."""
-    for megatron, hf in GLOBAL_RULES.items():
-        if hf == hf_name:
-            return megatron
-    match = _HF_LAYER.match(hf_name)
-    if not match:
-        return None
-    layer, rest = match.groups()
-    if rest.startswith("memory."):
-        return f"decoder.layers.{layer}.{rest}"
-    for megatron_rests, hf_rests in LAYER_RULES:
-        if rest in hf_rests:
-            return f"decoder.layers.{layer}.{megatron_rests[0]}"
     return None
 
 
