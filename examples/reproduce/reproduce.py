@@ -149,7 +149,7 @@ def write_report(out: str, results: dict, args) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(os.path.join(out, f"curves_{group}.png"), dpi=110)
+        fig.savefig(os.path.join(out, f"curves_{slug(group)}.png"), dpi=110)
         plt.close(fig)
     if reference:
         pairs = {}
