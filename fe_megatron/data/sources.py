@@ -30,14 +30,19 @@ def _lines(path: str) -> Iterator[tuple]:
                                 f"{err.start + 1}); re-encode the file as UTF-8") from None
 
 
-def iter_jsonl(path: str, text_key: str) -> Iterator[str]:
+def iter_json_records(path: str) -> Iterator[tuple]:
+    """``(line number, parsed value)`` of each non-blank line of a JSON-lines file."""
     for line_no, line in _lines(path):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield line_no, json.loads(line)
         except json.JSONDecodeError as err:
             raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+
+
+def iter_jsonl(path: str, text_key: str) -> Iterator[str]:
+    for line_no, record in iter_json_records(path):
         if not isinstance(record, dict) or text_key not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise DataError(f"{path}:{line_no}: no '{text_key}' field (found: {keys}); "

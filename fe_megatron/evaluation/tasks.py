@@ -7,23 +7,16 @@ sums into the reported numbers.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
-from fe_megatron.data.sources import DataError, _lines, iter_documents
+from fe_megatron.data.sources import DataError, iter_documents, iter_json_records
 
 
 def read_items(path: str, required: tuple) -> list:
     """``[(line, record)]`` of a jsonl file whose records all have the ``required`` fields."""
     items = []
-    for line_no, line in _lines(path):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise DataError(f"{path}:{line_no}: malformed JSON ({err.msg} at column {err.colno})") from None
+    for line_no, record in iter_json_records(path):
         missing = [key for key in required if not isinstance(record, dict) or key not in record]
         if missing:
             found = sorted(record) if isinstance(record, dict) else type(record).__name__
