@@ -139,6 +139,20 @@ def check_files(folder: str, manifest: dict, names: list) -> list:
     return problems
 
 
+def checkpoint_problems(folder: str, rank: int = 0, world: int = 1) -> list:
+    """Problems with checkpoint ``folder``'s files against its manifest, one line per file, for the
+    share ``rank::world`` of the files; ``[]`` when intact.  A checkpoint written before manifests
+    existed (no manifest and no run info) is not verified; one with run info but no manifest is."""
+    try:
+        manifest = read_manifest(folder)
+    except CheckpointError as err:
+        return [str(err)] if rank == 0 else []
+    if manifest is None:
+        written_with_manifests = os.path.isfile(os.path.join(folder, RUN_INFO))
+        return [f"{os.path.join(folder, MANIFEST)}: missing"] if written_with_manifests and rank == 0 else []
+    return check_files(folder, manifest, sorted(manifest["files"])[rank::world])
+
+
 def write_run_info(folder: str, info: dict) -> None:
     with open(os.path.join(folder, RUN_INFO), "w") as fh:
         json.dump(info, fh, indent=1, sort_keys=True, default=str)

@@ -326,3 +326,16 @@ def test_lm_eval_runs_the_local_tasks_on_a_converted_model(trained_runs, tmp_pat
     results = json.load(open(result_file))["results"]
     assert 0.0 <= results["fe_arc_like"]["acc,none"] <= 1.0 and 0.0 <= results["fe_winogrande"]["acc,none"] <= 1.0
     assert json.load(open(result_file))["n-samples"]["fe_winogrande"]["effective"] == 6
+
+
+def test_a_damaged_checkpoint_is_not_converted(trained_runs, tmp_path):
+    import shutil
+
+    from fe_megatron.checkpoint_files import MANIFEST, CheckpointError
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_runs[1], run)
+    (run / "iter_0000004" / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match=f"{MANIFEST}: missing"):
+        mcore_to_hf(str(run), str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf") and not os.path.exists(tmp_path / "hf.tmp")

@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from fe_megatron.checkpoint_files import CheckpointError, check_files, file_digest, read_manifest, read_run_info
+from fe_megatron.checkpoint_files import CheckpointError, checkpoint_problems, file_digest, read_run_info
 from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig
 from fe_megatron.hf import weights
 
@@ -84,11 +84,9 @@ def find_checkpoint_folder(load: str, iteration: Optional[int] = None) -> str:
         if iteration not in iterations:
             raise ConversionError(f"--iteration {iteration}: {load} has checkpoints at iterations {iterations}")
         folder = iteration_dir(load, iteration)
-    manifest = read_manifest(folder)
-    if manifest is not None:
-        problems = check_files(folder, manifest, sorted(manifest["files"]))
-        if problems:
-            raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))
+    problems = checkpoint_problems(folder)
+    if problems:
+        raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))
     if read_run_info(folder) is None:
         raise ConversionError(f"{folder} has no fe_run.json (the run's config): it was written before fe-pretrain "
                               "recorded one, or by another program. Resume the run with fe-pretrain --load until "
@@ -180,8 +178,8 @@ def run_tokenizer(info: dict, override: Optional[str]) -> str:
     return path
 
 
-def _check_vocabulary(tokenizer, vocab_size: int, where: str) -> None:
-    size = len(tokenizer)
+def _check_vocabulary(size: int, vocab_size: int, where: str) -> None:
+    """Refuse a tokenizer of ``size`` tokens for an embedding of ``vocab_size`` rows."""
     if size > vocab_size:
         raise ConversionError(f"{where}: the tokenizer has {size} tokens but the model's vocabulary has "
                               f"{vocab_size} rows; ids >= {vocab_size} would have no embedding. Use the model's "
@@ -200,7 +198,7 @@ def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int)
         tokenizer.save_pretrained(directory)
     else:
         tokenizer = save_tokenizer(path, directory, max_length)
-    _check_vocabulary(tokenizer, vocab_size, path)
+    _check_vocabulary(len(tokenizer), vocab_size, path)
     return tokenizer
 
 
@@ -244,9 +242,9 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
 
 
 def weights_bytes(entries) -> int:
-    from fe_megatron.hf.safetensors_stream import _nbytes
+    from fe_megatron.hf.safetensors_stream import tensor_bytes
 
-    return sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
+    return sum(tensor_bytes(shape, dtype) for _, shape, dtype in entries)
 
 
 def _hf_weight_shapes(config) -> dict:
@@ -305,13 +303,11 @@ def hf_to_mcore(input_dir: str, output: str, tp: int = 1, pp: int = 1, table_sha
             shutil.copyfile(os.path.join(input_dir, "tokenizer.model"), tokenizer_path)
             from fe_megatron.data.tokenizer import SentencePieceTokenizer
 
-            size = SentencePieceTokenizer(tokenizer_path).vocab_size
-            if size > backbone.vocab_size:
-                _check_vocabulary(range(size), backbone.vocab_size, tokenizer_path)
+            _check_vocabulary(SentencePieceTokenizer(tokenizer_path).vocab_size, backbone.vocab_size, tokenizer_path)
         else:
             tokenizer_path = os.path.join(tmp, "tokenizer")
             hf_tokenizer = AutoTokenizer.from_pretrained(input_dir)
-            _check_vocabulary(hf_tokenizer, backbone.vocab_size, input_dir)
+            _check_vocabulary(len(hf_tokenizer), backbone.vocab_size, input_dir)
             hf_tokenizer.save_pretrained(tokenizer_path)
         write_megatron_run(source, backbone, memory, tokenizer_path, tmp, output, tp, pp, table_sharding)
     except BaseException:
@@ -523,7 +519,7 @@ def graft(base: str, memory_preset: str, output: str, layers: Optional[list] = N
     if layers is not None:
         fields["layers"] = layers
     memory = _memory_for(memory_preset, backbone, fields)
-    _check_vocabulary(tokenizer, backbone.vocab_size, base)
+    _check_vocabulary(len(tokenizer), backbone.vocab_size, base)
     torch.manual_seed(seed)
     config = FactorEngramConfig.from_fe_megatron(backbone, memory)
     grafted = FactorEngramForCausalLM(config)

@@ -23,7 +23,8 @@ DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", to
 INDEX = "model.safetensors.index.json"
 
 
-def _nbytes(shape, dtype) -> int:
+def tensor_bytes(shape, dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
     count = 1
     for size in shape:
         count *= int(size)
@@ -36,7 +37,7 @@ def plan_shards(groups: list, max_shard_bytes: int) -> list:
     tensors always share a shard, so every source is read once."""
     shards, current, size = [], [], 0
     for source, entries in groups:
-        group_bytes = sum(_nbytes(shape, dtype) for _, shape, dtype in entries)
+        group_bytes = sum(tensor_bytes(shape, dtype) for _, shape, dtype in entries)
         if current and size + group_bytes > max_shard_bytes:
             shards.append(current)
             current, size = [], 0
@@ -62,7 +63,7 @@ def write_shards(directory: str, groups: list, produce: Callable[[object], Itera
             for name, shape, dtype in entries:
                 if dtype not in DTYPES:
                     raise TypeError(f"{name}: dtype {dtype} cannot be written to safetensors")
-                nbytes = _nbytes(shape, dtype)
+                nbytes = tensor_bytes(shape, dtype)
                 header[name] = {"dtype": DTYPES[dtype], "shape": [int(s) for s in shape],
                                 "data_offsets": [offset, offset + nbytes]}
                 offset += nbytes

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from fe_megatron import faults
-from fe_megatron.checkpoint_files import (MANIFEST, RUN_INFO, CheckpointError, check_files, checkpoint_files,
-                                          complete_iterations, file_digest, iteration_dir, prune, read_manifest,
-                                          read_tracker, write_manifest, write_run_info, write_tracker)
+from fe_megatron.checkpoint_files import (CheckpointError, checkpoint_files, checkpoint_problems, complete_iterations,
+                                          file_digest, iteration_dir, prune, read_tracker, write_manifest,
+                                          write_run_info, write_tracker)
 from fe_megatron.megatron.step import current_device
 from fe_megatron.process_death import die_with_parent
 
@@ -139,18 +139,9 @@ def verify_checkpoint(folder: str) -> list:
     """Problems with ``folder``'s files against its manifest, one line per file (all ranks share
     the hashing); ``[]`` when it is intact.  A checkpoint written before manifests existed (no
     manifest and no run info) is not verified."""
-    try:
-        manifest = read_manifest(folder)
-    except CheckpointError as err:
-        return [str(err)]
-    if manifest is None:
-        if os.path.isfile(os.path.join(folder, RUN_INFO)):  # written by a release that writes manifests
-            return [f"{os.path.join(folder, MANIFEST)}: missing"]
-        return []
     rank, world = dist.get_rank(), dist.get_world_size()
-    names = sorted(manifest["files"])
     problems = [None] * world
-    dist.all_gather_object(problems, check_files(folder, manifest, names[rank::world]))
+    dist.all_gather_object(problems, checkpoint_problems(folder, rank, world))
     return [problem for part in problems for problem in part]
 
 
