@@ -34,6 +34,18 @@ def tiny_model(kind="factorengram", placement="before_attn", perturb=True):
 
 
 @pytest.mark.parametrize("kind", ["factorengram", "engram"])
+def test_a_model_from_its_config_initializes_every_memory_parameter(kind):
+    """Engram's branch has no direct parameters; transformers must not skip it as initialized."""
+    for _ in range(2):  # uninitialized memory could pass once by chance
+        memory = tiny_model(kind, perturb=False).model.layers[0].memory
+        tables, values = memory.tables.weight, memory.value_proj.weight
+        assert torch.isfinite(tables).all() and abs(tables.std().item() - memory.config.table_init_std) < 0.1
+        assert torch.count_nonzero(values) == 0 and torch.count_nonzero(memory.conv.weight) == 0
+        key = memory.key_proj.weight if kind == "engram" else memory.query_proj.weight
+        assert abs(key.std().item() - memory.config.init_std) < 0.005
+
+
+@pytest.mark.parametrize("kind", ["factorengram", "engram"])
 @pytest.mark.parametrize("placement", ["before_attn", "before_ffn", "inside_ffn"])
 def test_cached_greedy_generation_equals_full_recompute(kind, placement):
     model = tiny_model(kind, placement)

@@ -125,6 +125,16 @@ class FactorEngramPreTrainedModel(LlamaPreTrainedModel):
     _no_split_modules = ["LlamaDecoderLayer", "FactorEngramDecoderLayer"]
     _can_compile_fullgraph = False  # token-id range checks synchronize with the host
 
+    def _initialize_weights(self, module, *args, **kwargs):
+        """transformers skips a module of code outside its package that has no direct parameters
+        (Engram's branch has none: its tables, projections and convolution are submodules), so a
+        memory branch is sent to `_init_weights` here."""
+        if isinstance(module, MemoryBranch) and not getattr(module, "_is_hf_initialized", False):
+            self._init_weights(module)
+            module._is_hf_initialized = True
+            return
+        super()._initialize_weights(module, *args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module):
         """A memory branch initializes itself (docs/method.md), unless it was loaded whole."""
