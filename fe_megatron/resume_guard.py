@@ -58,11 +58,12 @@ def _flatten(tree, prefix: str = "") -> dict:
     return out
 
 
-def compare(saved: Optional[dict], current: dict) -> tuple:
+def compare(saved: Optional[dict], current: dict, weights_only: bool = False) -> tuple:
     """``(refused, changed)``: messages for guarded fields that differ, and ``"field: old -> new"`` for the rest.
 
     ``saved`` and ``current`` are run infos (``fe_run.json``): ``{"config": {...}, "tokenizer": {...}}``.
-    A checkpoint without one (written before run infos existed) is not compared."""
+    A checkpoint without one (written before run infos existed) is not compared.  A weights-only
+    checkpoint (``weights_only``: a conversion's, no optimizer state) guards no optimizer field."""
     if saved is None:
         return [], []
     refused = []
@@ -74,6 +75,8 @@ def compare(saved: Optional[dict], current: dict) -> tuple:
         refused.append(f"memory: the checkpoint has {describe(saved_memory)}, this run has {describe(current_memory)}")
     for (section, name), why in GUARDED.items():
         if section == "memory" and (saved_memory is None or current_memory is None):
+            continue
+        if section == "optimizer" and weights_only:
             continue
         old, new = _get(saved, section, name), _get(current, section, name)
         if old != new:

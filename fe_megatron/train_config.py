@@ -2,7 +2,9 @@
 
 Sections: ``model`` (the backbone, `BackboneConfig`: fields, or ``preset: NAME`` plus overrides),
 ``memory`` (a `MemoryConfig`: ``preset:`` plus any field; ``null`` or absent trains the plain
-Transformer with the same backbone), ``parallel``, ``optimizer``, ``training``, ``data``.
+Transformer with the same backbone), ``parallel``, ``optimizer``, ``training``, ``data``, and,
+with ``training.engine: deepspeed``, ``deepspeed`` (a DeepSpeed JSON config: its path, or its
+keys inline; docs/deepspeed.md).
 
 The backbone is written once, in ``model``: it is the memory's backbone too, so ``memory`` holds
 no backbone field.  The model kind is the memory's ``kind`` (``factorengram`` or ``engram``), or
@@ -20,7 +22,8 @@ from fe_megatron.ops import BACKEND_NAMES
 
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
 TRANSFORMER_IMPLS = ("local", "te")
-TABLE_SHARDINGS = ("replicated", "rows")
+TABLE_SHARDINGS = ("replicated", "rows", "zero")
+ENGINES = ("megatron", "deepspeed")
 
 
 @dataclass
@@ -29,7 +32,8 @@ class ParallelArgs:
     pipeline: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
-    table_sharding: str = "replicated"  # replicated | rows: tables' rows sharded over the data-parallel ranks
+    # replicated | rows: tables' rows sharded over the data-parallel ranks | zero (DeepSpeed: ZeRO partitions them)
+    table_sharding: str = "replicated"
     prefetch_table_rows: bool = True  # rows: start every layer's row exchange at the start of the microbatch
 
 
@@ -49,6 +53,7 @@ class OptimizerArgs:
 
 @dataclass
 class TrainingArgs:
+    engine: str = "megatron"  # megatron (megatron.core, any TP/PP/DP) | deepspeed (the HF model under ZeRO)
     train_steps: int = 57344
     micro_batch_size: int = 1
     global_batch_size: int = 64
@@ -88,6 +93,7 @@ class TrainConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     tensorboard_dir: Optional[str] = None
+    deepspeed: Optional[object] = None  # engine deepspeed: a DeepSpeed JSON config's path, or its keys (a mapping)
 
     @property
     def model_kind(self) -> str:
@@ -125,6 +131,7 @@ class TrainConfig:
             fail("training", "freeze_backbone", f"{t.freeze_backbone!r} must be true or false")
         if t.freeze_backbone and self.memory is None:
             fail("training", "freeze_backbone", "is true but memory is null: there would be nothing to train")
+        self._validate_engine(fail)
         if t.kernel_backend not in KERNEL_BACKENDS:
             fail("training", "kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
         if not self.data.tokenizer_model:
@@ -132,6 +139,33 @@ class TrainConfig:
                                             "tokenizer directory")
         if not self.data.train_data:
             fail("data", "train_data", "is empty; give an indexed-dataset prefix (PREFIX.bin/.idx)")
+
+    def _validate_engine(self, fail) -> None:
+        t, p = self.training, self.parallel
+        if t.engine not in ENGINES:
+            fail("training", "engine", f"{t.engine!r} is not one of {ENGINES}")
+        if t.engine == "megatron":
+            if self.deepspeed is not None:
+                fail(None, "deepspeed", "is read by training.engine=deepspeed only; set it, or remove the section")
+            if p.table_sharding == "zero":
+                fail("parallel", "table_sharding", "'zero' (tables partitioned by ZeRO) needs training.engine="
+                                                   "deepspeed; under Megatron use replicated or rows")
+            return
+        if not (self.deepspeed is None or isinstance(self.deepspeed, (str, dict))):
+            fail(None, "deepspeed", f"must be a DeepSpeed JSON file's path or a mapping of its keys, got "
+                                  f"{self.deepspeed!r}")
+        for name, value, default in (("tensor", p.tensor, 1), ("pipeline", p.pipeline, 1),
+                                     ("sequence_parallel", p.sequence_parallel, False),
+                                     ("distributed_optimizer", p.distributed_optimizer, False)):
+            if value != default:
+                fail("parallel", name, f"{value!r}: the DeepSpeed engine is data-parallel (ZeRO) only; set "
+                                       f"parallel.{name}={str(default).lower()} or use training.engine=megatron")
+        if t.transformer_impl != "local":
+            fail("training", "transformer_impl", f"{t.transformer_impl!r}: the DeepSpeed engine trains the Hugging "
+                                                 "Face model; set transformer_impl=local")
+        if t.on_nonfinite != "halt":
+            fail("training", "on_nonfinite", f"{t.on_nonfinite!r}: DeepSpeed's fp32 step cannot be skipped once "
+                                             "taken; the DeepSpeed engine halts (on_nonfinite=halt)")
 
 
 def _where(where: dict, section: str, name: str) -> Optional[str]:
@@ -206,7 +240,8 @@ def load_train_config(path: Optional[str], overrides: List[str] = ()) -> TrainCo
             optimizer=_build_section(OptimizerArgs, tree.get("optimizer"), "optimizer", where),
             training=_build_section(TrainingArgs, tree.get("training"), "training", where),
             data=_build_section(DataArgs, tree.get("data"), "data", where),
-            save=tree.get("save"), load=tree.get("load"), tensorboard_dir=tree.get("tensorboard_dir"))
+            save=tree.get("save"), load=tree.get("load"), tensorboard_dir=tree.get("tensorboard_dir"),
+            deepspeed=tree.get("deepspeed"))
     except TypeError as err:  # a dataclass given a value it cannot take
         raise ConfigError("config", str(err), path, None) from None
     config.validate(where)

@@ -206,31 +206,38 @@ def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int)
 def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
                 max_shard_bytes: int = 2 << 30) -> str:
     """Convert an fe-pretrain checkpoint into a transformers directory ``output``; returns it."""
-    from fe_megatron.hf import AUTO_MAP, FactorEngramConfig, write_modeling_files
-
     folder = find_checkpoint_folder(load, iteration)
     info = read_run_info(folder)
     backbone, memory = configs_of(info)
     tokenizer_path = run_tokenizer(info, tokenizer)
     checkpoint = DistCheckpoint(folder)
+    groups = []
+    for name in checkpoint.weight_names():
+        parts = split_checkpoint_tensor(name, torch.empty(checkpoint.shape(name), device="meta"), backbone)
+        groups.append((name, [(hf_name, tuple(t.shape), checkpoint.dtype(name)) for hf_name, t in parts]))
+    return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
+                              lambda name: split_checkpoint_tensor(name, checkpoint.load(name), backbone),
+                              f"mcore-to-hf {folder}", max_shard_bytes)
+
+
+def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
+                       groups: list, produce, where: str, max_shard_bytes: int = 2 << 30) -> str:
+    """A transformers directory ``output`` (written to ``output.tmp``, renamed at the end): the
+    config of ``backbone`` and ``memory``, the tokenizer, the modeling files, and the weights that
+    ``produce(source)`` returns source by source as ``groups`` plans them
+    (`fe_megatron.hf.safetensors_stream.write_shards`)."""
+    from fe_megatron.hf import AUTO_MAP, FactorEngramConfig, write_modeling_files
+    from fe_megatron.hf.safetensors_stream import write_shards
+
     tmp = _fresh_output(output)
     try:
         hf_tokenizer = _save_tokenizer(tokenizer_path, tmp, backbone.vocab_size, backbone.seq_length)
         config = FactorEngramConfig.from_fe_megatron(
             backbone, memory, bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id,
             pad_token_id=hf_tokenizer.pad_token_id, architectures=["FactorEngramForCausalLM"], auto_map=AUTO_MAP)
-        expected = _hf_weight_shapes(config)
-        groups = []
-        for name in checkpoint.weight_names():
-            parts = split_checkpoint_tensor(name, torch.empty(checkpoint.shape(name), device="meta"), backbone)
-            groups.append((name, [(hf_name, tuple(t.shape), checkpoint.dtype(name)) for hf_name, t in parts]))
-        _check_same_weights(expected, {n: s for _, entries in groups for n, s, _ in entries}, folder)
-        total = sum(weights_bytes(entries) for _, entries in groups)
-        progress = Progress(total, f"mcore-to-hf {folder}")
-        from fe_megatron.hf.safetensors_stream import write_shards
-
-        write_shards(tmp, groups, lambda name: split_checkpoint_tensor(name, checkpoint.load(name), backbone),
-                     max_shard_bytes=max_shard_bytes, progress=progress)
+        _check_same_weights(_hf_weight_shapes(config), {n: s for _, entries in groups for n, s, _ in entries}, where)
+        progress = Progress(sum(weights_bytes(entries) for _, entries in groups), where)
+        write_shards(tmp, groups, produce, max_shard_bytes=max_shard_bytes, progress=progress)
         progress.close()
         config.save_pretrained(tmp)
         write_modeling_files(tmp)
@@ -597,6 +604,11 @@ def main(argv=None) -> int:
     to_mcore = commands.add_parser("hf-to-mcore", help="a transformers directory -> an fe-pretrain run directory")
     to_mcore.add_argument("--input", required=True, help="a FactorEngramForCausalLM (or Llama) directory")
     to_mcore.add_argument("--output", required=True, help="a new run directory")
+    from_ds = commands.add_parser("deepspeed-to-hf", help="a DeepSpeed-engine checkpoint -> a transformers directory")
+    from_ds.add_argument("--load", required=True, help="the run directory (fe-pretrain's --save) or an iter_* folder")
+    from_ds.add_argument("--tag", help="which checkpoint, e.g. iter_0000100 (default: the one 'latest' names)")
+    from_ds.add_argument("--output", required=True, help="a new directory for the transformers model")
+    from_ds.add_argument("--tokenizer", help="the run's tokenizer, if it has moved since training")
     graft_cmd = commands.add_parser("graft", help="add memory branches to a pretrained Llama")
     graft_cmd.add_argument("--base", required=True, help="a transformers Llama directory or a .gguf file")
     graft_cmd.add_argument("--memory-preset", required=True, help="a memory preset (fe-plan --list-presets)")
@@ -612,6 +624,12 @@ def main(argv=None) -> int:
     try:
         if args.command == "mcore-to-hf":
             out = mcore_to_hf(args.load, args.output, args.iteration, args.tokenizer)
+            print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
+                  "fe_megatron.hf, or with trust_remote_code=True")
+        elif args.command == "deepspeed-to-hf":
+            from fe_megatron.deepspeed.convert import deepspeed_to_hf
+
+            out = deepspeed_to_hf(args.load, args.output, args.tag, args.tokenizer)
             print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
                   "fe_megatron.hf, or with trust_remote_code=True")
         elif args.command == "hf-to-mcore":

@@ -75,14 +75,22 @@ class FactorEngramModelOutput(BaseModelOutputWithPast):
     sparsity_loss: Optional[torch.FloatTensor] = None
 
 
+@dataclass
+class FactorEngramCausalLMOutput(CausalLMOutputWithPast):
+    """`CausalLMOutputWithPast` plus ``sparsity_loss`` (Eq. 12, averaged over insertion layers,
+    before lambda), so that a trainer can weigh and log it itself."""
+
+    sparsity_loss: Optional[torch.FloatTensor] = None
+
+
 class FactorEngramDecoderLayer(LlamaDecoderLayer):
     """A Llama decoder layer with a memory branch (``self.memory``) at ``memory_config.placement``."""
 
-    def __init__(self, config: FactorEngramConfig, layer_idx: int, memory_config):
+    def __init__(self, config: FactorEngramConfig, layer_idx: int, memory_config, memory_parallel=None):
         super().__init__(config, layer_idx)
         self.layer_index = layer_idx
         # Initialized by FactorEngramPreTrainedModel._init_weights, unless loaded from a checkpoint.
-        self.memory = build_memory(memory_config, layer_idx, initialize=False)
+        self.memory = build_memory(memory_config, layer_idx, parallel=memory_parallel, initialize=False)
         for module in self.memory.modules():
             module._fe_memory_part = True
 
@@ -148,9 +156,13 @@ class FactorEngramPreTrainedModel(LlamaPreTrainedModel):
 
 
 class FactorEngramModel(FactorEngramPreTrainedModel):
-    """`LlamaModel` with memory branches; its forward feeds them the token ids."""
+    """`LlamaModel` with memory branches; its forward feeds them the token ids.
 
-    def __init__(self, config: FactorEngramConfig):
+    ``memory_parallel`` (`fe_megatron.memory.ParallelHooks`) builds the branches for a parallel
+    layout, e.g. tables row-sharded over a process group (`fe_megatron.deepspeed`); by default
+    every branch is whole, for one process."""
+
+    def __init__(self, config: FactorEngramConfig, memory_parallel=None):
         super().__init__(config)
         memory = config.memory_config()
         if memory is not None:
@@ -166,7 +178,7 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList([
-            FactorEngramDecoderLayer(config, index, memory) if index in memory_layers
+            FactorEngramDecoderLayer(config, index, memory, memory_parallel) if index in memory_layers
             else LlamaDecoderLayer(config, index) for index in range(config.num_hidden_layers)])
         self.norm = LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
@@ -247,9 +259,9 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
-    def __init__(self, config: FactorEngramConfig):
+    def __init__(self, config: FactorEngramConfig, memory_parallel=None):
         super().__init__(config)
-        self.model = FactorEngramModel(config)
+        self.model = FactorEngramModel(config, memory_parallel)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -268,7 +280,8 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
             memory = self.config.memory
             if outputs.sparsity_loss is not None and memory.get("sparsity_lambda", 0.0):
                 loss = loss + memory["sparsity_lambda"] * outputs.sparsity_loss  # Eq. 13
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return FactorEngramCausalLMOutput(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                          sparsity_loss=outputs.sparsity_loss)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() makes a `DynamicCache`; make it a `FactorEngramCache` (the memory's state too)."""

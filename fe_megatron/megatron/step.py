@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from functools import partial
 
@@ -11,6 +10,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
+from fe_megatron.training_loop import StepResult, current_device  # noqa: F401 (current_device: re-exported)
 
 
 def causal_mask(seq_length: int, device=None) -> torch.Tensor:
@@ -57,11 +57,6 @@ def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
     return float(total) / (num_microbatches * parallel_state.get_data_parallel_world_size())
 
 
-def current_device() -> torch.device:
-    """The device this rank computes on: its CUDA device, or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def mean_lm_loss(losses: list) -> float:
     """Average of the microbatch LM losses, over data-parallel ranks, known on every rank."""
     value = torch.zeros(2, device=current_device())
@@ -81,21 +76,6 @@ def run_microbatches(model_chunks: list, batches: list, seq_length: int, micro_b
         forward_step_func=forward_step, data_iterator=iter(batches), model=model_chunks,
         num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
         decoder_seq_length=seq_length, forward_only=forward_only)
-
-
-@dataclasses.dataclass
-class StepResult:
-    """One optimizer step: the LM and sparsity losses (global means), the gradient norm, whether the
-    update was applied, and, when the loss or the gradient norm was not finite, where."""
-
-    lm_loss: float
-    sparsity_loss: float
-    grad_norm: float
-    updated: bool
-    nonfinite: list = dataclasses.field(default_factory=list)  # "rank R microbatch M: lm loss nan", ...
-
-    def __iter__(self):  # lm, sparsity, grad_norm, updated = train_step(...)
-        return iter((self.lm_loss, self.sparsity_loss, self.grad_norm, self.updated))
 
 
 def train_step(model_chunks: list, optimizer, batches: list, seq_length: int, micro_batch_size: int,

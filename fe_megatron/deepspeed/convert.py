@@ -1,0 +1,107 @@
+"""``fe-convert deepspeed-to-hf``: a checkpoint of the DeepSpeed engine -> a transformers directory.
+
+The fp32 weights are consolidated the way DeepSpeed's ``zero_to_fp32`` does it, in its lazy mode
+(the ZeRO partitions are memory-mapped and each tensor is assembled only when its turn comes to
+be written); under ``table_sharding: rows`` each table is assembled from the ranks'
+``tables_rank_NNNNN.pt`` files.  Tensors stream into safetensors shards one at a time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Optional
+
+import torch
+
+from fe_megatron.checkpoint_files import read_run_info
+from fe_megatron.hf.convert import ConversionError, configs_of, run_tokenizer, write_hf_directory
+
+
+def checkpoint_folder(load: str, tag: Optional[str] = None) -> str:
+    """The folder of ``tag`` (default: the one DeepSpeed's ``latest`` names) in ``load``, which may
+    also be that folder itself."""
+    from fe_megatron.deepspeed.engine import RUN_INFO, latest_tag
+
+    if tag is None and os.path.isfile(os.path.join(load, RUN_INFO)):
+        return load
+    tag = tag or latest_tag(load)
+    if tag is None:
+        raise ConversionError(f"{load} has no 'latest' file and no {RUN_INFO}: not a checkpoint of fe-pretrain's "
+                              "DeepSpeed engine (pass the --save directory or one of its iter_* folders)")
+    folder = os.path.join(load, tag)
+    if not os.path.isfile(os.path.join(folder, RUN_INFO)):
+        raise ConversionError(f"{folder} has no {RUN_INFO}: not a checkpoint of fe-pretrain's DeepSpeed engine")
+    return folder
+
+
+class _DeepSpeedWeights:
+    """The consolidated fp32 tensors of one checkpoint folder, by Hugging Face name."""
+
+    def __init__(self, folder: str, info: dict, memory):
+        from fe_megatron.deepspeed.tables import tables_file
+
+        layout = info["layout"]
+        self.world = layout["world"]
+        if layout.get("zero_stage", 0) == 0:
+            state = torch.load(os.path.join(folder, "mp_rank_00_model_states.pt"), map_location="cpu", mmap=True,
+                               weights_only=False)["module"]
+        else:
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(folder), os.path.basename(folder),
+                                                             lazy_mode=True)
+        self.state, self.memory = state, memory
+        self.table_files = []
+        if layout.get("table_sharding") == "rows" and memory is not None:
+            self.table_files = [tables_file(folder, rank) for rank in range(self.world)]
+            missing = [path for path in self.table_files if not os.path.isfile(path)]
+            if missing:
+                found = sorted(glob.glob(os.path.join(folder, "tables_rank_*.pt")))
+                raise ConversionError(f"{folder}: the run had {self.world} ranks with row-sharded tables, but "
+                                      f"{missing[0]} is missing (found {len(found)} table files)")
+            self.table_shards = [torch.load(path, map_location="cpu", mmap=True, weights_only=False)["tables"]
+                                 for path in self.table_files]
+
+    def names(self) -> list:
+        names = [name for name in self.state if not name.endswith("rotary_emb.inv_freq")]
+        if self.table_files:
+            names += list(self.table_shards[0])
+        return names
+
+    def shape(self, name: str) -> tuple:
+        if self.table_files and name in self.table_shards[0]:
+            return (sum(self._partition(name).branch_rows), self.table_shards[0][name].shape[1])
+        return tuple(self.state[name].shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        if self.table_files and name in self.table_shards[0]:
+            return self._partition(name).assemble([shards[name] for shards in self.table_shards])
+        tensor = self.state[name]
+        return (tensor.contiguous() if not isinstance(tensor, torch.Tensor) else tensor).float()
+
+    def _partition(self, name: str):
+        from fe_megatron.memory.row_exchange import RowPartition
+        from fe_megatron.ngram import NgramHasher
+
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        layout = NgramHasher(self.memory, layer).layouts[0]
+        return RowPartition(layout.moduli, layout.offsets, self.world, 0)
+
+
+def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer: Optional[str] = None,
+                    max_shard_bytes: int = 2 << 30) -> str:
+    """Convert the DeepSpeed engine's checkpoint in ``load`` into a transformers directory ``output``."""
+    folder = checkpoint_folder(load, tag)
+    info = read_run_info(folder)
+    if info.get("layout", {}).get("engine") != "deepspeed":
+        raise ConversionError(f"{folder} was written by the Megatron engine; use fe-convert mcore-to-hf")
+    backbone, memory = configs_of(info)
+    tokenizer_path = run_tokenizer(info, tokenizer)
+    weights = _DeepSpeedWeights(folder, info, memory)
+    tied = backbone.tie_embeddings
+    groups = [(name, [(name, weights.shape(name), torch.float32)]) for name in weights.names()
+              if not (tied and name == "lm_head.weight")]
+    return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
+                              lambda name: [(name, weights.get(name))], f"deepspeed-to-hf {folder}",
+                              max_shard_bytes)

@@ -1,0 +1,386 @@
+"""fe-pretrain's DeepSpeed engine (``training.engine: deepspeed``): the Hugging Face model
+(`fe_megatron.hf.FactorEngramForCausalLM`) trained with ``deepspeed.initialize`` under ZeRO stage
+0-3, on the data, schedule and logging of the Megatron engine (`fe_megatron.training_loop`).
+
+What each rank does per step, for the ``n`` microbatches of its share of the global batch (the
+same samples the Megatron engine reads at the same data-parallel size):
+
+* forward through the DeepSpeed engine; the loss is the masked mean next-token loss plus
+  ``lambda`` times the sparsity term (Eq. 13), as Megatron's;
+* ``engine.backward`` and ``engine.step`` per microbatch (DeepSpeed accumulates and updates at the
+  boundary); the learning rate of each parameter group is set first from `fe_megatron.lr_schedule`;
+* with ``parallel.table_sharding: rows``, the tables' own AdamW runs after the boundary
+  (`fe_megatron.deepspeed.tables`).
+
+The optimizer is torch's AdamW with Megatron's parameter groups (no weight decay on biases and
+1-D tensors; the tables' learning-rate and weight-decay multipliers), handed to DeepSpeed as a
+client optimizer, which ZeRO wraps.  Table modes:
+
+* ``zero`` (or ``replicated``): the tables are ordinary parameters; ZeRO-3 partitions them and
+  all-gathers each one whole for its layer's forward and backward.
+* ``rows``: the tables are row-sharded over the data-parallel ranks and stay outside ZeRO.
+
+Checkpoints are DeepSpeed's (``engine.save_checkpoint``, tag ``iter_NNNNNNN``), with
+``fe_run.json`` and, under ``rows``, one ``tables_rank_NNNNN.pt`` per rank in the same folder,
+all written before DeepSpeed updates ``latest``.  ``--load`` also accepts a Hugging Face model
+directory: its weights start the run at step 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fe_megatron.deepspeed.config import resolve, zero_stage
+from fe_megatron.lr_schedule import learning_rate
+from fe_megatron.training_loop import (MetricsWriter, StepResult, clear_requeue_marker, current_device,
+                                       evaluation_batches, freeze_backbone, load_run_tokenizer, log, run_datasets,
+                                       run_info)
+
+RUN_INFO = "fe_run.json"
+
+
+def checkpoint_tag(step: int) -> str:
+    return f"iter_{step:07d}"
+
+
+def megatron_param_groups(model: torch.nn.Module, o) -> list:
+    """AdamW parameter groups as the Megatron engine makes them: no weight decay on biases and
+    1-D tensors; the tables with ``optimizer.table_lr_mult`` and ``table_weight_decay_mult``."""
+    groups = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if name.endswith("memory.tables.weight"):
+            key = (o.table_weight_decay_mult, o.table_lr_mult)
+        else:
+            key = (0.0 if name.endswith(".bias") or param.dim() == 1 else 1.0, 1.0)
+        groups.setdefault(key, []).append(param)
+    return [{"params": params, "wd_mult": wd_mult, "lr_mult": lr_mult, "weight_decay": o.weight_decay * wd_mult}
+            for (wd_mult, lr_mult), params in groups.items()]
+
+
+def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the positions ``loss_mask`` keeps (Megatron's definition)."""
+    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    mask = loss_mask.reshape(-1).float()
+    return (losses * mask).sum() / mask.sum().clamp_min(1)
+
+
+@dataclasses.dataclass
+class DeepSpeedRun:
+    """A DeepSpeed run, set up and possibly resumed; the `fe_megatron.training_loop.EngineRun` of
+    this engine."""
+
+    cfg: object
+    info: dict
+    engine: object  # deepspeed.DeepSpeedEngine around the FactorEngramForCausalLM
+    tables: object  # RowShardedTables, or None when ZeRO holds the tables
+    datasets: tuple
+    num_microbatches: int
+    metrics: MetricsWriter
+    start_step: int
+    parameters: int
+    step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.num_microbatches * self.cfg.training.micro_batch_size
+
+    def batches(self, dataset, first_sample: int, num_microbatches: int) -> list:
+        from fe_megatron.data.datasets import microbatches
+
+        t = self.cfg.training
+        start = first_sample + dist.get_rank() * self.samples_per_rank
+        batches = microbatches(dataset, start, num_microbatches, t.micro_batch_size, None)
+        device = current_device()
+        return [{k: v.to(device) for k, v in b.items() if v is not None} for b in batches]
+
+    def _set_learning_rates(self) -> None:
+        o, t = self.cfg.optimizer, self.cfg.training
+        groups = list(self.engine.optimizer.param_groups)
+        if self.tables is not None:
+            groups += self.tables.optimizer.param_groups
+        for group in groups:
+            mult = group.get("lr_mult", 1.0)
+            group["lr"] = learning_rate(self.step_index, o.lr * mult, o.min_lr * mult, o.warmup_steps,
+                                        t.train_steps)
+
+    def _losses(self, batch: dict):
+        output = self.engine(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False)
+        lm = masked_lm_loss(output.logits, batch["labels"], batch["loss_mask"])
+        memory = self.cfg.memory
+        if output.sparsity_loss is None or memory is None:
+            return lm, torch.zeros((), device=lm.device)
+        return lm, memory.sparsity_lambda * output.sparsity_loss
+
+    def train_step(self, batches: list) -> StepResult:
+        self._set_learning_rates()
+        sums = torch.zeros(3, dtype=torch.float64, device=current_device())  # lm, sparsity, non-finite count
+        nonfinite = []
+        for index, batch in enumerate(batches):
+            lm, sparsity = self._losses(batch)
+            loss = lm + sparsity
+            if not torch.isfinite(loss):
+                nonfinite.append(f"rank {dist.get_rank()} microbatch {index}: lm loss {float(lm)}")
+            sums += torch.stack([lm.detach().double(), sparsity.detach().double(),
+                                 torch.tensor(float(not torch.isfinite(loss)), dtype=torch.float64,
+                                              device=sums.device)])
+            self.engine.backward(loss)
+            if index == len(batches) - 1:
+                dist.all_reduce(sums)  # halt before the update, on every rank alike
+                if sums[2] > 0:
+                    return self._nonfinite(sums, nonfinite)
+            self.engine.step()  # updates at the gradient-accumulation boundary only
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else 0.0
+        if self.tables is not None:
+            norm = (norm ** 2 + self.tables.step() ** 2) ** 0.5
+        count = len(batches) * dist.get_world_size()
+        result = StepResult(float(sums[0]) / count, float(sums[1]) / count, norm, True)
+        if not torch.isfinite(torch.tensor(norm)):
+            result.updated, result.nonfinite = False, [f"every microbatch's loss is finite but the gradient norm "
+                                                       f"is {norm}; the parameters took the update"]
+        return result
+
+    def _nonfinite(self, sums, mine: list) -> StepResult:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        count = len(everyone) * self.num_microbatches
+        return StepResult(float(sums[0]) / count, float(sums[1]) / count, float("nan"), False,
+                          [line for part in everyone for line in part])
+
+    def advance_schedule(self) -> None:
+        self.step_index += 1
+
+    def learning_rate(self) -> float:
+        """The rate of the next step (as Megatron's scheduler reports it after stepping)."""
+        o = self.cfg.optimizer
+        return learning_rate(self.step_index, o.lr, o.min_lr, o.warmup_steps, self.cfg.training.train_steps)
+
+    @torch.no_grad()
+    def evaluate(self, dataset, index: int) -> float:
+        batches = evaluation_batches(self, dataset, index)
+        self.engine.eval()
+        try:
+            total = torch.zeros(2, dtype=torch.float64, device=current_device())
+            for batch in batches:
+                lm, _ = self._losses(batch)
+                total += torch.stack([lm.double(), torch.ones((), dtype=torch.float64, device=total.device)])
+        finally:
+            self.engine.train()
+        dist.all_reduce(total)
+        return float(total[0] / total[1].clamp_min(1))
+
+    def save(self, step: int) -> None:
+        save_checkpoint(self, step)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def save_checkpoint(run: DeepSpeedRun, step: int) -> str:
+    """DeepSpeed's checkpoint of ``step`` in ``cfg.save``/iter_NNNNNNN; ``latest`` names it only once
+    every file is written.  Older ones beyond ``training.keep_checkpoints`` are then deleted."""
+    cfg, tag = run.cfg, checkpoint_tag(step)
+    folder = os.path.join(cfg.save, tag)
+    os.makedirs(folder, exist_ok=True)
+    if dist.get_rank() == 0:
+        with open(os.path.join(folder, RUN_INFO), "w") as fh:
+            json.dump(dict(run.info, step=step), fh, indent=1)
+    if run.tables is not None:
+        run.tables.save(folder)
+    dist.barrier()
+    run.engine.save_checkpoint(cfg.save, tag=tag, client_state={"step": step})
+    dist.barrier()
+    keep = cfg.training.keep_checkpoints
+    if keep and dist.get_rank() == 0:
+        tags = sorted(name for name in os.listdir(cfg.save) if name.startswith("iter_")
+                      and os.path.isdir(os.path.join(cfg.save, name)))
+        for old in tags[:-keep]:
+            shutil.rmtree(os.path.join(cfg.save, old), ignore_errors=True)
+    log(f"saved {folder}")
+    return folder
+
+
+def latest_tag(directory: str) -> Optional[str]:
+    """The tag DeepSpeed's ``latest`` file names in ``directory``, or None."""
+    path = os.path.join(directory, "latest")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as fh:
+        return fh.read().strip()
+
+
+def _what_to_load(cfg):
+    """``("deepspeed", folder)``, ``("hf", directory)`` or ``(None, None)`` for ``--load``."""
+    from fe_megatron.checkpoint_files import CheckpointError
+
+    if not cfg.load:
+        return None, None
+    if os.path.isfile(os.path.join(cfg.load, "config.json")):
+        return "hf", cfg.load
+    tag = latest_tag(cfg.load)
+    if tag is not None:
+        folder = os.path.join(cfg.load, tag)
+        if not os.path.isfile(os.path.join(folder, RUN_INFO)):
+            raise CheckpointError(f"{cfg.load}/latest names {tag}, but {folder} has no {RUN_INFO}: not a checkpoint "
+                                  "of fe-pretrain's DeepSpeed engine")
+        return "deepspeed", folder
+    if os.path.isfile(os.path.join(cfg.load, "latest_checkpointed_iteration.txt")):
+        raise CheckpointError(f"{cfg.load} holds Megatron-engine checkpoints; the DeepSpeed engine starts from a "
+                              "Hugging Face directory: fe-convert mcore-to-hf it, then --load the output")
+    return None, None
+
+
+def _check_resume(folder: str, info: dict) -> None:
+    from fe_megatron import resume_guard
+    from fe_megatron.checkpoint_files import CheckpointError
+
+    with open(os.path.join(folder, RUN_INFO)) as fh:
+        saved = json.load(fh)
+    refused, changed = resume_guard.compare(saved, info)
+    if refused:
+        raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
+                              + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
+                              "directory without --load.")
+    for line in changed:
+        log(f"changed since the checkpoint: {line}")
+
+
+# ----------------------------------------------------------------------------- model
+def build_model(cfg, rows_group=None):
+    """The run's `FactorEngramForCausalLM` (a plain Llama-like model with ``memory: null``), its
+    branches row-sharded over ``rows_group`` when given."""
+    from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
+    from fe_megatron.memory import ParallelHooks
+
+    config = FactorEngramConfig.from_fe_megatron(cfg.model, cfg.memory, use_cache=False)
+    hooks = None
+    if rows_group is not None:
+        hooks = ParallelHooks()
+        hooks.memory_parallel_group = rows_group
+    return FactorEngramForCausalLM(config, memory_parallel=hooks)
+
+
+@torch.no_grad()
+def load_hf_weights(model, directory: str) -> None:
+    """Copy a Hugging Face directory's weights into ``model``, tensor by tensor (row-sharded tables:
+    only this rank's rows are read)."""
+    from transformers import AutoConfig
+
+    from fe_megatron.checkpoint_files import CheckpointError
+    from fe_megatron.hf.safetensors_stream import SafetensorsSource
+    from fe_megatron.memory import MemoryBranch
+
+    theirs = AutoConfig.from_pretrained(directory).to_dict()
+    ours = model.config.to_dict()
+    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+              "intermediate_size", "tie_word_embeddings", "memory")
+    differ = [f"{name}: {theirs.get(name)!r} there, {ours.get(name)!r} in this config" for name in fields
+              if theirs.get(name) != ours.get(name)]
+    if differ:
+        raise CheckpointError(f"--load {directory} is a different model:\n  " + "\n  ".join(differ))
+    source = SafetensorsSource(directory)
+    partitions = {f"{name}.tables.weight": module.row_partition for name, module in model.named_modules()
+                  if isinstance(module, MemoryBranch) and module.row_partition is not None}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        if name not in source:
+            raise CheckpointError(f"--load {directory} has no tensor {name}")
+        if name in partitions:
+            for first, rows, local in partitions[name].slices():
+                tensor[local:local + rows].copy_(source.rows(name, first, first + rows))
+        else:
+            tensor.copy_(source.get(name))
+    source.close()
+
+
+# ----------------------------------------------------------------------------- set-up
+def _init_distributed() -> None:
+    """The process group from the launcher (torchrun, the deepspeed launcher, srun, or none):
+    nccl on GPU, gloo on CPU; DeepSpeed's communication wraps it."""
+    import deepspeed
+
+    from fe_megatron.distributed_env import init_process_group, launcher_environment
+
+    launcher_environment()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    if not dist.is_initialized():
+        init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+
+
+def set_up(cfg) -> DeepSpeedRun:
+    """Process group, data, model, DeepSpeed engine; resume from ``cfg.load``."""
+    import deepspeed
+
+    from fe_megatron.deepspeed.tables import RowShardedTables
+
+    _init_distributed()
+    t, o, p = cfg.training, cfg.optimizer, cfg.parallel
+    on_gpu = torch.cuda.is_available()
+    bf16 = t.precision == "bf16" or (t.precision == "auto" and on_gpu)
+    dp = dist.get_world_size()
+    ds_config = resolve(cfg, dp, bf16)
+    stage = zero_stage(ds_config)
+    tables_mode = "rows" if p.table_sharding == "rows" else "zero"
+    tokenizer = load_run_tokenizer(cfg)
+    info = run_info(cfg, dp, {"engine": "deepspeed", "zero_stage": stage})
+    kind, where = _what_to_load(cfg)
+    if kind == "deepspeed":
+        _check_resume(where, info)
+    datasets = run_datasets(cfg, tokenizer, dp)
+
+    torch.manual_seed(t.seed)
+    rows = tables_mode == "rows" and cfg.memory is not None
+    model = build_model(cfg, dist.group.WORLD if rows else None)
+    if kind == "hf":
+        load_hf_weights(model, where)
+    model.to(current_device())
+    if t.recompute == "full":
+        model.gradient_checkpointing_enable()
+    if t.freeze_backbone:
+        freeze_backbone(model)
+    tables = RowShardedTables(model, o) if rows else None
+    parameters = sum(param.numel() for param in model.parameters()) + (tables.numel() if tables else 0)
+    optimizer = torch.optim.AdamW(megatron_param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+    start = 0
+    if kind == "deepspeed":
+        load_dir, tag = os.path.dirname(where), os.path.basename(where)
+        path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
+        if path is None:
+            from fe_megatron.checkpoint_files import CheckpointError
+
+            raise CheckpointError(f"DeepSpeed could not load {where}")
+        if tables is not None:
+            tables.load(where)
+        start = int(client_state["step"])
+        log(f"resumed from {where} at iteration {start}")
+    elif kind == "hf":
+        log(f"loaded the weights of {where} (a Hugging Face model); training starts at step 0")
+    elif cfg.load:
+        log(f"no checkpoint in {cfg.load} yet: starting from step 0")
+
+    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=datasets,
+                       num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
+                       parameters=parameters, step_index=start)
+    clear_requeue_marker(cfg.save)
+    run.metrics.write({"event": "start", "kind": cfg.model_kind, "parameters": parameters, "start_step": start,
+                       "world_size": dp, "dp": dp, "tp": 1, "pp": 1, "engine": "deepspeed", "zero_stage": stage,
+                       "tables": tables_mode})
+    log(f"model {cfg.model_kind}: {parameters:,} parameters; DeepSpeed ZeRO-{stage} over {dp} ranks, tables "
+        f"{'row-sharded outside ZeRO' if rows else 'as ZeRO parameters'}; {run.num_microbatches} microbatches of "
+        f"{t.micro_batch_size} x {cfg.model.seq_length} tokens per rank and step")
+    return run

@@ -1,0 +1,104 @@
+"""``parallel.table_sharding: rows`` under DeepSpeed: the tables stay outside ZeRO.
+
+The branches are built with their rows sharded over the data-parallel group
+(`fe_megatron.memory.row_exchange`; lookups and gradients travel by all-to-all), so each rank
+already holds only ``1/N`` of every table.  ZeRO must not partition those shards again (ZeRO-3
+would all-gather them for every forward) nor average their gradients (the row exchange already
+delivered every rank's gradient to the row's owner).  `RowShardedTables` therefore takes the
+tables out of the module tree that DeepSpeed sees and gives them their own AdamW over the local
+rows, with the learning-rate and weight-decay multipliers of the optimizer section.
+
+Gradient clipping: DeepSpeed clips its parameters by their own global norm; the tables are clipped
+by theirs (summed over the group), each against ``optimizer.clip_grad``.  Megatron's engine clips
+everything by one norm, so the two engines agree exactly only while no clipping happens
+(docs/deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from fe_megatron.memory import MemoryBranch
+
+
+def tables_file(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"tables_rank_{rank:05d}.pt")
+
+
+class RowShardedTables:
+    """The row-sharded tables of ``model`` (``{name: weight}``, Hugging Face names), detached from
+    its module tree, with an AdamW over this rank's rows."""
+
+    def __init__(self, model: torch.nn.Module, optimizer_args, group=None):
+        self.group = group
+        self.weights, self.partitions = {}, {}
+        for name, module in list(model.named_modules()):
+            if isinstance(module, MemoryBranch) and module.row_partition is not None:
+                tables = module._modules.pop("tables")
+                # still `branch.tables` for the lookup, but no longer a submodule: not a ZeRO parameter
+                module.__dict__["tables"] = tables
+                self.weights[f"{name}.tables.weight"] = tables.weight
+                self.partitions[f"{name}.tables.weight"] = module.row_partition
+        if not self.weights:
+            raise ValueError("parallel.table_sharding=rows but the model has no row-sharded memory branch")
+        o = optimizer_args
+        self.trainable = [w for w in self.weights.values() if w.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": self.trainable, "lr_mult": o.table_lr_mult, "wd_mult": o.table_weight_decay_mult}],
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay * o.table_weight_decay_mult)
+        self.clip_grad = o.clip_grad
+
+    def numel(self) -> int:
+        """Table parameters of the whole model (every rank's rows)."""
+        return sum(sum(p.branch_rows) * self.weights[name].shape[1] for name, p in self.partitions.items())
+
+    def step(self) -> float:
+        """Average the gradients over the data-parallel ranks (as DeepSpeed averages its own), clip
+        them by their global norm, update, and zero them.  Returns that norm (before clipping)."""
+        world = dist.get_world_size(self.group)
+        squares = torch.zeros((), dtype=torch.float64, device=self.trainable[0].device)
+        for weight in self.trainable:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            weight.grad.div_(world)
+            squares += weight.grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=self.group)  # each rank holds different rows
+        norm = float(squares.sqrt())
+        if self.clip_grad > 0:
+            coefficient = self.clip_grad / (norm + 1e-6)
+            if coefficient < 1.0:
+                for weight in self.trainable:
+                    weight.grad.mul_(coefficient)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def save(self, folder: str) -> None:
+        """This rank's rows and their optimizer state, in ``folder`` (written to a temporary file
+        and renamed, so a crash leaves no half file)."""
+        rank = dist.get_rank(self.group)
+        state = {"world_size": dist.get_world_size(self.group), "rank": rank,
+                 "tables": {name: weight.detach().cpu() for name, weight in self.weights.items()},
+                 "optimizer": self.optimizer.state_dict()}
+        path = tables_file(folder, rank)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load(self, folder: str) -> None:
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        path = tables_file(folder, rank)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: this checkpoint was not saved with table_sharding=rows "
+                                    f"at {world} ranks")
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if state["world_size"] != world:
+            raise ValueError(f"{path} holds rows for {state['world_size']} data-parallel ranks, this run has {world}; "
+                             "resume at the same size, or convert with fe-convert deepspeed-to-hf and start from the "
+                             "Hugging Face directory")
+        with torch.no_grad():
+            for name, weight in self.weights.items():
+                weight.copy_(state["tables"][name])
+        self.optimizer.load_state_dict(state["optimizer"])

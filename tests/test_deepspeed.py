@@ -1,0 +1,253 @@
+"""The DeepSpeed engine: ZeRO 1/2/3 against the Megatron engine at DP=2, both table modes, exact
+resume, conversion to Hugging Face, and DeepSpeed configs that contradict the training config."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fe_megatron.config import ConfigError
+from fe_megatron.train_config import load_train_config
+from tests.test_train import CONFIG, ROOT, metrics, run_pretrain, small_overrides
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
+
+STEPS = 4
+DS = "training.engine=deepspeed"
+
+
+def overrides(data, **extra):
+    values = {"training.train_steps": STEPS, "training.log_interval": 1, "training.eval_interval": STEPS,
+              "training.eval_steps": 1, "training.save_interval": 2, "optimizer.warmup_steps": 1,
+              "optimizer.lr": 1e-2}
+    values.update(extra)
+    return small_overrides(data, **values)
+
+
+def losses(save):
+    return [(r["step"], r["lm_loss"], r["sparsity_loss"]) for r in metrics(save) if "lm_loss" in r]
+
+
+def assert_same_curve(got, expected, rel=2e-5):
+    assert [step for step, *_ in got] == [step for step, *_ in expected]
+    for (step, lm, sparsity), (_, lm_ref, sparsity_ref) in zip(got, expected):
+        assert lm == pytest.approx(lm_ref, rel=rel), f"step {step}: lm loss {lm} vs {lm_ref}"
+        assert sparsity == pytest.approx(sparsity_ref, rel=rel, abs=1e-7), f"step {step}: sparsity"
+
+
+@pytest.fixture(scope="module")
+def start(small_data, tmp_path_factory):
+    """One set of initial weights for both engines: a Hugging Face directory (the DeepSpeed
+    engine's --load) and the same weights as a Megatron checkpoint (fe-convert hf-to-mcore).
+    The memory's output projections are perturbed so that the tables get gradients at once."""
+    from fe_megatron.deepspeed.engine import build_model
+    from fe_megatron.hf.convert import hf_to_mcore
+
+    base = tmp_path_factory.mktemp("deepspeed")
+    cfg = load_train_config(CONFIG, overrides(small_data))
+    torch.manual_seed(11)
+    model = build_model(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".memory." in name and ("value_proj" in name or "conv.weight" in name):
+                param.normal_(0, 0.05)
+    hf = str(base / "hf")
+    model.save_pretrained(hf)
+    shutil.copyfile(small_data["tokenizer"], os.path.join(hf, "tokenizer.model"))
+    return {"hf": hf, "mcore": hf_to_mcore(hf, str(base / "mcore")), "base": base, "data": small_data}
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(start):
+    """The Megatron engine at DP=2 from the shared weights: with clipping (active: the gradient
+    norms exceed 1) and without."""
+    runs = {}
+    for name, clip in (("clipped", 1.0), ("unclipped", 0.0)):
+        save = str(start["base"] / f"megatron_{name}")
+        run_pretrain(["--config", CONFIG, "--load", start["mcore"], "--save", save]
+                     + overrides(start["data"], **{"optimizer.clip_grad": clip}), nproc=2)
+        runs[name] = save
+    return runs
+
+
+def deepspeed_run(start, name, stage, launcher="torchrun", **extra):
+    save = str(start["base"] / name)
+    args = ["--config", CONFIG, "--load", start["hf"], "--save", save, DS,
+            f"deepspeed={{zero_optimization: {{stage: {stage}}}}}"] + overrides(start["data"], **extra)
+    if launcher == "deepspeed":
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+               str(_free_port()), "--module", "fe_megatron.train"] + args
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    else:
+        proc = run_pretrain(args, nproc=2)
+    assert "loaded the weights of" in proc.stdout
+    return save
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def zero3(start):
+    return deepspeed_run(start, "zero3", 3)
+
+
+@pytest.fixture(scope="module")
+def rows3(start):
+    """ZeRO-3 with the tables row-sharded outside it; unclipped (clipping is per part there, see
+    test_row_sharded_tables_are_clipped_by_their_own_norm)."""
+    return deepspeed_run(start, "rows3", 3, **{"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0})
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage,launcher", [(1, "deepspeed"), (2, "torchrun")])
+def test_zero_1_and_2_match_the_megatron_engine(start, megatron_runs, stage, launcher):
+    """Same batches, same weights, clipping active: the loss curves agree to fp32 rounding."""
+    save = deepspeed_run(start, f"zero{stage}", stage, launcher)
+    assert_same_curve(losses(save), losses(megatron_runs["clipped"]))
+
+
+@pytest.mark.distributed
+def test_zero_3_matches_the_megatron_engine_and_resumes_exactly(start, megatron_runs, zero3):
+    assert_same_curve(losses(zero3), losses(megatron_runs["clipped"]))
+    # resume from the step-2 checkpoint: steps 3 and 4 come out bit-identical
+    half = str(start["base"] / "zero3_resumed")
+    shutil.copytree(os.path.join(zero3, "iter_0000002"), os.path.join(half, "iter_0000002"))
+    with open(os.path.join(half, "latest"), "w") as fh:
+        fh.write("iter_0000002")
+    proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
+                         "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"]), nproc=2)
+    assert "resumed from" in proc.stdout and "at iteration 2" in proc.stdout
+    assert losses(half) == losses(zero3)[2:]
+
+
+@pytest.mark.distributed
+def test_rows_mode_matches_the_megatron_engine_without_clipping(start, megatron_runs, rows3):
+    """Row-sharded tables outside ZeRO-3 with their own AdamW, against the unclipped Megatron run."""
+    save = rows3
+    assert_same_curve(losses(save), losses(megatron_runs["unclipped"]))
+    files = sorted(f for f in os.listdir(os.path.join(save, "iter_0000004")) if f.startswith("tables_rank_"))
+    assert files == ["tables_rank_00000.pt", "tables_rank_00001.pt"]
+    # each rank holds half of every branch's rows (rounded), never a whole table
+    from fe_megatron.hf.safetensors_stream import SafetensorsSource
+
+    shard = torch.load(os.path.join(save, "iter_0000004", files[0]), weights_only=False)["tables"]
+    whole = SafetensorsSource(start["hf"])
+    assert shard and all(rows.shape[0] <= whole.shape(name)[0] // 2 + 6 for name, rows in shard.items())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["zero", "rows"])
+def test_deepspeed_checkpoints_convert_to_the_megatron_runs_model(megatron_runs, zero3, rows3, tmp_path, mode):
+    """fe-convert deepspeed-to-hf of step 4 gives the logits of fe-convert mcore-to-hf of the
+    Megatron engine's step 4 (the two trainings agree)."""
+    from fe_megatron.deepspeed.convert import deepspeed_to_hf
+    from fe_megatron.hf import FactorEngramForCausalLM
+    from fe_megatron.hf.convert import mcore_to_hf
+
+    source, reference = (zero3, "clipped") if mode == "zero" else (rows3, "unclipped")
+    ours = deepspeed_to_hf(source, str(tmp_path / "from_deepspeed"))
+    theirs = mcore_to_hf(megatron_runs[reference], str(tmp_path / "from_megatron"))
+    ids = torch.randint(0, 512, (2, 48))
+    with torch.no_grad():
+        got = FactorEngramForCausalLM.from_pretrained(ours).eval()(input_ids=ids).logits
+        expected = FactorEngramForCausalLM.from_pretrained(theirs).eval()(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="Megatron engine"):
+        deepspeed_to_hf(os.path.join(megatron_runs[reference], "iter_0000004"), str(tmp_path / "wrong"))
+
+
+# ----------------------------------------------------------------------------- in isolation
+def test_row_sharded_tables_are_clipped_by_their_own_norm(small_data, tmp_path):
+    """The one documented difference from the Megatron engine: under table_sharding=rows the
+    tables' gradients are averaged over the ranks and clipped by their own global norm."""
+    import torch.distributed as dist
+
+    from fe_megatron.deepspeed.engine import build_model
+    from fe_megatron.deepspeed.tables import RowShardedTables
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = load_train_config(CONFIG, overrides(small_data, **{"parallel.table_sharding": "rows",
+                                                                 "optimizer.clip_grad": 0.5,
+                                                                 "optimizer.weight_decay": 0.0}))
+        model = build_model(cfg, dist.group.WORLD)
+        tables = RowShardedTables(model, cfg.optimizer)
+        assert not any(name.endswith("tables.weight") for name, _ in model.named_parameters())  # outside ZeRO
+        grads = {name: torch.randn_like(weight) for name, weight in tables.weights.items()}
+        before = {name: weight.detach().clone() for name, weight in tables.weights.items()}
+        for name, weight in tables.weights.items():
+            weight.grad = grads[name].clone()
+        for group in tables.optimizer.param_groups:
+            group["lr"] = 1e-3
+        norm = tables.step()
+        expected_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())).item()
+        assert norm == pytest.approx(expected_norm, rel=1e-9)
+        moved = [name for name, weight in tables.weights.items() if not torch.equal(weight, before[name])]
+        assert moved == list(tables.weights)
+        for weight, grad in zip(tables.trainable, grads.values()):  # AdamW saw the clipped gradient
+            clipped = grad * (0.5 / (expected_norm + 1e-6))
+            torch.testing.assert_close(tables.optimizer.state[weight]["exp_avg"], 0.1 * clipped, rtol=1e-5, atol=1e-9)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ds,message", [
+    ({"train_batch_size": 16}, "train_batch_size=16 contradicts training.global_batch_size=8"),
+    ({"train_micro_batch_size_per_gpu": 4}, "train_micro_batch_size_per_gpu=4 contradicts training.micro_batch_size=2"),
+    ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1 contradicts training.global_batch_size"),
+    ({"gradient_clipping": 0.5}, "gradient_clipping=0.5 contradicts optimizer.clip_grad=1.0"),
+    ({"bf16": {"enabled": True}}, "bf16.enabled=True contradicts training.precision='fp32'"),
+    ({"fp16": {"enabled": True}}, "fp16.enabled=True contradicts training.precision='fp32'"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, "optimizer.params.lr=0.1 contradicts optimizer.lr"),
+    ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
+    ({"scheduler": {"type": "WarmupLR"}}, "remove deepspeed.scheduler"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4 is not one of 0, 1, 2, 3"),
+])
+def test_a_deepspeed_config_that_contradicts_the_training_config_is_refused(small_data, ds, message):
+    from fe_megatron.deepspeed.config import resolve
+
+    cfg = load_train_config(CONFIG, small_overrides(small_data, **{"training.engine": "deepspeed"}))
+    cfg.deepspeed = ds
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        resolve(cfg, data_parallel_size=2, bf16=False)
+
+
+def test_a_deepspeed_config_is_completed_from_the_training_config(small_data, tmp_path):
+    from fe_megatron.deepspeed.config import resolve
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": "auto", "zero_optimization": {"stage": 3},
+                                "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}}}))
+    cfg = load_train_config(CONFIG, small_overrides(small_data, **{"training.engine": "deepspeed",
+                                                                   "deepspeed": str(path)}))
+    ds = resolve(cfg, data_parallel_size=2, bf16=False)
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"],
+            ds["gradient_clipping"], ds["bf16"]["enabled"]) == (8, 2, 2, 1.0, False)
+    assert "optimizer" not in ds and ds["zero_optimization"]["stage"] == 3
+    path.write_text('{"zero_optimization": {"stage": 3},\n "train_batch_size": 8,,}')
+    with pytest.raises(ConfigError, match=f"{path}:2:"):
+        resolve(cfg, data_parallel_size=2, bf16=False)
+
+
+@pytest.mark.parametrize("items,message", [
+    (["parallel.tensor=2"], "parallel.tensor: 2: the DeepSpeed engine is data-parallel"),
+    (["parallel.table_sharding=zero", "training.engine=megatron"], "'zero' .* needs training.engine=deepspeed"),
+    (["deepspeed={zero_optimization: {stage: 1}}", "training.engine=megatron"], "deepspeed: is read by"),
+    (["training.engine=jax"], "training.engine: 'jax' is not one of"),
+])
+def test_engine_settings_that_cannot_work_are_refused(small_data, items, message):
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(CONFIG, small_overrides(small_data, **{"training.engine": "deepspeed"}) + items)
