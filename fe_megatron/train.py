@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from fe_megatron import ops
 from fe_megatron.third_party_warnings import silence_known_third_party_warnings
-from fe_megatron.training_loop import (NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE, MetricsWriter, NonFiniteError,
-                                       clear_requeue_marker, evaluation_batches, freeze_backbone, load_run_tokenizer,
+from fe_megatron.training_loop import (NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE, EngineRun, MetricsWriter,
+                                       NonFiniteError, clear_requeue_marker, freeze_backbone, load_run_tokenizer,
                                        log, run_datasets, run_info, train)
 
 DESCRIPTION = """\
@@ -82,7 +82,7 @@ def count_parameters(model) -> int:
 
 
 @dataclasses.dataclass
-class TrainingRun:
+class TrainingRun(EngineRun):
     """Everything a run holds once it is set up: the model and its optimizer, the data, the
     step to start from, and where metrics go."""
 
@@ -99,23 +99,13 @@ class TrainingRun:
     start_step: int
     parameters: int
 
-    @property
-    def samples_per_rank(self) -> int:
-        return self.num_microbatches * self.cfg.training.micro_batch_size
-
-    def batches(self, dataset, first_sample: int, num_microbatches: int) -> list:
-        """``num_microbatches`` microbatches of this data-parallel rank, from global sample ``first_sample``."""
+    def data_parallel_rank(self) -> int:
         from megatron.core import parallel_state
 
-        from fe_megatron.data.datasets import microbatches
-        from fe_megatron.megatron.step import current_device
+        return parallel_state.get_data_parallel_rank()
 
-        t = self.cfg.training
-        start = first_sample + parallel_state.get_data_parallel_rank() * self.samples_per_rank
-        batches = microbatches(dataset, start, num_microbatches, t.micro_batch_size, self.attention_mask)
-        if torch.cuda.is_available():
-            batches = [{k: v.to(current_device()) for k, v in b.items()} for b in batches]
-        return batches
+    def batch_attention_mask(self) -> torch.Tensor:
+        return self.attention_mask  # megatron's default mask would be built on CUDA
 
     def train_step(self, batches: list):
         from fe_megatron.megatron.step import train_step
@@ -134,7 +124,7 @@ class TrainingRun:
         from fe_megatron.megatron.step import eval_step
 
         t = self.cfg.training
-        batches = evaluation_batches(self, dataset, index)
+        batches = self.evaluation_batches(dataset, index)
         return eval_step([self.ddp], batches, self.cfg.model.seq_length, t.micro_batch_size)
 
     def save(self, step: int) -> None:

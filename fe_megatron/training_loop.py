@@ -2,7 +2,7 @@
 info, metrics, stop requests, the data each rank reads.
 
 An engine's run object (`fe_megatron.train.TrainingRun`, `fe_megatron.deepspeed.engine.DeepSpeedRun`)
-provides the attributes and methods of `EngineRun`; `train` drives it.  Nothing here imports
+is an `EngineRun`; `train` drives it.  Nothing here imports
 megatron or deepspeed.
 """
 
@@ -14,8 +14,6 @@ import math
 import os
 import signal
 import time
-from typing import Protocol
-
 import torch
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: saved on SIGUSR1/SIGTERM; launch_scripts/slurm requeues the job
@@ -57,27 +55,52 @@ class StepResult:
         return iter((self.lm_loss, self.sparsity_loss, self.grad_norm, self.updated))
 
 
-class EngineRun(Protocol):
-    """What `train` needs of an engine's run (set up, possibly resumed)."""
+class EngineRun:
+    """What `train` needs of an engine's run (set up, possibly resumed).  An engine's dataclass
+    holds ``cfg``, ``datasets`` (train, validation, test), ``num_microbatches`` (per data-parallel
+    rank and step), ``metrics``, ``start_step`` and ``parameters``, and implements the methods
+    below that raise NotImplementedError; the data each rank reads is the same for every engine."""
 
-    cfg: object
-    datasets: tuple  # train, validation, test
-    num_microbatches: int  # per data-parallel rank and step
-    metrics: "MetricsWriter"
-    start_step: int
-    parameters: int
+    @property
+    def samples_per_rank(self) -> int:
+        return self.num_microbatches * self.cfg.training.micro_batch_size
 
-    def batches(self, dataset, first_sample: int, num_microbatches: int) -> list: ...
+    def data_parallel_rank(self) -> int:
+        raise NotImplementedError
 
-    def train_step(self, batches: list) -> StepResult: ...
+    def batch_attention_mask(self):
+        """The attention mask every batch carries (None: the model makes its own causal mask)."""
+        return None
 
-    def advance_schedule(self) -> None: ...
+    def batches(self, dataset, first_sample: int, num_microbatches: int) -> list:
+        """``num_microbatches`` microbatches of this data-parallel rank, from global sample ``first_sample``."""
+        from fe_megatron.data.datasets import microbatches
 
-    def learning_rate(self) -> float: ...
+        t = self.cfg.training
+        start = first_sample + self.data_parallel_rank() * self.samples_per_rank
+        batches = microbatches(dataset, start, num_microbatches, t.micro_batch_size, self.batch_attention_mask())
+        device = current_device()
+        return [{k: v.to(device) for k, v in b.items() if v is not None} for b in batches]
 
-    def evaluate(self, dataset, index: int) -> float: ...
+    def evaluation_batches(self, dataset, index: int) -> list:
+        """This rank's microbatches of the ``index``-th window of ``eval_steps`` global batches of ``dataset``."""
+        t = self.cfg.training
+        return self.batches(dataset, index * t.global_batch_size * t.eval_steps, self.num_microbatches * t.eval_steps)
 
-    def save(self, step: int) -> None: ...
+    def train_step(self, batches: list) -> StepResult:
+        raise NotImplementedError
+
+    def advance_schedule(self) -> None:
+        raise NotImplementedError
+
+    def learning_rate(self) -> float:
+        raise NotImplementedError
+
+    def evaluate(self, dataset, index: int) -> float:
+        raise NotImplementedError
+
+    def save(self, step: int) -> None:
+        raise NotImplementedError
 
 
 class MetricsWriter:
@@ -175,12 +198,6 @@ def freeze_backbone(model) -> None:
     if not trainable:
         raise ValueError("training.freeze_backbone=true but the model has no memory branch to train "
                          "(memory: null); set freeze_backbone=false")
-
-
-def evaluation_batches(run: "EngineRun", dataset, index: int) -> list:
-    """This rank's microbatches of the ``index``-th window of ``eval_steps`` global batches of ``dataset``."""
-    t = run.cfg.training
-    return run.batches(dataset, index * t.global_batch_size * t.eval_steps, run.num_microbatches * t.eval_steps)
 
 
 def clear_requeue_marker(save_dir) -> None:

@@ -18,20 +18,13 @@ from fe_megatron.checkpoint_files import read_run_info
 from fe_megatron.hf.convert import ConversionError, configs_of, run_tokenizer, write_hf_directory
 
 
-def checkpoint_folder(load: str, tag: Optional[str] = None) -> str:
-    """The folder of ``tag`` (default: the one DeepSpeed's ``latest`` names) in ``load``, which may
-    also be that folder itself."""
-    from fe_megatron.deepspeed.engine import RUN_INFO, latest_tag
+def _checkpoint_folder(load: str, tag: Optional[str] = None) -> str:
+    from fe_megatron.deepspeed.engine import RUN_INFO, checkpoint_folder
 
-    if tag is None and os.path.isfile(os.path.join(load, RUN_INFO)):
-        return load
-    tag = tag or latest_tag(load)
-    if tag is None:
+    folder = checkpoint_folder(load, tag)
+    if folder is None:
         raise ConversionError(f"{load} has no 'latest' file and no {RUN_INFO}: not a checkpoint of fe-pretrain's "
                               "DeepSpeed engine (pass the --save directory or one of its iter_* folders)")
-    folder = os.path.join(load, tag)
-    if not os.path.isfile(os.path.join(folder, RUN_INFO)):
-        raise ConversionError(f"{folder} has no {RUN_INFO}: not a checkpoint of fe-pretrain's DeepSpeed engine")
     return folder
 
 
@@ -51,7 +44,7 @@ class _DeepSpeedWeights:
 
             state = get_fp32_state_dict_from_zero_checkpoint(os.path.dirname(folder), os.path.basename(folder),
                                                              lazy_mode=True)
-        self.state, self.memory = state, memory
+        self.state, self.memory, self._partitions = state, memory, {}
         self.table_files = []
         if layout.get("table_sharding") == "rows" and memory is not None:
             self.table_files = [tables_file(folder, rank) for rank in range(self.world)]
@@ -81,18 +74,21 @@ class _DeepSpeedWeights:
         return (tensor.contiguous() if not isinstance(tensor, torch.Tensor) else tensor).float()
 
     def _partition(self, name: str):
+        """The row partition of table ``name`` (its layer's hashing layout, at the run's ranks)."""
         from fe_megatron.memory.row_exchange import RowPartition
         from fe_megatron.ngram import NgramHasher
 
-        layer = int(name.split(".layers.")[1].split(".")[0])
-        layout = NgramHasher(self.memory, layer).layouts[0]
-        return RowPartition(layout.moduli, layout.offsets, self.world, 0)
+        if name not in self._partitions:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            layout = NgramHasher(self.memory, layer).layouts[0]
+            self._partitions[name] = RowPartition(layout.moduli, layout.offsets, self.world, 0)
+        return self._partitions[name]
 
 
 def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer: Optional[str] = None,
                     max_shard_bytes: int = 2 << 30) -> str:
     """Convert the DeepSpeed engine's checkpoint in ``load`` into a transformers directory ``output``."""
-    folder = checkpoint_folder(load, tag)
+    folder = _checkpoint_folder(load, tag)
     info = read_run_info(folder)
     if info.get("layout", {}).get("engine") != "deepspeed":
         raise ConversionError(f"{folder} was written by the Megatron engine; use fe-convert mcore-to-hf")

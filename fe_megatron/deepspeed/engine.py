@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.lr_schedule import learning_rate
-from fe_megatron.training_loop import (MetricsWriter, StepResult, clear_requeue_marker, current_device,
-                                       evaluation_batches, freeze_backbone, load_run_tokenizer, log, run_datasets,
+from fe_megatron.training_loop import (EngineRun, MetricsWriter, StepResult, clear_requeue_marker,
+                                       current_device, freeze_backbone, load_run_tokenizer, log, run_datasets,
                                        run_info)
 
 RUN_INFO = "fe_run.json"
@@ -75,7 +75,7 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
 
 
 @dataclasses.dataclass
-class DeepSpeedRun:
+class DeepSpeedRun(EngineRun):
     """A DeepSpeed run, set up and possibly resumed; the `fe_megatron.training_loop.EngineRun` of
     this engine."""
 
@@ -90,18 +90,8 @@ class DeepSpeedRun:
     parameters: int
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
 
-    @property
-    def samples_per_rank(self) -> int:
-        return self.num_microbatches * self.cfg.training.micro_batch_size
-
-    def batches(self, dataset, first_sample: int, num_microbatches: int) -> list:
-        from fe_megatron.data.datasets import microbatches
-
-        t = self.cfg.training
-        start = first_sample + dist.get_rank() * self.samples_per_rank
-        batches = microbatches(dataset, start, num_microbatches, t.micro_batch_size, None)
-        device = current_device()
-        return [{k: v.to(device) for k, v in b.items() if v is not None} for b in batches]
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank()  # every rank is a data-parallel rank
 
     def _set_learning_rates(self) -> None:
         o, t = self.cfg.optimizer, self.cfg.training
@@ -167,7 +157,7 @@ class DeepSpeedRun:
 
     @torch.no_grad()
     def evaluate(self, dataset, index: int) -> float:
-        batches = evaluation_batches(self, dataset, index)
+        batches = self.evaluation_batches(dataset, index)
         self.engine.eval()
         try:
             total = torch.zeros(2, dtype=torch.float64, device=current_device())
@@ -217,6 +207,22 @@ def latest_tag(directory: str) -> Optional[str]:
         return fh.read().strip()
 
 
+def checkpoint_folder(directory: str, tag: Optional[str] = None) -> Optional[str]:
+    """The folder of checkpoint ``tag`` (default: the one ``latest`` names) in ``directory``, which
+    may also be such a folder itself; None when ``directory`` holds none."""
+    from fe_megatron.checkpoint_files import CheckpointError
+
+    if tag is None and os.path.isfile(os.path.join(directory, RUN_INFO)):
+        return directory
+    tag = tag or latest_tag(directory)
+    if tag is None:
+        return None
+    folder = os.path.join(directory, tag)
+    if not os.path.isfile(os.path.join(folder, RUN_INFO)):
+        raise CheckpointError(f"{folder} has no {RUN_INFO}: not a checkpoint of fe-pretrain's DeepSpeed engine")
+    return folder
+
+
 def _what_to_load(cfg):
     """``("deepspeed", folder)``, ``("hf", directory)`` or ``(None, None)`` for ``--load``."""
     from fe_megatron.checkpoint_files import CheckpointError
@@ -225,12 +231,8 @@ def _what_to_load(cfg):
         return None, None
     if os.path.isfile(os.path.join(cfg.load, "config.json")):
         return "hf", cfg.load
-    tag = latest_tag(cfg.load)
-    if tag is not None:
-        folder = os.path.join(cfg.load, tag)
-        if not os.path.isfile(os.path.join(folder, RUN_INFO)):
-            raise CheckpointError(f"{cfg.load}/latest names {tag}, but {folder} has no {RUN_INFO}: not a checkpoint "
-                                  "of fe-pretrain's DeepSpeed engine")
+    folder = checkpoint_folder(cfg.load)
+    if folder is not None:
         return "deepspeed", folder
     if os.path.isfile(os.path.join(cfg.load, "latest_checkpointed_iteration.txt")):
         raise CheckpointError(f"{cfg.load} holds Megatron-engine checkpoints; the DeepSpeed engine starts from a "
