@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from fe_megatron import ops
 from fe_megatron.third_party_warnings import silence_known_third_party_warnings
 from fe_megatron.training_loop import (NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE, EngineRun, MetricsWriter,
-                                       NonFiniteError, clear_requeue_marker, freeze_backbone, load_run_tokenizer,
-                                       log, run_datasets, run_info, train)
+                                       NonFiniteError, clear_requeue_marker, freeze_backbone, guard_resume,
+                                       load_run_tokenizer, log, run_datasets, run_info, train)
 
 DESCRIPTION = """\
 Pretrain a FactorEngram, Engram or plain Transformer GPT with megatron.core (or, with
@@ -175,8 +175,7 @@ def choose_checkpoint(cfg, info: dict):
     """``(folder, its run info)`` of the verified checkpoint ``--load`` resumes from (``(None, None)``:
     start from step 0), after the resume guards (`fe_megatron.resume_guard`) compared its config
     with this run's."""
-    from fe_megatron import resume_guard
-    from fe_megatron.checkpoint_files import CheckpointError, read_run_info
+    from fe_megatron.checkpoint_files import read_run_info
     from fe_megatron.megatron.checkpointing import find_checkpoint, holds_weights_only
 
     if not cfg.load:
@@ -186,13 +185,7 @@ def choose_checkpoint(cfg, info: dict):
         log(f"no checkpoint in {cfg.load} yet: starting from step 0")
         return None, None
     saved = read_run_info(folder)
-    refused, changed = resume_guard.compare(saved, info, weights_only=holds_weights_only(folder))
-    if refused:
-        raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
-                              + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
-                              "directory without --load.")
-    for line in changed:
-        log(f"changed since the checkpoint: {line}")
+    guard_resume(folder, saved, info, weights_only=holds_weights_only(folder))
     return folder, saved
 
 

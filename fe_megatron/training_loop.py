@@ -158,6 +158,21 @@ def run_info(cfg, data_parallel_size: int, engine: dict = None) -> dict:
             "layout": layout}
 
 
+def guard_resume(folder: str, saved: dict, info: dict, weights_only: bool = False) -> None:
+    """Refuse to resume from ``folder`` (run info ``saved``) when a guarded setting of this run
+    (``info``) differs (`fe_megatron.resume_guard`); log the other changes."""
+    from fe_megatron import resume_guard
+    from fe_megatron.checkpoint_files import CheckpointError
+
+    refused, changed = resume_guard.compare(saved, info, weights_only=weights_only)
+    if refused:
+        raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
+                              + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
+                              "directory without --load.")
+    for line in changed:
+        log(f"changed since the checkpoint: {line}")
+
+
 def load_run_tokenizer(cfg):
     """The run's tokenizer, refused when the embedding does not cover it."""
     from fe_megatron.data.sources import DataError

@@ -134,6 +134,15 @@ def test_zero_3_matches_the_megatron_engine_and_resumes_exactly(start, megatron_
 
 
 @pytest.mark.distributed
+def test_resuming_with_a_guarded_change_is_refused_naming_both_values(start, zero3):
+    proc = run_pretrain(["--config", CONFIG, "--load", zero3, "--save", zero3, DS,
+                         "deepspeed={zero_optimization: {stage: 3}}"]
+                        + overrides(start["data"], **{"memory.hash_seed": 99}), nproc=2, check=False)
+    assert proc.returncode != 0
+    assert "cannot resume from" in proc.stderr and "memory.hash_seed is 0 in the checkpoint and 99 now" in proc.stderr
+
+
+@pytest.mark.distributed
 def test_rows_mode_matches_the_megatron_engine_without_clipping(start, megatron_runs, rows3):
     """Row-sharded tables outside ZeRO-3 with their own AdamW, against the unclipped Megatron run."""
     save = rows3

@@ -19,7 +19,8 @@ from fe_megatron.hf.convert import ConversionError, configs_of, run_tokenizer, w
 
 
 def _checkpoint_folder(load: str, tag: Optional[str] = None) -> str:
-    from fe_megatron.deepspeed.engine import RUN_INFO, checkpoint_folder
+    from fe_megatron.checkpoint_files import RUN_INFO
+    from fe_megatron.deepspeed.engine import checkpoint_folder
 
     folder = checkpoint_folder(load, tag)
     if folder is None:

@@ -38,14 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from fe_megatron.checkpoint_files import RUN_INFO, read_run_info
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.lr_schedule import learning_rate
 from fe_megatron.training_loop import (EngineRun, MetricsWriter, StepResult, clear_requeue_marker,
-                                       current_device, freeze_backbone, load_run_tokenizer, log, run_datasets,
-                                       run_info)
-
-RUN_INFO = "fe_run.json"
-
+                                       current_device, freeze_backbone, guard_resume, load_run_tokenizer, log,
+                                       run_datasets, run_info)
 
 def checkpoint_tag(step: int) -> str:
     return f"iter_{step:07d}"
@@ -240,21 +238,6 @@ def _what_to_load(cfg):
     return None, None
 
 
-def _check_resume(folder: str, info: dict) -> None:
-    from fe_megatron import resume_guard
-    from fe_megatron.checkpoint_files import CheckpointError
-
-    with open(os.path.join(folder, RUN_INFO)) as fh:
-        saved = json.load(fh)
-    refused, changed = resume_guard.compare(saved, info)
-    if refused:
-        raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
-                              + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
-                              "directory without --load.")
-    for line in changed:
-        log(f"changed since the checkpoint: {line}")
-
-
 # ----------------------------------------------------------------------------- model
 def build_model(cfg, rows_group=None):
     """The run's `FactorEngramForCausalLM` (a plain Llama-like model with ``memory: null``), its
@@ -338,7 +321,7 @@ def set_up(cfg) -> DeepSpeedRun:
     info = run_info(cfg, dp, {"engine": "deepspeed", "zero_stage": stage})
     kind, where = _what_to_load(cfg)
     if kind == "deepspeed":
-        _check_resume(where, info)
+        guard_resume(where, read_run_info(where), info)
     datasets = run_datasets(cfg, tokenizer, dp)
 
     torch.manual_seed(t.seed)
