@@ -71,11 +71,11 @@ setup(
                  "triton>=3.1", "deepspeed>=0.17,<0.20"],
     },
     entry_points={"console_scripts": [
-        "fe-plan=fe_megatron.plan:main",
+        "fe-plan=fe_megatron.planning.cli:main",
         "fe-pretrain=fe_megatron.train:main",
         "fe-data=fe_megatron.data.cli:main",
         "fe-demo=fe_megatron.demo:main",
-        "fe-convert=fe_megatron.hf.convert:main",
+        "fe-convert=fe_megatron.convert.cli:main",
         "fe-eval=fe_megatron.evaluation.cli:main",
         "fe-inspect=fe_megatron.evaluation.inspect:main",
     ]},

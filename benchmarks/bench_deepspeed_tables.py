@@ -51,7 +51,7 @@ def train_worker(size_name: str, tables: str, steps: int) -> None:
     from fe_megatron.deepspeed.config import resolve
     from fe_megatron.deepspeed.engine import DeepSpeedRun, _init_distributed, build_model, megatron_param_groups
     from fe_megatron.deepspeed.tables import RowShardedTables
-    from fe_megatron.train_config import OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
+    from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
 
     size = SIZES[size_name]
     _init_distributed()

@@ -41,8 +41,8 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int) -> dict:
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, train_step
-    from fe_megatron.train import transformer_config_for
-    from fe_megatron.train_config import TrainConfig
+    from fe_megatron.megatron.engine import transformer_config_for
+    from fe_megatron.training.config import TrainConfig
 
     backbone = BackboneConfig.from_dict(size["backbone"])
     initialize(seed=1, table_sharding=table_sharding)

@@ -34,8 +34,8 @@ def main():
     from fe_megatron.megatron.parallel import initialize, shutdown
     from fe_megatron.megatron.step import causal_mask, train_step
     from fe_megatron.config import BackboneConfig, MemoryConfig
-    from fe_megatron.train import transformer_config_for
-    from fe_megatron.train_config import TrainConfig
+    from fe_megatron.megatron.engine import transformer_config_for
+    from fe_megatron.training.config import TrainConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=list(SIZES), default="tiny")

@@ -65,7 +65,7 @@ def main() -> int:
     parser.add_argument("--layers", default="12,15", help="0-based insertion layers of the 30")
     parser.add_argument("--preset", default="factorengram-tiny")
     args = parser.parse_args()
-    from fe_megatron.hf.convert import load_base_model, smollm2_gguf
+    from fe_megatron.convert.graft import load_base_model, smollm2_gguf
 
     gguf_file = smollm2_gguf()
     if gguf_file is None:
@@ -78,7 +78,7 @@ def main() -> int:
         model, tokenizer = load_base_model(gguf_file)
         model.save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
-    convert = [sys.executable, "-m", "fe_megatron.hf.convert"]
+    convert = [sys.executable, "-m", "fe_megatron.convert.cli"]
     if not os.path.isdir(os.path.join(out, "plain")):
         run(*convert, "hf-to-mcore", "--input", base_dir, "--output", os.path.join(out, "plain"))
     if not os.path.isdir(os.path.join(out, "memory")):

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from fe_megatron.budget import backbone_params, memory_layer_budget, total_params
+from fe_megatron.planning.budget import backbone_params, memory_layer_budget, total_params
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import build_memory
 from tests.conftest import small_config
@@ -37,7 +37,7 @@ def test_budget_counts_equal_instantiated_modules(overrides):
 
 def test_fe_plan_cli_prints_total_last():
     exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
-    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "fe_megatron.plan"]
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "fe_megatron.planning.cli"]
     out = subprocess.run(cmd + ["--preset", "factorengram-340m"], capture_output=True, text=True, check=True).stdout
     last = out.strip().splitlines()[-1]
     assert last == f"total_params={total_params(MemoryConfig.from_preset('factorengram-340m'))}"
@@ -47,7 +47,7 @@ def test_fe_plan_cli_prints_total_last():
 
 
 def test_rank_memory_of_whole_and_row_sharded_tables():
-    from fe_megatron.rank_memory import exchange_bytes_per_step, rank_memory
+    from fe_megatron.planning.rank_memory import exchange_bytes_per_step, rank_memory
 
     c = MemoryConfig.from_preset("factorengram-340m")
     tables = sum(memory_layer_budget(c, layer).tables for layer in c.layers)

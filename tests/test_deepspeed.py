@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fe_megatron.config import ConfigError
-from fe_megatron.train_config import load_train_config
+from fe_megatron.training.config import load_train_config
 from tests.test_train import CONFIG, ROOT, metrics, run_pretrain, small_overrides
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
@@ -45,7 +45,7 @@ def start(small_data, tmp_path_factory):
     engine's --load) and the same weights as a Megatron checkpoint (fe-convert hf-to-mcore).
     The memory's output projections are perturbed so that the tables get gradients at once."""
     from fe_megatron.deepspeed.engine import build_model
-    from fe_megatron.hf.convert import hf_to_mcore
+    from fe_megatron.convert.to_mcore import hf_to_mcore
 
     base = tmp_path_factory.mktemp("deepspeed")
     cfg = load_train_config(CONFIG, overrides(small_data))
@@ -162,9 +162,9 @@ def test_rows_mode_matches_the_megatron_engine_without_clipping(start, megatron_
 def test_deepspeed_checkpoints_convert_to_the_megatron_runs_model(megatron_runs, zero3, rows3, tmp_path, mode):
     """fe-convert deepspeed-to-hf of step 4 gives the logits of fe-convert mcore-to-hf of the
     Megatron engine's step 4 (the two trainings agree)."""
-    from fe_megatron.deepspeed.convert import deepspeed_to_hf
+    from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
     from fe_megatron.hf import FactorEngramForCausalLM
-    from fe_megatron.hf.convert import mcore_to_hf
+    from fe_megatron.convert.to_hf import mcore_to_hf
 
     source, reference = (zero3, "clipped") if mode == "zero" else (rows3, "unclipped")
     ours = deepspeed_to_hf(source, str(tmp_path / "from_deepspeed"))

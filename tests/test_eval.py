@@ -187,7 +187,7 @@ def trained_run(small_data, tmp_path_factory):
 
 
 def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(trained_run, tmp_path):
-    from fe_megatron.hf.convert import mcore_to_hf
+    from fe_megatron.convert.to_hf import mcore_to_hf
 
     run = trained_run
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": line} for line in [

@@ -198,3 +198,25 @@ def test_compression_from_hf_tokenizer():
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
     lookup = TokenCompression.from_hf_tokenizer(hf).lookup.tolist()
     assert lookup[1] == lookup[2] and lookup[3] == lookup[4] == lookup[5] and lookup[0] not in lookup[1:]
+
+
+def test_compression_of_a_tokenizer_directory_equals_transformers(tmp_path):
+    """The core reads a tokenizer directory without transformers; it must compress as AutoTokenizer does."""
+    spm = pytest.importorskip("sentencepiece")
+    transformers = pytest.importorskip("transformers")
+    from fe_megatron.ngram.compression import _load
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(["The cat sat on the mat.", "THE CAT SAT, didn't it?", "Café au lait, cafe noir!",
+                                 "It's what we've done; they're here."] * 40))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=390,
+                                   model_type="bpe", byte_fallback=True, minloglevel=2)
+    directory = tmp_path / "hf"
+    transformers.LlamaTokenizer(vocab_file=str(tmp_path / "sp.model")).save_pretrained(directory)
+    for clean_up in (False, True):
+        hf = transformers.AutoTokenizer.from_pretrained(directory, clean_up_tokenization_spaces=clean_up)
+        hf.save_pretrained(directory)
+        _load.cache_clear()
+        ours = _load(str(directory))
+        theirs = TokenCompression.from_hf_tokenizer(transformers.AutoTokenizer.from_pretrained(directory))
+        assert ours.lookup.tolist() == theirs.lookup.tolist() and ours.num_compressed == theirs.num_compressed

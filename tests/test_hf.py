@@ -10,7 +10,10 @@ import torch
 
 from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
-from fe_megatron.hf.convert import ConversionError, graft, hf_to_mcore, mcore_to_hf
+from fe_megatron.convert.common import ConversionError
+from fe_megatron.convert.graft import graft
+from fe_megatron.convert.to_mcore import hf_to_mcore
+from fe_megatron.convert.to_hf import mcore_to_hf
 from tests.test_train import CONFIG, run_pretrain, small_overrides
 from tests.torchrun_util import torchrun
 
@@ -186,7 +189,7 @@ def test_converted_logits_equal_megatron(trained_runs, tmp_path, run):
 def test_round_trip_is_bit_exact_and_training_continues(trained_runs, small_data, tmp_path):
     from safetensors.torch import load_file
 
-    from fe_megatron.hf.convert import DistCheckpoint
+    from fe_megatron.convert.megatron_reader import DistCheckpoint
 
     hf_dir = mcore_to_hf(trained_runs[2], str(tmp_path / "hf"))
     run = hf_to_mcore(hf_dir, str(tmp_path / "run"), tp=2)
@@ -269,7 +272,7 @@ def test_continued_pretraining_can_train_the_memory_only(base_llama, small_data,
 
 
 def test_graft_reads_the_bundled_smollm2_gguf(tmp_path):
-    from fe_megatron.hf.convert import load_base_model, smollm2_gguf
+    from fe_megatron.convert.graft import load_base_model, smollm2_gguf
 
     gguf_file = smollm2_gguf()
     if gguf_file is None:
@@ -282,7 +285,7 @@ def test_graft_reads_the_bundled_smollm2_gguf(tmp_path):
 def test_bad_input_is_refused_and_nothing_is_written(tmp_path, base_llama):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from fe_megatron.hf.convert import main
+    from fe_megatron.convert.cli import main
 
     not_a_run = tmp_path / "empty"
     not_a_run.mkdir()
@@ -343,7 +346,7 @@ def test_lm_eval_runs_the_local_tasks_on_a_converted_model(trained_runs, tmp_pat
 def test_a_damaged_checkpoint_is_not_converted(trained_runs, tmp_path):
     import shutil
 
-    from fe_megatron.checkpoint_files import MANIFEST, CheckpointError
+    from fe_megatron.checkpoint.files import MANIFEST, CheckpointError
 
     run = tmp_path / "run"
     shutil.copytree(trained_runs[1], run)

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from fe_megatron import resume_guard
-from fe_megatron.checkpoint_files import MANIFEST, RUN_INFO, complete_iterations, read_tracker
+from fe_megatron.checkpoint import resume_guard
+from fe_megatron.checkpoint.files import MANIFEST, RUN_INFO, complete_iterations, read_tracker
 from tests.test_train import CONFIG, ROOT, curve, metrics, pretrain_cmd, run_pretrain, small_overrides
 
 
@@ -128,7 +128,7 @@ def test_keep_checkpoints_keeps_the_newest(small_data, tmp_path):
 
 
 def test_resume_guards_refuse_every_guarded_change_naming_both_values(small_data):
-    from fe_megatron.train_config import load_train_config
+    from fe_megatron.training.config import load_train_config
 
     base = load_train_config(CONFIG, small_overrides(small_data))
 

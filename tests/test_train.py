@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from fe_megatron.config import ConfigError
-from fe_megatron.train_config import load_train_config
+from fe_megatron.training.config import load_train_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")

@@ -5,7 +5,7 @@ import json
 import sys
 
 from fe_megatron.data.sources import DataError, iter_documents
-from fe_megatron.third_party_warnings import silence_known_third_party_warnings
+from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
 
 DESCRIPTION = """\

@@ -1,6 +1,6 @@
 """fe-pretrain's DeepSpeed engine (``training.engine: deepspeed``): the Hugging Face model
 (`fe_megatron.hf.FactorEngramForCausalLM`) trained with ``deepspeed.initialize`` under ZeRO stage
-0-3, on the data, schedule and logging of the Megatron engine (`fe_megatron.training_loop`).
+0-3, on the data, schedule and logging of the Megatron engine (`fe_megatron.training`).
 
 What each rank does per step, for the ``n`` microbatches of its share of the global batch (the
 same samples the Megatron engine reads at the same data-parallel size):
@@ -8,7 +8,7 @@ same samples the Megatron engine reads at the same data-parallel size):
 * forward through the DeepSpeed engine; the loss is the masked mean next-token loss plus
   ``lambda`` times the sparsity term (Eq. 13), as Megatron's;
 * ``engine.backward`` and ``engine.step`` per microbatch (DeepSpeed accumulates and updates at the
-  boundary); the learning rate of each parameter group is set first from `fe_megatron.lr_schedule`;
+  boundary); the learning rate of each parameter group is set first from `fe_megatron.training.lr_schedule`;
 * with ``parallel.table_sharding: rows``, the tables' own AdamW runs after the boundary
   (`fe_megatron.deepspeed.tables`).
 
@@ -29,24 +29,25 @@ directory: its weights start the run at step 0.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fe_megatron.checkpoint_files import RUN_INFO, read_run_info
+from fe_megatron.checkpoint import resume_guard
+from fe_megatron.checkpoint.commit import agree_on_failure, commit, find_checkpoint, start_save
+from fe_megatron.checkpoint.files import CheckpointError, write_run_info
+from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST, find_checkpoint_folder
+from fe_megatron.checkpoint.resume import start_point
+from fe_megatron.checkpoint.run_info import run_info
 from fe_megatron.deepspeed.config import resolve, zero_stage
-from fe_megatron.lr_schedule import learning_rate
-from fe_megatron.training_loop import (EngineRun, MetricsWriter, StepResult, clear_requeue_marker,
-                                       current_device, freeze_backbone, guard_resume, load_run_tokenizer, log,
-                                       run_datasets, run_info)
+from fe_megatron.training.distributed import current_device, log
+from fe_megatron.training.loop import MetricsWriter
+from fe_megatron.training.lr_schedule import learning_rate
+from fe_megatron.training.run import (EngineRun, StepResult, begin, freeze_backbone, load_run_tokenizer,
+                                      microbatches_per_rank, run_datasets, use_bf16)
 
-def checkpoint_tag(step: int) -> str:
-    return f"iter_{step:07d}"
 
 
 def megatron_param_groups(model: torch.nn.Module, o) -> list:
@@ -74,7 +75,7 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.
 
 @dataclasses.dataclass
 class DeepSpeedRun(EngineRun):
-    """A DeepSpeed run, set up and possibly resumed; the `fe_megatron.training_loop.EngineRun` of
+    """A DeepSpeed run, set up and possibly resumed; the `fe_megatron.training.loop.EngineRun` of
     this engine."""
 
     cfg: object
@@ -173,69 +174,43 @@ class DeepSpeedRun(EngineRun):
 
 # ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run: DeepSpeedRun, step: int) -> str:
-    """DeepSpeed's checkpoint of ``step`` in ``cfg.save``/iter_NNNNNNN; ``latest`` names it only once
-    every file is written.  Older ones beyond ``training.keep_checkpoints`` are then deleted."""
-    cfg, tag = run.cfg, checkpoint_tag(step)
-    folder = os.path.join(cfg.save, tag)
-    os.makedirs(folder, exist_ok=True)
-    if dist.get_rank() == 0:
-        with open(os.path.join(folder, RUN_INFO), "w") as fh:
-            json.dump(dict(run.info, step=step), fh, indent=1)
-    if run.tables is not None:
-        run.tables.save(folder)
+    """DeepSpeed's checkpoint of ``step``, committed like every engine's
+    (`fe_megatron.checkpoint.commit`): written under ``iter_NNNNNNN.tmp`` with ``fe_run.json`` and
+    the row-sharded tables, checksummed, renamed, then named by the tracker and by DeepSpeed's
+    ``latest``; older ones beyond ``training.keep_checkpoints`` are deleted."""
+    cfg = run.cfg
+    tmp = start_save(cfg.save, step)
+    error = None
+    try:
+        if dist.get_rank() == 0:
+            write_run_info(tmp, dict(run.info, step=step))
+        if run.tables is not None:
+            run.tables.save(tmp)
+        run.engine.save_checkpoint(cfg.save, tag=os.path.basename(tmp), client_state={"step": step},
+                                   save_latest=False)
+    except Exception as err:  # noqa: BLE001 - any rank's failure must keep the tracker where it is
+        error = err
+    agree_on_failure(error, tmp, step)
+    folder = commit(tmp, cfg.save, step, cfg.training.keep_checkpoints)
+    if dist.get_rank() == 0:  # DeepSpeed's own tools (zero_to_fp32) read it
+        with open(os.path.join(cfg.save, DEEPSPEED_LATEST), "w") as fh:
+            fh.write(os.path.basename(folder))
     dist.barrier()
-    run.engine.save_checkpoint(cfg.save, tag=tag, client_state={"step": step})
-    dist.barrier()
-    keep = cfg.training.keep_checkpoints
-    if keep and dist.get_rank() == 0:
-        tags = sorted(name for name in os.listdir(cfg.save) if name.startswith("iter_")
-                      and os.path.isdir(os.path.join(cfg.save, name)))
-        for old in tags[:-keep]:
-            shutil.rmtree(os.path.join(cfg.save, old), ignore_errors=True)
     log(f"saved {folder}")
     return folder
 
 
-def latest_tag(directory: str) -> Optional[str]:
-    """The tag DeepSpeed's ``latest`` file names in ``directory``, or None."""
-    path = os.path.join(directory, "latest")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as fh:
-        return fh.read().strip()
-
-
-def checkpoint_folder(directory: str, tag: Optional[str] = None) -> Optional[str]:
-    """The folder of checkpoint ``tag`` (default: the one ``latest`` names) in ``directory``, which
-    may also be such a folder itself; None when ``directory`` holds none."""
-    from fe_megatron.checkpoint_files import CheckpointError
-
-    if tag is None and os.path.isfile(os.path.join(directory, RUN_INFO)):
-        return directory
-    tag = tag or latest_tag(directory)
-    if tag is None:
-        return None
-    folder = os.path.join(directory, tag)
-    if not os.path.isfile(os.path.join(folder, RUN_INFO)):
-        raise CheckpointError(f"{folder} has no {RUN_INFO}: not a checkpoint of fe-pretrain's DeepSpeed engine")
-    return folder
-
-
-def _what_to_load(cfg):
-    """``("deepspeed", folder)``, ``("hf", directory)`` or ``(None, None)`` for ``--load``."""
-    from fe_megatron.checkpoint_files import CheckpointError
-
-    if not cfg.load:
-        return None, None
-    if os.path.isfile(os.path.join(cfg.load, "config.json")):
-        return "hf", cfg.load
-    folder = checkpoint_folder(cfg.load)
-    if folder is not None:
-        return "deepspeed", folder
-    if os.path.isfile(os.path.join(cfg.load, "latest_checkpointed_iteration.txt")):
-        raise CheckpointError(f"{cfg.load} holds Megatron-engine checkpoints; the DeepSpeed engine starts from a "
-                              "Hugging Face directory: fe-convert mcore-to-hf it, then --load the output")
-    return None, None
+def find_deepspeed_checkpoint(cfg):
+    """``find(directory)`` for `fe_megatron.checkpoint.resume.start_point`: the tracker's checkpoint,
+    verified by all ranks (per ``training.on_corrupt_checkpoint``); for a run saved before
+    checkpoints had manifests and a tracker, the one DeepSpeed's ``latest`` names, unverified."""
+    def find(directory: str):
+        folder = find_checkpoint(directory, cfg.training.on_corrupt_checkpoint, log)
+        if folder is None and os.path.isfile(os.path.join(directory, DEEPSPEED_LATEST)):
+            folder = find_checkpoint_folder(directory, engine="deepspeed")
+            log(f"{folder} was saved before checkpoints had checksums: loading it unverified")
+        return folder
+    return find
 
 
 # ----------------------------------------------------------------------------- model
@@ -259,7 +234,6 @@ def load_hf_weights(model, directory: str) -> None:
     only this rank's rows are read)."""
     from transformers import AutoConfig
 
-    from fe_megatron.checkpoint_files import CheckpointError
     from fe_megatron.hf.safetensors_stream import SafetensorsSource
     from fe_megatron.memory import MemoryBranch
 
@@ -293,7 +267,7 @@ def _init_distributed() -> None:
     nccl on GPU, gloo on CPU; DeepSpeed's communication wraps it."""
     import deepspeed
 
-    from fe_megatron.distributed_env import init_process_group, launcher_environment
+    from fe_megatron.training.distributed import init_process_group, launcher_environment
 
     launcher_environment()
     if torch.cuda.is_available():
@@ -312,16 +286,17 @@ def set_up(cfg) -> DeepSpeedRun:
     _init_distributed()
     t, o, p = cfg.training, cfg.optimizer, cfg.parallel
     on_gpu = torch.cuda.is_available()
-    bf16 = t.precision == "bf16" or (t.precision == "auto" and on_gpu)
+    bf16 = use_bf16(t, on_gpu)
     dp = dist.get_world_size()
     ds_config = resolve(cfg, dp, bf16)
     stage = zero_stage(ds_config)
     tables_mode = "rows" if p.table_sharding == "rows" else "zero"
     tokenizer = load_run_tokenizer(cfg)
     info = run_info(cfg, dp, {"engine": "deepspeed", "zero_stage": stage})
-    kind, where = _what_to_load(cfg)
-    if kind == "deepspeed":
-        guard_resume(where, read_run_info(where), info)
+    start_at = start_point(cfg, "deepspeed", find_deepspeed_checkpoint(cfg), log)
+    kind, where = start_at.kind, start_at.folder
+    if kind == "checkpoint":
+        resume_guard.guard(where, start_at.saved, info, log)
     datasets = run_datasets(cfg, tokenizer, dp)
 
     torch.manual_seed(t.seed)
@@ -341,12 +316,10 @@ def set_up(cfg) -> DeepSpeedRun:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     start = 0
-    if kind == "deepspeed":
+    if kind == "checkpoint":
         load_dir, tag = os.path.dirname(where), os.path.basename(where)
         path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
         if path is None:
-            from fe_megatron.checkpoint_files import CheckpointError
-
             raise CheckpointError(f"DeepSpeed could not load {where}")
         if tables is not None:
             tables.load(where)
@@ -354,18 +327,17 @@ def set_up(cfg) -> DeepSpeedRun:
         log(f"resumed from {where} at iteration {start}")
     elif kind == "hf":
         log(f"loaded the weights of {where} (a Hugging Face model); training starts at step 0")
-    elif cfg.load:
-        log(f"no checkpoint in {cfg.load} yet: starting from step 0")
 
     run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=datasets,
-                       num_microbatches=t.global_batch_size // (t.micro_batch_size * dp),
+                       num_microbatches=microbatches_per_rank(t, dp),
                        metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
                        parameters=parameters, step_index=start)
-    clear_requeue_marker(cfg.save)
-    run.metrics.write({"event": "start", "kind": cfg.model_kind, "parameters": parameters, "start_step": start,
-                       "world_size": dp, "dp": dp, "tp": 1, "pp": 1, "engine": "deepspeed", "zero_stage": stage,
-                       "tables": tables_mode})
-    log(f"model {cfg.model_kind}: {parameters:,} parameters; DeepSpeed ZeRO-{stage} over {dp} ranks, tables "
-        f"{'row-sharded outside ZeRO' if rows else 'as ZeRO parameters'}; {run.num_microbatches} microbatches of "
-        f"{t.micro_batch_size} x {cfg.model.seq_length} tokens per rank and step")
+    begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, tables "
+               f"{'row-sharded outside ZeRO' if rows else 'as ZeRO parameters'}",
+          world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
     return run
+
+
+def shut_down() -> None:
+    """The process group (DeepSpeed keeps no other global state of ours)."""
+    dist.destroy_process_group()

@@ -187,7 +187,7 @@ def render(summary: dict, threshold: float, output: str, source: str) -> str:
 
 
 def main(argv=None) -> int:
-    from fe_megatron.third_party_warnings import silence_known_third_party_warnings
+    from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
     silence_known_third_party_warnings()
     parser = argparse.ArgumentParser(prog="fe-inspect", description=__doc__.split("\n\n")[0])

@@ -46,11 +46,12 @@ class EvalModel:
 
     @classmethod
     def _from_run(cls, path: str, iteration: Optional[int], tokenizer: Optional[str]) -> "EvalModel":
-        from fe_megatron.checkpoint_files import read_run_info
+        from fe_megatron.checkpoint.files import read_run_info
+        from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder
+        from fe_megatron.convert.common import run_tokenizer
+        from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
         from fe_megatron.data.tokenizer import load_tokenizer
         from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
-        from fe_megatron.hf.convert import (DistCheckpoint, configs_of, find_checkpoint_folder, run_tokenizer,
-                                            split_checkpoint_tensor)
 
         folder = find_checkpoint_folder(path, iteration)
         info = read_run_info(folder)
@@ -79,6 +80,24 @@ class EvalModel:
             raise ValueError(f"a sequence of {len(ids)} tokens is longer than the model's {self.max_length}")
         logits = self.model(torch.tensor([ids]), use_cache=False).logits[0, :-1].double()
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+    @torch.no_grad()
+    def logprobs_batch(self, sequences: list, starts: list) -> list:
+        """``[logprobs(ids)[start:] for ids, start in zip(sequences, starts)]`` in one forward pass.
+        The sequences are padded on the right, which a causal model (attention and memory branches
+        alike) never reads at the positions before the padding; only the logits from ``min(starts)``
+        on are computed."""
+        longest = max(len(ids) for ids in sequences)
+        if longest > self.max_length:
+            raise ValueError(f"a sequence of {longest} tokens is longer than the model's {self.max_length}")
+        first = min(starts)
+        batch = torch.tensor([ids + [0] * (longest - len(ids)) for ids in sequences])
+        logits = self.model(batch, use_cache=False, logits_to_keep=longest - first).logits  # positions first..
+        out = []
+        for row, (ids, start) in enumerate(zip(sequences, starts)):
+            kept = logits[row, start - first:len(ids) - 1 - first].double()
+            out.append(torch.log_softmax(kept, -1).gather(1, torch.tensor(ids[start + 1:]).unsqueeze(1)).squeeze(1))
+        return out
 
     @torch.no_grad()
     def continuation(self, context: list, continuation: list) -> tuple:

@@ -1,4 +1,5 @@
-"""Megatron-Core adapter: layer specs, the GPT model, and the CPU backend.
+"""Megatron-Core adapter: layer specs, the GPT model, the CPU backend, and fe-pretrain's Megatron
+engine (`fe_megatron.megatron.engine`, imported on use).
 
 Transformer Engine is optional: importing this package never needs it.
 """
@@ -8,8 +9,8 @@ from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
 from fe_megatron.megatron.layer_specs import get_gpt_layer_with_factorengram_spec
 from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
-from fe_megatron.megatron.transformer_layer import (FactorEngramTransformerBlock, FactorEngramTransformerLayer)
+from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
 
-__all__ = ["FactorEngramGPTModel", "FactorEngramTransformerBlock", "FactorEngramTransformerLayer",
+__all__ = ["FactorEngramGPTModel", "FactorEngramTransformerLayer",
            "MegatronParallelHooks", "build_memory_branch", "enable_cpu_backend",
            "get_gpt_layer_with_factorengram_spec"]

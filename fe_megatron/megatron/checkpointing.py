@@ -1,18 +1,15 @@
 """Distributed checkpoints of model, optimizer, scheduler, RNG states and progress.
 
-Layout and guarantees: `fe_megatron.checkpoint_files` (a Megatron dist checkpoint, torch_dist
-format, plus the run's config and a checksum manifest per ``iter_XXXXXXX`` folder).  A save
-is written under ``.tmp``, hashed by all ranks together, renamed and only then named by the
-tracker; a save that fails on any rank leaves the tracker and the previous checkpoint alone.
-A load verifies every file first and names the damaged one.
+Layout and guarantees: `fe_megatron.checkpoint` (a Megatron dist checkpoint, torch_dist format,
+plus the run's config and a checksum manifest per ``iter_XXXXXXX`` folder, committed by
+`fe_megatron.checkpoint.commit` as for every engine).  A load verifies every file first
+(`fe_megatron.checkpoint.commit.find_checkpoint`) and names the damaged one.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import shutil
-import signal
 import sys
 
 import numpy
@@ -20,12 +17,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
-from fe_megatron import faults
-from fe_megatron.checkpoint_files import (CheckpointError, checkpoint_files, checkpoint_problems, complete_iterations,
-                                          file_digest, iteration_dir, prune, read_tracker, write_manifest,
-                                          write_run_info, write_tracker)
-from fe_megatron.megatron.step import current_device
-from fe_megatron.process_death import die_with_parent
+from fe_megatron.training import faults
+from fe_megatron.checkpoint.commit import agree_on_failure, commit, start_save
+from fe_megatron.checkpoint.files import write_run_info
+from fe_megatron.training.process_death import die_with_parent
 
 RNG_FILE = "rng_state_rank{rank:05d}.pt"
 
@@ -87,17 +82,13 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(directory: str, model_chunks, optimizer, scheduler, iteration: int,
                     distributed_optimizer: bool = False, run_info: dict = None, keep: int = 0) -> str:
-    """Save ``iteration`` under ``directory``; ``run_info`` goes to ``fe_run.json``; ``keep`` > 0
-    deletes all but the newest ``keep`` checkpoints afterwards.  With ``optimizer=None`` only the
-    weights are saved (a converted checkpoint).  Returns the checkpoint folder."""
-    final = iteration_dir(directory, iteration)
-    tmp = final + ".tmp"
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """Save ``iteration`` under ``directory`` through `fe_megatron.checkpoint.commit`; ``run_info``
+    goes to ``fe_run.json``; ``keep`` > 0 deletes all but the newest ``keep`` checkpoints
+    afterwards.  With ``optimizer=None`` only the weights are saved (a converted checkpoint).
+    Returns the checkpoint folder."""
+    rank = dist.get_rank()
     _writer_queue_dies_with_trainer()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+    tmp = start_save(directory, iteration)
     error = None
     try:
         dist_checkpointing.save(_state(model_chunks, optimizer, scheduler, iteration, False, distributed_optimizer),
@@ -110,59 +101,8 @@ def save_checkpoint(directory: str, model_chunks, optimizer, scheduler, iteratio
             raise RuntimeError(f"injected fault: fail_after_save@{iteration}:{rank}")
     except Exception as err:  # noqa: BLE001 - any rank's failure must keep the tracker where it is
         error = err
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=current_device())  # NCCL: on GPU
-    dist.all_reduce(failed)
-    if int(failed):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"saving iteration {iteration} failed on {int(failed)} rank(s)"
-                              f"{f' (here: {error})' if error is not None else ''}; the tracker still names "
-                              "the previous checkpoint") from error
-    names = [checkpoint_files(tmp) if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    mine = {name: file_digest(os.path.join(tmp, name)) for i, name in enumerate(names[0]) if i % world == rank}
-    digests = [None] * world
-    dist.all_gather_object(digests, mine)
-    if faults.at("kill_during_save", iteration, rank):
-        os.kill(os.getpid(), signal.SIGKILL)
-    if rank == 0:
-        write_manifest(tmp, {name: digest for part in digests for name, digest in part.items()}, iteration)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        write_tracker(directory, iteration)
-        prune(directory, keep, protect=iteration)
-    dist.barrier()
-    return final
-
-
-def verify_checkpoint(folder: str) -> list:
-    """Problems with ``folder``'s files against its manifest, one line per file (all ranks share
-    the hashing); ``[]`` when it is intact.  A checkpoint written before manifests existed (no
-    manifest and no run info) is not verified."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    problems = [None] * world
-    dist.all_gather_object(problems, checkpoint_problems(folder, rank, world))
-    return [problem for part in problems for problem in part]
-
-
-def find_checkpoint(directory: str, on_corrupt: str = "error", log=print):
-    """The folder of the checkpoint to resume from, verified: the tracker's, or (with
-    ``on_corrupt="previous"``) the newest intact one before a damaged one.  None when the run
-    has no checkpoint yet."""
-    latest = read_tracker(directory)
-    if latest is None:
-        return None
-    for iteration in reversed([it for it in complete_iterations(directory) if it <= latest]):
-        folder = iteration_dir(directory, iteration)
-        problems = verify_checkpoint(folder)
-        if not problems:
-            return folder
-        report = f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems)
-        if on_corrupt != "previous":
-            raise CheckpointError(f"{report}\nRefusing to load it. Set training.on_corrupt_checkpoint=previous to "
-                                  "resume from the newest intact checkpoint before it, or restore the files.")
-        log(f"{report}\ntrying the checkpoint before it (training.on_corrupt_checkpoint=previous)")
-    raise CheckpointError(f"no intact checkpoint in {directory}: every one failed its checksums")
+    agree_on_failure(error, tmp, iteration)
+    return commit(tmp, directory, iteration, keep)
 
 
 def holds_weights_only(folder: str) -> bool:

@@ -9,12 +9,13 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.hasher import MicrobatchHasher
-from fe_megatron.megatron.transformer_layer import FactorEngramTransformerBlock, FactorEngramTransformerLayer
+from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
 
 
 class FactorEngramGPTModel(GPTModel):
-    """GPTModel whose forward hashes ``input_ids`` once per microbatch and passes the indices,
-    as an argument of the block's forward, to the memory layers of this pipeline stage.
+    """GPTModel whose forward hashes ``input_ids`` once per microbatch and passes the indices to
+    the memory layers of this pipeline stage as the stock block's ``context`` argument
+    (`fe_megatron.megatron.transformer_layer` says how).
 
     Same constructor and forward as GPTModel, plus ``memory_config`` and an optional
     ``memory_indices`` forward argument (precomputed ``{layer_index: [s, b, branches]}``,
@@ -29,15 +30,20 @@ class FactorEngramGPTModel(GPTModel):
         if memory_config.vocab_size > vocab_size:
             raise ValueError(f"MemoryConfig.vocab_size={memory_config.vocab_size} exceeds the model's "
                              f"vocab_size={vocab_size}")
+        if getattr(config, "mtp_num_layers", None):
+            raise ValueError("multi-token prediction (mtp_num_layers) is not supported with memory layers: the MTP "
+                             "block refuses the decoder's context argument, which carries the memory indices")
         super().__init__(config, transformer_layer_spec, vocab_size, max_sequence_length, **gpt_model_kwargs)
-        # GPTModel builds a plain TransformerBlock. Our subclass adds methods only (no state),
-        # so re-classing the instance is exact and avoids building every layer twice.
-        self.decoder.__class__ = FactorEngramTransformerBlock
         self.memory_config = memory_config
         self.stage_memory_layers = [layer for layer in self.decoder.layers
                                     if isinstance(layer, FactorEngramTransformerLayer) and layer.memory is not None]
         self.hasher = MicrobatchHasher(memory_config, [layer.layer_index for layer in self.stage_memory_layers])
         self.prefetch_table_rows = prefetch_table_rows
+        start = 0  # each memory layer's columns when the indices travel stacked (full recompute)
+        for layer in self.stage_memory_layers:
+            width = memory_config.num_branches
+            layer.memory_columns = (start, start + width)
+            start += width
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs: Optional[dict] = None,
@@ -53,7 +59,15 @@ class FactorEngramGPTModel(GPTModel):
                                      f"{[layer.layer_index for layer in self.stage_memory_layers]} and needs "
                                      "input_ids (or memory_indices); give token ids to every pipeline stage")
                 memory_indices = self.hasher(input_ids)
-            extra_block_kwargs["memory_indices"] = self._start_lookups(memory_indices)
+            if extra_block_kwargs.get("context") is not None:
+                raise ValueError("FactorEngramGPTModel carries the memory indices in the decoder's context argument; "
+                                 "extra_block_kwargs['context'] must not be set")
+            if self.config.recompute_granularity == "full" and self.training:
+                # the checkpointed layers take their inputs as tensors: one tensor, each layer its columns
+                extra_block_kwargs["context"] = torch.cat(
+                    [memory_indices[layer.layer_index] for layer in self.stage_memory_layers], dim=-1)
+            else:
+                extra_block_kwargs["context"] = self._start_lookups(memory_indices)
         return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
                                inference_context=inference_context, packed_seq_params=packed_seq_params,
                                extra_block_kwargs=extra_block_kwargs, runtime_gather_output=runtime_gather_output,
@@ -62,10 +76,9 @@ class FactorEngramGPTModel(GPTModel):
     def _start_lookups(self, memory_indices: dict) -> dict:
         """With row-sharded tables, send every memory layer's row requests now (prefetch): the rows
         come back while the layers before them compute, and each layer waits only for its own.
-        Not under full recompute, whose checkpointed chunks take the indices as tensor inputs (the
-        exchange then runs inside the layer, and again in the recomputation)."""
-        recompute = self.config.recompute_granularity == "full" and self.training
-        if not self.prefetch_table_rows or recompute:
+        (Not under full recompute, whose checkpointed chunks take the indices as tensor inputs: the
+        exchange then runs inside the layer, and again in the recomputation.)"""
+        if not self.prefetch_table_rows:
             return memory_indices
         started = dict(memory_indices)
         for layer in self.stage_memory_layers:

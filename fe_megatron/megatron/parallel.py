@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from fe_megatron.distributed_env import init_process_group, launcher_environment
+from fe_megatron.training.distributed import init_process_group, launcher_environment
 from fe_megatron.megatron.cpu_backend import enable_cpu_backend
 
 

@@ -10,7 +10,8 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
-from fe_megatron.training_loop import StepResult, current_device  # noqa: F401 (current_device: re-exported)
+from fe_megatron.training.distributed import current_device
+from fe_megatron.training.run import StepResult
 
 
 def causal_mask(seq_length: int, device=None) -> torch.Tensor:

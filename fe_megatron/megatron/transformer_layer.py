@@ -1,16 +1,24 @@
-"""Megatron TransformerLayer / TransformerBlock subclasses that host the memory branch.
+"""The Megatron TransformerLayer that hosts the memory branch.
 
 Layer numbering: `MemoryConfig.layers` holds 0-based indices (the paper's "layers 10 and 12
 of 24", see `fe_megatron.config`); Megatron's ``layer_number`` is 1-based and global across
 pipeline stages, so the branch sits on the layer with ``layer_number == layer_index + 1``.
 `FactorEngramTransformerLayer.__init__` is the one place that converts.
 
-Memory indices travel as arguments: the model hashes once per microbatch and calls the block
-with ``memory_indices`` (``{layer_index: [s, b, branches]}``); the block passes each memory
-layer its own tensor as the ``memory_indices`` argument of the layer's forward, and under full
-activation recompute passes them as explicit inputs of the checkpointed function, so the
-recomputation in backward uses the same microbatch's indices even when a pipeline schedule
-has run later microbatches' forwards in between.  Nothing is stored on a module.
+Memory indices travel as an argument, through megatron-core's own block: the model hashes once
+per microbatch and hands the indices to megatron-core's stock ``TransformerBlock`` as its
+``context`` argument (cross-attention's input, unused by GPT specs, whose cross-attention is
+an ``IdentityOp``).  The block passes ``context`` to every layer and each layer returns it for
+the next; a memory layer reads its own indices from it (`memory_indices_of`) and returns it
+unchanged.  Under full activation recompute ``context`` is one of the checkpointed function's
+tensor inputs, so the recomputation in backward uses the same microbatch's indices even when a
+pipeline schedule has run later microbatches' forwards in between.  Nothing is stored on a
+module, and no upstream function is copied.
+
+``context`` holds ``{layer_index: indices}`` (the indices may be row lookups already started,
+for prefetch), or under full recompute while training one ``[s, b, sum of branches]`` tensor
+(a checkpoint input must be a tensor) in which layer ``l`` owns the columns
+``memory_columns``.
 
 What the branch reads (h_t of Eq. 7): the residual stream at the insertion point, i.e. the
 layer input for ``before_attn`` and the post-attention residual for ``before_ffn`` and
@@ -21,7 +29,6 @@ local spec and under Transformer Engine's fused norm+QKV linear.
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -30,10 +37,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel import mappings
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
-from megatron.core.enums import Fp8Recipe
-from megatron.core.utils import WrappedTensor, deprecate_inference_params, make_viewless_tensor
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.memory_layer import build_memory_branch, memory_sharded_state_dict
@@ -99,6 +103,17 @@ class FactorEngramTransformerLayer(TransformerLayer):
                 raise ValueError("placement='inside_ffn' adds the memory to a dense SwiGLU MLP "
                                  f"(megatron.core MLP); this layer's MLP is {type(self.mlp).__name__}")
         self.tracked_sparsity_loss: list = []  # detached per-microbatch values, for logging
+        self.memory_columns: Optional[tuple] = None  # (start, stop) in a stacked indices tensor; set by the model
+
+    def memory_indices_of(self, context):
+        """This memory layer's indices ([s, b, branches]) in the block's ``context`` (see the module's
+        docstring), or None."""
+        if context is None:
+            return None
+        if isinstance(context, dict):
+            return context.get(self.layer_index)
+        start, stop = self.memory_columns
+        return context[..., start:stop]
 
     # ----------------------------------------------------------------- memory
     def _memory(self, residual_stream: torch.Tensor, indices: torch.Tensor):
@@ -111,14 +126,15 @@ class FactorEngramTransformerLayer(TransformerLayer):
             self.tracked_sparsity_loss.append(aux_loss.detach())
         return memory_out, aux_loss
 
-    def forward(self, hidden_states: torch.Tensor, *args, memory_indices: Optional[torch.Tensor] = None, **kwargs):
-        """TransformerLayer.forward plus the memory branch; ``memory_indices`` ([s, b, branches]) are
-        this layer's row indices, required on a memory layer."""
+    def forward(self, hidden_states: torch.Tensor, *args, context=None, **kwargs):
+        """TransformerLayer.forward plus the memory branch, whose indices come in ``context`` (see the
+        module's docstring); returns ``(output, context)`` with ``context`` unchanged."""
         if self.memory is None:
-            return super().forward(hidden_states, *args, **kwargs)
+            return super().forward(hidden_states, *args, context=context, **kwargs)
+        memory_indices = self.memory_indices_of(context)
         if memory_indices is None:
             raise RuntimeError(f"layer {self.layer_index} (0-based) has a memory branch but received no "
-                               "memory_indices; call FactorEngramGPTModel with input_ids (or memory_indices) on "
+                               "memory indices; call FactorEngramGPTModel with input_ids (or memory_indices) on "
                                "every pipeline stage")
         kwargs.pop("dynamic_inference_decode_only", None)
         placement = self.memory_config.placement
@@ -126,7 +142,7 @@ class FactorEngramTransformerLayer(TransformerLayer):
         if placement == "before_attn":
             memory_out, aux_loss = self._memory(hidden_states, memory_indices)
             hidden_states = hidden_states + memory_out  # Eq. 11
-        hidden_states, context = self._forward_attention(hidden_states, *args, **kwargs)
+        hidden_states, _ = self._forward_attention(hidden_states, *args, **kwargs)
         if placement == "before_ffn":
             memory_out, aux_loss = self._memory(hidden_states, memory_indices)
             hidden_states = hidden_states + memory_out  # Eq. 11
@@ -176,125 +192,6 @@ class FactorEngramTransformerLayer(TransformerLayer):
                 del state[key]
             state.update(memory_sharded_state_dict(self.memory, memory_prefix, sharded_offsets, metadata))
         return state
-
-
-class FactorEngramTransformerBlock(TransformerBlock):
-    """TransformerBlock whose forward takes ``memory_indices`` and passes each memory layer its own.
-
-    The forward follows megatron.core's TransformerBlock.forward (viewless input, sequence-parallel
-    RNG fork, FP8/FP4 contexts, full recompute, CPU offloading hooks, final norm); the only change
-    is the ``memory_indices`` argument of each memory layer's call.
-    """
-
-    def forward(self, hidden_states, attention_mask, context=None, context_mask=None, rotary_pos_emb=None,
-                rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None,
-                inference_context=None, packed_seq_params=None, sequence_len_offset=None, padding_mask=None, *,
-                memory_indices: Optional[dict] = None, inference_params=None, dynamic_inference_decode_only=None):
-        inference_context = deprecate_inference_params(inference_context, inference_params)
-        if isinstance(hidden_states, WrappedTensor):
-            hidden_states = hidden_states.unwrap()
-        if not self.pre_process:
-            hidden_states = self.input_tensor  # set by the pipeline schedule
-        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-        memory_indices = memory_indices or {}
-        rng_context = tensor_parallel.get_cuda_rng_tracker().fork() if self.config.sequence_parallel else nullcontext()
-        with rng_context, self._outer_quantization_context():
-            if self.config.recompute_granularity == "full" and self.training:
-                hidden_states = self._checkpointed_forward(hidden_states, attention_mask, context, context_mask,
-                                                           rotary_pos_emb, attention_bias, packed_seq_params,
-                                                           padding_mask, memory_indices)
-            else:
-                for layer in self.layers:
-                    with self.offload_context, self._layer_quantization_context(layer):
-                        hidden_states, context = layer(
-                            hidden_states=hidden_states, attention_mask=attention_mask, context=context,
-                            context_mask=context_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                            rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
-                            attention_bias=attention_bias, inference_context=inference_context,
-                            packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
-                            padding_mask=padding_mask, **_memory_kwargs(layer, memory_indices))
-                    if (torch.is_grad_enabled() and self.config.cpu_offloading
-                            and self.group_prefetch_offload_commit_async is not None):
-                        hidden_states = self.group_prefetch_offload_commit_async(hidden_states)
-        if self.final_layernorm is not None:
-            hidden_states = make_viewless_tensor(inp=self.final_layernorm(hidden_states), requires_grad=True,
-                                                 keep_graph=True)
-        if not self.pre_process and len(self.layers) == 0 and not self.final_layernorm:
-            hidden_states = hidden_states.clone()  # an empty stage must not hand back its input node
-        return hidden_states
-
-    def _outer_quantization_context(self):
-        if self.config.fp8 and self.config.fp8_recipe == Fp8Recipe.delayed:
-            from megatron.core.fp8_utils import get_fp8_context
-
-            return get_fp8_context(self.config)
-        return nullcontext()
-
-    def _layer_quantization_context(self, layer):
-        if self.config.fp8 and self.config.fp8_recipe != Fp8Recipe.delayed:
-            from megatron.core.fp8_utils import get_fp8_context
-
-            return get_fp8_context(self.config, layer.layer_number - 1)
-        if self.config.fp4:
-            from megatron.core.fp4_utils import get_fp4_context
-
-            return get_fp4_context(self.config, layer.layer_number - 1)
-        return nullcontext()
-
-    def _checkpointed_forward(self, hidden_states, attention_mask, context, context_mask, rotary_pos_emb,
-                              attention_bias, packed_seq_params, padding_mask, memory_indices: dict):
-        """Full activation recompute ('uniform' and 'block', as TransformerBlock._checkpointed_forward);
-        each checkpointed chunk receives its memory layers' indices as explicit inputs."""
-        if self.config.fp8 or self.config.fp4:
-            raise NotImplementedError("full activation recompute with FP8/FP4 is not supported with FactorEngram "
-                                      "layers yet; use recompute_granularity='selective'")
-
-        def run_layers(start: int, end: int):
-            layers = [self._get_layer(index) for index in range(start, end)]
-            memory_layers = [layer for layer in layers if getattr(layer, "memory", None) is not None]
-
-            def forward(hidden_states, attention_mask, context, context_mask, rotary_pos_emb, padding_mask,
-                        *layer_indices):
-                indices = dict(zip([layer.layer_index for layer in memory_layers], layer_indices))
-                for layer in layers:
-                    hidden_states, context = layer(
-                        hidden_states=hidden_states, attention_mask=attention_mask, context=context,
-                        context_mask=context_mask, rotary_pos_emb=rotary_pos_emb, attention_bias=attention_bias,
-                        inference_context=None, packed_seq_params=packed_seq_params, padding_mask=padding_mask,
-                        **_memory_kwargs(layer, indices))
-                return hidden_states, context
-
-            inputs = [memory_indices.get(layer.layer_index) for layer in memory_layers]
-            return forward, inputs
-
-        def checkpointed(start: int, end: int):
-            forward, layer_indices = run_layers(start, end)
-            return tensor_parallel.checkpoint(forward, self.config.distribute_saved_activations, hidden_states,
-                                              attention_mask, context, context_mask, rotary_pos_emb, padding_mask,
-                                              *layer_indices)
-
-        num_layers = self.num_layers_per_pipeline_rank
-        if self.config.recompute_method == "uniform":
-            for start in range(0, num_layers, self.config.recompute_num_layers):
-                hidden_states, context = checkpointed(start, start + self.config.recompute_num_layers)
-        elif self.config.recompute_method == "block":
-            for index in range(num_layers):
-                if index < self.config.recompute_num_layers:
-                    hidden_states, context = checkpointed(index, index + 1)
-                else:
-                    forward, layer_indices = run_layers(index, index + 1)
-                    hidden_states, context = forward(hidden_states, attention_mask, context, context_mask,
-                                                     rotary_pos_emb, padding_mask, *layer_indices)
-        else:
-            raise ValueError(f"invalid recompute_method {self.config.recompute_method!r}; expected 'uniform' or 'block'")
-        return hidden_states
-
-
-def _memory_kwargs(layer, memory_indices: dict) -> dict:
-    """The ``memory_indices`` argument for ``layer``'s call: its own indices if it has a memory branch."""
-    if getattr(layer, "memory", None) is None:
-        return {}
-    return {"memory_indices": memory_indices.get(layer.layer_index)}
 
 
 def memory_layer_spec(base_layer_spec: ModuleSpec, memory_config: MemoryConfig,

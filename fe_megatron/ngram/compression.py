@@ -76,12 +76,51 @@ class TokenCompression:
         return cls.from_token_texts(texts)
 
 
+class _TokenizerFile:
+    """A Hugging Face tokenizer directory read with the ``tokenizers`` library alone, as much of
+    it as `TokenCompression.from_hf_tokenizer` uses: its length, its special ids and the decoding
+    of one id (with transformers' ``clean_up_tokenization_spaces`` rule).  The core does not import
+    transformers; ``tests/test_hashing.py`` checks this against ``AutoTokenizer``."""
+
+    _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+                 (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # transformers' clean_up_tokenization
+
+    def __init__(self, directory: str):
+        import json
+
+        from tokenizers import Tokenizer
+
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"MemoryConfig.token_compression: {directory!r} has no tokenizer.json (a fast "
+                                    "Hugging Face tokenizer directory is expected)")
+        self.tokenizer = Tokenizer.from_file(path)
+        settings = {}
+        if os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+            with open(os.path.join(directory, "tokenizer_config.json")) as fh:
+                settings = json.load(fh)
+        self.clean_up = bool(settings.get("clean_up_tokenization_spaces", False))
+        special = {token.content for token in self.tokenizer.get_added_tokens_decoder().values() if token.special}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token"):
+            value = settings.get(key)
+            special.add(value.get("content") if isinstance(value, dict) else value)
+        self.all_special_ids = {self.tokenizer.token_to_id(text) for text in special if text} - {None}
+
+    def __len__(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def decode(self, ids: list, skip_special_tokens: bool = False) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self.clean_up:
+            for before, after in self._CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+
 @functools.lru_cache(maxsize=8)
 def _load(path: str) -> TokenCompression:
     if os.path.isdir(path):
-        from transformers import AutoTokenizer
-
-        return TokenCompression.from_hf_tokenizer(AutoTokenizer.from_pretrained(path))
+        return TokenCompression.from_hf_tokenizer(_TokenizerFile(path))
     if os.path.isfile(path):
         return TokenCompression.from_sentencepiece(path)
     raise FileNotFoundError(f"MemoryConfig.token_compression: {path!r} is neither a sentencepiece model file "

@@ -16,7 +16,8 @@ import torch
 
 from common import Checker, tiny_memory_config, tiny_transformer_config
 from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-from fe_megatron.megatron.checkpointing import find_checkpoint, load_checkpoint
+from fe_megatron.checkpoint.commit import find_checkpoint  # noqa: E402
+from fe_megatron.megatron.checkpointing import load_checkpoint
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, train_step
 

@@ -11,13 +11,13 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region  # noqa: E402
 
-from fe_megatron.checkpoint_files import read_run_info  # noqa: E402
-from fe_megatron.hf.convert import configs_of, find_checkpoint_folder  # noqa: E402
+from fe_megatron.checkpoint.files import read_run_info  # noqa: E402
+from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder  # noqa: E402
 from fe_megatron.megatron.builder import build_gpt_model  # noqa: E402
 from fe_megatron.megatron.parallel import initialize  # noqa: E402
 from fe_megatron.megatron.step import causal_mask  # noqa: E402
-from fe_megatron.train import transformer_config_for  # noqa: E402
-from fe_megatron.train_config import ParallelArgs, TrainConfig  # noqa: E402
+from fe_megatron.megatron.engine import transformer_config_for  # noqa: E402
+from fe_megatron.training.config import ParallelArgs, TrainConfig  # noqa: E402
 
 
 def main(run_dir: str, tokens_file: str, out_file: str) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fe_megatron.budget import layer_params, memory_layer_budget
+from fe_megatron.planning.budget import layer_params, memory_layer_budget
 from fe_megatron.config import MemoryConfig
 
 TABLE_SHARDINGS = ("replicated", "rows")

@@ -14,19 +14,10 @@ from typing import Optional
 
 import torch
 
-from fe_megatron.checkpoint_files import read_run_info
-from fe_megatron.hf.convert import ConversionError, configs_of, run_tokenizer, write_hf_directory
-
-
-def _checkpoint_folder(load: str, tag: Optional[str] = None) -> str:
-    from fe_megatron.checkpoint_files import RUN_INFO
-    from fe_megatron.deepspeed.engine import checkpoint_folder
-
-    folder = checkpoint_folder(load, tag)
-    if folder is None:
-        raise ConversionError(f"{load} has no 'latest' file and no {RUN_INFO}: not a checkpoint of fe-pretrain's "
-                              "DeepSpeed engine (pass the --save directory or one of its iter_* folders)")
-    return folder
+from fe_megatron.checkpoint.files import read_run_info
+from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder
+from fe_megatron.convert.common import ConversionError, run_tokenizer
+from fe_megatron.convert.to_hf import write_hf_directory
 
 
 class _DeepSpeedWeights:
@@ -89,10 +80,8 @@ class _DeepSpeedWeights:
 def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer: Optional[str] = None,
                     max_shard_bytes: int = 2 << 30) -> str:
     """Convert the DeepSpeed engine's checkpoint in ``load`` into a transformers directory ``output``."""
-    folder = _checkpoint_folder(load, tag)
+    folder = find_checkpoint_folder(load, _iteration_of(tag), engine="deepspeed")
     info = read_run_info(folder)
-    if info.get("layout", {}).get("engine") != "deepspeed":
-        raise ConversionError(f"{folder} was written by the Megatron engine; use fe-convert mcore-to-hf")
     backbone, memory = configs_of(info)
     tokenizer_path = run_tokenizer(info, tokenizer)
     weights = _DeepSpeedWeights(folder, info, memory)
@@ -102,3 +91,13 @@ def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer
     return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
                               lambda name: [(name, weights.get(name))], f"deepspeed-to-hf {folder}",
                               max_shard_bytes)
+
+
+def _iteration_of(tag: Optional[str]) -> Optional[int]:
+    """The iteration of a ``--tag`` such as ``iter_0000100``."""
+    if tag is None:
+        return None
+    digits = tag[len("iter_"):] if tag.startswith("iter_") else ""
+    if not digits.isdigit():
+        raise ConversionError(f"--tag {tag!r}: expected iter_NNNNNNN, the name of one of the run's checkpoint folders")
+    return int(digits)

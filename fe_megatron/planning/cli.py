@@ -3,9 +3,9 @@
 import argparse
 import sys
 
-from fe_megatron.budget import format_budget
+from fe_megatron.planning.budget import format_budget
 from fe_megatron.config import ConfigError, MemoryConfig
-from fe_megatron.rank_memory import TABLE_SHARDINGS, format_rank_memory
+from fe_megatron.planning.rank_memory import TABLE_SHARDINGS, format_rank_memory
 
 DESCRIPTION = ("Print the parameter budget of a memory preset or a YAML config: the backbone, the tables per "
                "n-gram order and layer, the dictionary and projections, and the total (last line: total_params=N). "

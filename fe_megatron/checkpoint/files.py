@@ -55,6 +55,15 @@ def read_tracker(run_dir: str) -> Optional[int]:
     return int(text)
 
 
+def sync_directory(path: str) -> None:
+    """fsync the directory ``path``: a rename or a new file inside it survives a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_tracker(run_dir: str, iteration: int) -> None:
     tmp = os.path.join(run_dir, TRACKER + ".tmp")
     with open(tmp, "w") as fh:
@@ -62,6 +71,7 @@ def write_tracker(run_dir: str, iteration: int) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, os.path.join(run_dir, TRACKER))
+    sync_directory(run_dir)
 
 
 def complete_iterations(run_dir: str) -> list:

@@ -88,3 +88,17 @@ def compare(saved: Optional[dict], current: dict, weights_only: bool = False) ->
                if flat_old.get(key) != flat_new.get(key) and not key.startswith("memory.backbone.")
                and key not in guarded and key not in ("load", "save")]
     return refused, changed
+
+
+def guard(folder: str, saved: dict, info: dict, log, weights_only: bool = False) -> None:
+    """Refuse to resume from ``folder`` (run info ``saved``) when a guarded setting of this run
+    (``info``) differs; ``log`` the other changes."""
+    from fe_megatron.checkpoint.files import CheckpointError
+
+    refused, changed = compare(saved, info, weights_only=weights_only)
+    if refused:
+        raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
+                              + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
+                              "directory without --load.")
+    for line in changed:
+        log(f"changed since the checkpoint: {line}")

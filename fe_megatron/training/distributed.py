@@ -1,12 +1,24 @@
 """The launcher's environment for ``torch.distributed``: torchrun, the deepspeed launcher, srun,
-or none (a single process), and a process group that survives torchrun's restarts.  Both
-engines start here."""
+or none (a single process), a process group that survives torchrun's restarts, this rank's
+device, and logging from rank 0.  Both engines start here."""
 
 from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
+
+
+def current_device() -> torch.device:
+    """The device this rank computes on: its CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def log(message: str) -> None:
+    """Print ``message`` once: on global rank 0, or in a process without a process group."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
 
 
 def _env_from_slurm() -> None:

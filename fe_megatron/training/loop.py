@@ -1,34 +1,26 @@
-"""The training loop both engines run (Megatron-Core and DeepSpeed), and what they share: run
-info, metrics, stop requests, the data each rank reads.
+"""The training loop both engines run (Megatron-Core and DeepSpeed): metrics, stop requests,
+non-finite halts, evaluation and save intervals.
 
-An engine's run object (`fe_megatron.train.TrainingRun`, `fe_megatron.deepspeed.engine.DeepSpeedRun`)
-is an `EngineRun`; `train` drives it.  Nothing here imports
-megatron or deepspeed.
+An engine's run object (`fe_megatron.megatron.engine.MegatronRun`,
+`fe_megatron.deepspeed.engine.DeepSpeedRun`) is an `fe_megatron.training.run.EngineRun`;
+`train` drives it.  Nothing here imports megatron or deepspeed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
 import signal
 import time
+
 import torch
+
+from fe_megatron.training.distributed import current_device, log
+from fe_megatron.training.run import REQUEUE_MARKER, EngineRun
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: saved on SIGUSR1/SIGTERM; launch_scripts/slurm requeues the job
 NONFINITE_EXIT_CODE = 3
-REQUEUE_MARKER = "requeue_requested"
-
-
-def current_device() -> torch.device:
-    """The device this rank computes on: its CUDA device, or the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def log(message: str):
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(message, flush=True)
 
 
 def memory_mb() -> float:
@@ -38,69 +30,6 @@ def memory_mb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2 ** 20
-
-
-@dataclasses.dataclass
-class StepResult:
-    """One optimizer step: the LM and sparsity losses (global means), the gradient norm, whether the
-    update was applied, and, when the loss or the gradient norm was not finite, where."""
-
-    lm_loss: float
-    sparsity_loss: float
-    grad_norm: float
-    updated: bool
-    nonfinite: list = dataclasses.field(default_factory=list)  # "rank R microbatch M: lm loss nan", ...
-
-    def __iter__(self):  # lm, sparsity, grad_norm, updated = train_step(...)
-        return iter((self.lm_loss, self.sparsity_loss, self.grad_norm, self.updated))
-
-
-class EngineRun:
-    """What `train` needs of an engine's run (set up, possibly resumed).  An engine's dataclass
-    holds ``cfg``, ``datasets`` (train, validation, test), ``num_microbatches`` (per data-parallel
-    rank and step), ``metrics``, ``start_step`` and ``parameters``, and implements the methods
-    below that raise NotImplementedError; the data each rank reads is the same for every engine."""
-
-    @property
-    def samples_per_rank(self) -> int:
-        return self.num_microbatches * self.cfg.training.micro_batch_size
-
-    def data_parallel_rank(self) -> int:
-        raise NotImplementedError
-
-    def batch_attention_mask(self):
-        """The attention mask every batch carries (None: the model makes its own causal mask)."""
-        return None
-
-    def batches(self, dataset, first_sample: int, num_microbatches: int) -> list:
-        """``num_microbatches`` microbatches of this data-parallel rank, from global sample ``first_sample``."""
-        from fe_megatron.data.datasets import microbatches
-
-        t = self.cfg.training
-        start = first_sample + self.data_parallel_rank() * self.samples_per_rank
-        batches = microbatches(dataset, start, num_microbatches, t.micro_batch_size, self.batch_attention_mask())
-        device = current_device()
-        return [{k: v.to(device) for k, v in b.items() if v is not None} for b in batches]
-
-    def evaluation_batches(self, dataset, index: int) -> list:
-        """This rank's microbatches of the ``index``-th window of ``eval_steps`` global batches of ``dataset``."""
-        t = self.cfg.training
-        return self.batches(dataset, index * t.global_batch_size * t.eval_steps, self.num_microbatches * t.eval_steps)
-
-    def train_step(self, batches: list) -> StepResult:
-        raise NotImplementedError
-
-    def advance_schedule(self) -> None:
-        raise NotImplementedError
-
-    def learning_rate(self) -> float:
-        raise NotImplementedError
-
-    def evaluate(self, dataset, index: int) -> float:
-        raise NotImplementedError
-
-    def save(self, step: int) -> None:
-        raise NotImplementedError
 
 
 class MetricsWriter:
@@ -136,89 +65,6 @@ class MetricsWriter:
             self.tb.close()
         if self.file:
             self.file.close()
-
-
-def run_info(cfg, data_parallel_size: int, engine: dict = None) -> dict:
-    """What every checkpoint records about the run that wrote it (``fe_run.json``): the resolved
-    config, the tokenizer and its checksum, and the parallel layout (plus ``engine``'s own
-    settings, e.g. the ZeRO stage)."""
-    import torch.distributed as dist
-
-    from fe_megatron import __version__
-    from fe_megatron.checkpoint_files import file_digest
-    from fe_megatron.data.tokenizer import tokenizer_file
-
-    p = cfg.parallel
-    layout = {"world": dist.get_world_size(), "tensor": p.tensor, "pipeline": p.pipeline,
-              "data": data_parallel_size, "table_sharding": p.table_sharding}
-    layout.update(engine or {})
-    return {"config": dataclasses.asdict(cfg), "fe_megatron": __version__,
-            "tokenizer": {"path": os.path.abspath(cfg.data.tokenizer_model),
-                          "sha256": file_digest(tokenizer_file(cfg.data.tokenizer_model))["sha256"]},
-            "layout": layout}
-
-
-def guard_resume(folder: str, saved: dict, info: dict, weights_only: bool = False) -> None:
-    """Refuse to resume from ``folder`` (run info ``saved``) when a guarded setting of this run
-    (``info``) differs (`fe_megatron.resume_guard`); log the other changes."""
-    from fe_megatron import resume_guard
-    from fe_megatron.checkpoint_files import CheckpointError
-
-    refused, changed = resume_guard.compare(saved, info, weights_only=weights_only)
-    if refused:
-        raise CheckpointError(f"cannot resume from {folder}; these settings differ from the checkpoint's:\n  "
-                              + "\n  ".join(refused) + "\nRestore them, or start a new run in another --save "
-                              "directory without --load.")
-    for line in changed:
-        log(f"changed since the checkpoint: {line}")
-
-
-def load_run_tokenizer(cfg):
-    """The run's tokenizer, refused when the embedding does not cover it."""
-    from fe_megatron.data.sources import DataError
-    from fe_megatron.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg.data.tokenizer_model)
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise DataError(f"data.tokenizer_model {cfg.data.tokenizer_model} has {tokenizer.vocab_size} tokens but "
-                        f"model.vocab_size={cfg.model.vocab_size}; the embedding must cover the tokenizer "
-                        f"(set model.vocab_size >= {tokenizer.vocab_size})")
-    return tokenizer
-
-
-def run_datasets(cfg, tokenizer, data_parallel_size: int) -> tuple:
-    """Train, validation and test datasets sized for the whole run (every engine reads the same
-    samples: global batch ``i`` is samples ``[i B, (i + 1) B)``, split over data-parallel ranks in
-    rank order)."""
-    from fe_megatron.data.datasets import build_datasets
-
-    t, m = cfg.training, cfg.model
-    if t.global_batch_size % (t.micro_batch_size * data_parallel_size):
-        raise ValueError(f"training.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size x "
-                         f"data-parallel size = {t.micro_batch_size} x {data_parallel_size}")
-    evals = t.train_steps // max(t.eval_interval, 1) + 2
-    sizes = [t.train_steps * t.global_batch_size, evals * t.eval_steps * t.global_batch_size,
-             t.eval_steps * t.global_batch_size]
-    return build_datasets(cfg.data.train_data, tokenizer, m.seq_length, cfg.data.split, sizes, t.seed,
-                          cfg.data.cache_dir)
-
-
-def freeze_backbone(model) -> None:
-    """``training.freeze_backbone``: train the memory branches only (after a graft onto a pretrained
-    model); every other weight keeps its value and gets no gradient or optimizer state."""
-    trainable = 0
-    for name, param in model.named_parameters():
-        param.requires_grad = ".memory." in name
-        trainable += param.numel() if param.requires_grad else 0
-    if not trainable:
-        raise ValueError("training.freeze_backbone=true but the model has no memory branch to train "
-                         "(memory: null); set freeze_backbone=false")
-
-
-def clear_requeue_marker(save_dir) -> None:
-    """A start answers an earlier stop's requeue request: remove its marker."""
-    if save_dir and torch.distributed.get_rank() == 0 and os.path.exists(os.path.join(save_dir, REQUEUE_MARKER)):
-        os.remove(os.path.join(save_dir, REQUEUE_MARKER))
 
 
 class NonFiniteError(RuntimeError):
@@ -266,7 +112,7 @@ def train(run: EngineRun) -> dict:
 
 
 def _train(run: EngineRun, stop: StopRequests) -> dict:
-    from fe_megatron import faults
+    from fe_megatron.training import faults
 
     cfg, t = run.cfg, run.cfg.training
     train_ds, valid_ds, test_ds = run.datasets

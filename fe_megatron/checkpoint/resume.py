@@ -1,0 +1,114 @@
+"""Where a run starts: ``--load`` and ``--save`` checked together, the same way for both engines.
+
+* no ``--load``: a new run, from step 0;
+* ``--load`` of a run directory with a checkpoint: resume from its newest intact checkpoint,
+  after the resume guards (`fe_megatron.checkpoint.resume_guard`);
+* ``--load`` of a Hugging Face model directory: its weights start a new run (DeepSpeed engine);
+* ``--load`` of a folder that does not exist yet, or is empty: a new run only when it is also
+  ``--save`` (the launch scripts' first start: every restart afterwards resumes there).
+
+Everything else is refused with what a run directory holds: a file, a folder holding something
+else (a tokenizer, data), a run of the other engine.  A new run is never written into a
+``--save`` folder that already holds another run's checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from fe_megatron.checkpoint.files import RUN_INFO, TRACKER, CheckpointError, complete_iterations, read_run_info
+from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST
+
+RUN_DIRECTORY = (f"a run directory is fe-pretrain's --save folder: it holds {TRACKER} (the newest checkpoint's "
+                 f"iteration) and iter_NNNNNNN/ checkpoint folders, each with {RUN_INFO} and fe_manifest.json")
+
+
+@dataclasses.dataclass
+class StartPoint:
+    """``kind``: "new" (step 0, fresh weights), "checkpoint" (``folder`` is a verified checkpoint of
+    this engine, ``saved`` its run info) or "hf" (``folder`` is a Hugging Face model directory)."""
+
+    kind: str
+    folder: Optional[str] = None
+    saved: Optional[dict] = None
+
+
+def holds_checkpoints(directory: Optional[str]) -> bool:
+    """Whether ``directory`` holds checkpoints of a run (of either engine)."""
+    if not directory or not os.path.isdir(directory):
+        return False
+    return (os.path.isfile(os.path.join(directory, TRACKER)) or bool(complete_iterations(directory))
+            or os.path.isfile(os.path.join(directory, DEEPSPEED_LATEST)))
+
+
+def _same_folder(a: str, b: Optional[str]) -> bool:
+    return b is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def start_point(cfg, engine: str, find, log) -> StartPoint:
+    """Where the run configured by ``cfg`` starts (see the module's docstring).  ``engine`` is
+    "megatron" or "deepspeed"; ``find(directory)`` returns the verified checkpoint folder of a run
+    directory of that engine (None: none yet).  The resume guards are the caller's."""
+    load, save = cfg.load, cfg.save
+    if not load:
+        _refuse_foreign_save(save, "")
+        return StartPoint("new")
+    if os.path.isfile(load):
+        raise CheckpointError(f"--load {load} is a file; --load takes a run directory to resume ({RUN_DIRECTORY})"
+                              + ("" if engine == "megatron" else ", or a Hugging Face model directory"))
+    if not os.path.isdir(load) or not os.listdir(load):
+        if _same_folder(load, save):
+            log(f"--load {load} holds no checkpoint yet and is also --save: starting a new run there from step 0 "
+                "(later starts resume from its checkpoints)")
+            return StartPoint("new")
+        state = "does not exist" if not os.path.isdir(load) else "is empty"
+        raise CheckpointError(f"--load {load} {state}: there is nothing to resume. Leave out --load to start a new "
+                              "run, or give the same folder as --save (a first start that later starts resume)")
+    if os.path.isfile(os.path.join(load, "config.json")):
+        if engine != "deepspeed":
+            raise CheckpointError(f"--load {load} is a Hugging Face model directory; the Megatron engine starts from "
+                                  f"fe-pretrain checkpoints: run fe-convert hf-to-mcore --input {load} --output NEW_DIR, "
+                                  "then --load NEW_DIR")
+        _refuse_foreign_save(save, load)
+        return StartPoint("hf", load)
+    if not holds_checkpoints(load):
+        raise CheckpointError(f"--load {load} is not a run directory: it holds {_some_names(load)}. {RUN_DIRECTORY}. "
+                              "Give the run's --save folder, or leave out --load to start a new run")
+    _check_engine(load, engine)
+    folder = find(load)
+    if folder is None:
+        if _same_folder(load, save):
+            log(f"--load {load} holds no complete checkpoint yet and is also --save: starting a new run there from "
+                "step 0")
+            return StartPoint("new")
+        raise CheckpointError(f"--load {load} holds no complete checkpoint yet: nothing to resume")
+    if not _same_folder(load, save):
+        _refuse_foreign_save(save, load)
+    return StartPoint("checkpoint", folder, read_run_info(folder))
+
+
+def _refuse_foreign_save(save: Optional[str], load: str) -> None:
+    """A new run (or a branch of ``load``) must not write into another run's checkpoints."""
+    if holds_checkpoints(save):
+        what = f"resume it with --load {save}" if not load else f"resume it with --load {save} --save {save}"
+        raise CheckpointError(f"--save {save} already holds another run's checkpoints; {what}, or choose a new --save "
+                              "folder (fe-pretrain never writes a new run over an old one)")
+
+
+def _check_engine(load: str, engine: str) -> None:
+    """Refuse a run directory written by the other engine, naming the conversion that bridges them."""
+    deepspeed_run = os.path.isfile(os.path.join(load, DEEPSPEED_LATEST))
+    if engine == "megatron" and deepspeed_run:
+        raise CheckpointError(f"--load {load} is a run of the DeepSpeed engine (training.engine=deepspeed); resume it "
+                              "with that engine, or fe-convert deepspeed-to-hf then hf-to-mcore for the Megatron "
+                              "engine")
+    if engine == "deepspeed" and not deepspeed_run:
+        raise CheckpointError(f"--load {load} holds Megatron-engine checkpoints; the DeepSpeed engine starts from a "
+                              "Hugging Face directory: fe-convert mcore-to-hf it, then --load the output")
+
+
+def _some_names(directory: str) -> str:
+    names = sorted(os.listdir(directory))
+    return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")

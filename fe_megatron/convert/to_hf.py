@@ -1,0 +1,120 @@
+"""``fe-convert mcore-to-hf``: a Megatron-engine checkpoint of any TP/PP/DP layout and table
+sharding becomes a `FactorEngramForCausalLM` directory: safetensors shards, the config, the
+modeling files and the tokenizer.  Tensors are read one at a time from the checkpoint and
+written straight to the shard files (`fe_megatron.hf.safetensors_stream`), so no table is ever
+held twice.  `write_hf_directory` is shared with ``deepspeed-to-hf``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from fe_megatron.checkpoint.files import read_run_info
+from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder
+from fe_megatron.config import BackboneConfig, MemoryConfig
+from fe_megatron.convert.common import (ConversionError, Progress, check_vocabulary, fresh_output, publish,
+                                        run_tokenizer)
+from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
+
+def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int):
+    """The tokenizer at ``path`` (sentencepiece file or HF directory) saved as an HF tokenizer in
+    ``directory``; a sentencepiece model is also kept as ``tokenizer.model``."""
+    from transformers import AutoTokenizer
+
+    from fe_megatron.hf import save_tokenizer
+
+    if os.path.isdir(path):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer.save_pretrained(directory)
+    else:
+        tokenizer = save_tokenizer(path, directory, max_length)
+    check_vocabulary(len(tokenizer), vocab_size, path)
+    return tokenizer
+
+
+
+def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
+                max_shard_bytes: int = 2 << 30) -> str:
+    """Convert an fe-pretrain checkpoint into a transformers directory ``output``; returns it."""
+    folder = find_checkpoint_folder(load, iteration)
+    info = read_run_info(folder)
+    backbone, memory = configs_of(info)
+    tokenizer_path = run_tokenizer(info, tokenizer)
+    checkpoint = DistCheckpoint(folder)
+    groups = []
+    for name in checkpoint.weight_names():
+        parts = split_checkpoint_tensor(name, torch.empty(checkpoint.shape(name), device="meta"), backbone)
+        groups.append((name, [(hf_name, tuple(t.shape), checkpoint.dtype(name)) for hf_name, t in parts]))
+    return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
+                              lambda name: split_checkpoint_tensor(name, checkpoint.load(name), backbone),
+                              f"mcore-to-hf {folder}", max_shard_bytes)
+
+
+def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
+                       groups: list, produce, where: str, max_shard_bytes: int = 2 << 30) -> str:
+    """A transformers directory ``output`` (written to ``output.tmp``, renamed at the end): the
+    config of ``backbone`` and ``memory``, the tokenizer, the modeling files, and the weights that
+    ``produce(source)`` returns source by source as ``groups`` plans them
+    (`fe_megatron.hf.safetensors_stream.write_shards`)."""
+    from fe_megatron.hf import AUTO_MAP, FactorEngramConfig, write_modeling_files
+    from fe_megatron.hf.safetensors_stream import write_shards
+
+    tmp = fresh_output(output)
+    try:
+        hf_tokenizer = _save_tokenizer(tokenizer_path, tmp, backbone.vocab_size, backbone.seq_length)
+        config = FactorEngramConfig.from_fe_megatron(
+            backbone, memory, bos_token_id=hf_tokenizer.bos_token_id, eos_token_id=hf_tokenizer.eos_token_id,
+            pad_token_id=hf_tokenizer.pad_token_id, architectures=["FactorEngramForCausalLM"], auto_map=AUTO_MAP)
+        _check_same_weights(_hf_weight_shapes(config), {n: s for _, entries in groups for n, s, _ in entries}, where)
+        progress = Progress(sum(weights_bytes(entries) for _, entries in groups), where)
+        write_shards(tmp, groups, produce, max_shard_bytes=max_shard_bytes, progress=progress)
+        progress.close()
+        config.save_pretrained(tmp)
+        write_modeling_files(tmp)
+        _write_generation_config(config, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return publish(tmp, output)
+
+
+def weights_bytes(entries) -> int:
+    from fe_megatron.hf.safetensors_stream import tensor_bytes
+
+    return sum(tensor_bytes(shape, dtype) for _, shape, dtype in entries)
+
+
+def _hf_weight_shapes(config) -> dict:
+    """``{name: shape}`` of the weights a `FactorEngramForCausalLM` of ``config`` saves (built on the
+    meta device: nothing is allocated)."""
+    from fe_megatron.hf import FactorEngramForCausalLM
+
+    with torch.device("meta"):
+        model = FactorEngramForCausalLM(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def _check_same_weights(expected: dict, got: dict, where: str) -> None:
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    wrong = sorted(name for name in set(expected) & set(got) if tuple(expected[name]) != tuple(got[name]))
+    if missing or extra or wrong:
+        lines = [f"missing: {missing[:8]}" if missing else "", f"unexpected: {extra[:8]}" if extra else "",
+                 "shapes differ: " + ", ".join(f"{n} {tuple(got[n])} vs {tuple(expected[n])}" for n in wrong[:8])
+                 if wrong else ""]
+        raise ConversionError(f"{where}: the weights do not match the model its config describes: "
+                              + "; ".join(line for line in lines if line))
+
+
+def _write_generation_config(config, directory: str) -> None:
+    from transformers import GenerationConfig
+
+    GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+                     pad_token_id=config.pad_token_id).save_pretrained(directory)
+

@@ -1,0 +1,204 @@
+"""``fe-convert hf-to-mcore``: a `FactorEngramForCausalLM` (or Llama) directory becomes a
+weights-only fe-pretrain run directory.  It builds the Megatron model in this process, copies
+the weights in (tables in row blocks, read from the memory-mapped safetensors) and saves a
+weights-only checkpoint that ``fe-pretrain --load`` starts from at step 0 with a fresh
+optimizer, at any layout; ``RUN_DIR/train.yaml`` holds the model, memory and ``--tp``/``--pp``
+to train with.  `write_megatron_run` is shared with ``graft``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Optional
+
+import torch
+
+from fe_megatron.config import BackboneConfig, MemoryConfig
+from fe_megatron.convert.common import ConversionError, Progress, check_vocabulary, fresh_output, publish
+from fe_megatron.hf import weights
+
+ROW_BLOCK_BYTES = 64 << 20  # tables are copied in blocks of rows of about this size
+
+def hf_to_mcore(input_dir: str, output: str, tp: int = 1, pp: int = 1, table_sharding: str = "replicated") -> str:
+    """Convert a `FactorEngramForCausalLM` directory into a weights-only fe-pretrain run directory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fe_megatron.hf import FactorEngramConfig
+    from fe_megatron.hf.safetensors_stream import SafetensorsSource
+
+    if not os.path.isfile(os.path.join(input_dir, "config.json")):
+        raise ConversionError(f"--input {input_dir} has no config.json: not a transformers model directory")
+    config = AutoConfig.from_pretrained(input_dir)
+    if not isinstance(config, FactorEngramConfig):
+        check_llama_like(config, input_dir)
+        fields = FactorEngramConfig.__dataclass_fields__
+        config = FactorEngramConfig(**{k: v for k, v in config.to_dict().items() if k in fields})
+    backbone, memory = config.backbone_config(), config.memory_config()
+    source = SafetensorsSource(input_dir)
+    tmp = fresh_output(output)
+    try:
+        if os.path.isfile(os.path.join(input_dir, "tokenizer.model")):
+            tokenizer_path = os.path.join(tmp, "tokenizer.model")
+            shutil.copyfile(os.path.join(input_dir, "tokenizer.model"), tokenizer_path)
+            from fe_megatron.data.tokenizer import SentencePieceTokenizer
+
+            check_vocabulary(SentencePieceTokenizer(tokenizer_path).vocab_size, backbone.vocab_size, tokenizer_path)
+        else:
+            tokenizer_path = os.path.join(tmp, "tokenizer")
+            hf_tokenizer = AutoTokenizer.from_pretrained(input_dir)
+            check_vocabulary(len(hf_tokenizer), backbone.vocab_size, input_dir)
+            hf_tokenizer.save_pretrained(tokenizer_path)
+        write_megatron_run(source, backbone, memory, tokenizer_path, tmp, output, tp, pp, table_sharding)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        source.close()
+    return publish(tmp, output)
+
+
+def check_llama_like(config, where: str) -> None:
+    """Refuse a model whose architecture fe_megatron's backbone cannot represent, naming what differs."""
+    problems = []
+    if getattr(config, "model_type", None) not in ("llama", "fe_megatron"):
+        problems.append(f"model_type is {getattr(config, 'model_type', None)!r} (expected 'llama')")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act is {config.hidden_act!r} (expected 'silu', a SwiGLU MLP)")
+    for name in ("attention_bias", "mlp_bias"):
+        if getattr(config, name, False):
+            problems.append(f"{name} is true (the backbone has no biases)")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        problems.append(f"RoPE scaling {rope.get('rope_type')!r} (the backbone has plain RoPE)")
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim not in (None, config.hidden_size // config.num_attention_heads):
+        problems.append(f"head_dim {head_dim} != hidden_size / num_attention_heads")
+    if problems:
+        raise ConversionError(f"{where} is not a Llama-architecture model fe_megatron can hold: "
+                              + "; ".join(problems))
+
+
+def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
+                       directory: str, final_directory: str, tp: int, pp: int, table_sharding: str) -> None:
+    """Build the Megatron model in this process, copy ``source``'s weights (Hugging Face names) in,
+    and save a weights-only checkpoint plus ``train.yaml`` into ``directory``.  The checkpoint's
+    tensors are stored by global name, so it loads at any ``tp``/``pp``; ``train.yaml`` records them."""
+    from fe_megatron.megatron.parallel import initialize
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConversionError("fe-convert runs in one process; start it without torchrun")
+    started_here = not dist.is_initialized()
+    launcher_env = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                         "MASTER_PORT")}
+    initialize(1, 1, seed=0)
+    try:
+        _write_megatron_run(source, backbone, memory, tokenizer_path, directory, final_directory, tp, pp,
+                            table_sharding)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if started_here:
+            dist.destroy_process_group()
+            for key, value in launcher_env.items():  # initialize() filled these in for its single process
+                if value is None:
+                    os.environ.pop(key, None)
+
+
+def _write_megatron_run(source, backbone, memory, tokenizer_path, directory, final_directory, tp, pp,
+                        table_sharding) -> None:
+    import yaml
+
+    from fe_megatron.megatron.builder import build_gpt_model
+    from fe_megatron.megatron.checkpointing import save_checkpoint
+    from fe_megatron.checkpoint.run_info import run_info
+    from fe_megatron.megatron.engine import transformer_config_for
+    from fe_megatron.training.config import DataArgs, ParallelArgs, TrainConfig
+
+    written_tokenizer = os.path.join(final_directory, os.path.relpath(tokenizer_path, directory))
+    cfg = TrainConfig(model=backbone, memory=memory, parallel=ParallelArgs(table_sharding=table_sharding),
+                      data=DataArgs(tokenizer_model=tokenizer_path))
+    tconfig = transformer_config_for(cfg, on_gpu=False)
+    tconfig.perform_initialization = False  # every weight is about to be copied in
+    model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory,
+                            share_embeddings=backbone.tie_embeddings, rotary_base=backbone.rope_base)
+    consumed = set()
+    targets = {name: tensor for name, tensor in model.state_dict(keep_vars=True).items() if weights.is_weight(name)}
+    progress = Progress(sum(t.numel() * t.element_size() for t in targets.values()), f"loading {source}")
+    with torch.no_grad():
+        for name, target in targets.items():
+            parts = weights.hf_names(name)
+            missing = [part for part in parts if part not in source]
+            if missing:
+                raise ConversionError(f"{source}: weight {missing[0]} is missing (needed for Megatron's {name})")
+            if len(parts) == 1 and target.dim() == 2 and target.numel() * target.element_size() > ROW_BLOCK_BYTES:
+                _copy_rows(source, parts[0], target)
+            else:
+                value = weights.merge(name, [source.get(part) for part in parts], backbone)
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ConversionError(f"{source}: {parts} give {name} the shape {tuple(value.shape)}; the model "
+                                          f"its config describes has {tuple(target.shape)}")
+                target.copy_(value)
+            consumed.update(parts)
+            progress(name, target.numel() * target.element_size())
+    progress.close()
+    unused = sorted(set(source.names()) - consumed - ({"lm_head.weight"} if backbone.tie_embeddings else set()))
+    if unused:
+        raise ConversionError(f"{source}: weights {unused[:8]} have no place in fe_megatron's model (a bias, or "
+                              "another architecture); only Llama-architecture models convert")
+    info = run_info(cfg, 1)
+    info["converted_from"] = str(source)
+    info["tokenizer"]["path"] = os.path.abspath(written_tokenizer)  # where it lives once renamed
+    info["config"]["data"]["tokenizer_model"] = os.path.abspath(written_tokenizer)
+    save_checkpoint(directory, [model], None, None, iteration=0, run_info=info)
+    train = dataclasses.asdict(cfg)
+    train["parallel"].update(tensor=tp, pipeline=pp)
+    train["data"]["tokenizer_model"] = os.path.abspath(written_tokenizer)
+    if train["memory"] is not None:
+        train["memory"].pop("backbone")
+    for key in ("save", "load", "tensorboard_dir"):
+        train.pop(key)
+    with open(os.path.join(directory, "train.yaml"), "w") as fh:
+        fh.write(f"# Written by fe-convert from {source}. Continue with:\n#   fe-pretrain --config "
+                 f"{os.path.join(final_directory, 'train.yaml')} --load {final_directory} --save {final_directory} "
+                 "data.train_data=[PREFIX]\n")
+        yaml.safe_dump(train, fh, sort_keys=False)
+
+
+def _copy_rows(source, name: str, target: torch.Tensor) -> None:
+    shape = source.shape(name)
+    if tuple(shape) != tuple(target.shape):
+        raise ConversionError(f"{source}: {name} has shape {tuple(shape)}; the model its config describes has "
+                              f"{tuple(target.shape)}")
+    block = max(1, ROW_BLOCK_BYTES // max(1, target[0].numel() * target.element_size()))
+    for first in range(0, shape[0], block):
+        target[first:first + block].copy_(source.rows(name, first, min(first + block, shape[0])))
+
+
+class StateDictSource:
+    """Weights held in memory by Hugging Face name (a grafted model's)."""
+
+    def __init__(self, state: dict, label: str):
+        self.state, self.label = state, label
+
+    def __contains__(self, name):
+        return name in self.state
+
+    def __str__(self):
+        return self.label
+
+    def names(self):
+        return list(self.state)
+
+    def get(self, name):
+        return self.state[name]
+
+    def shape(self, name):
+        return tuple(self.state[name].shape)
+
+    def rows(self, name, first, last):
+        return self.state[name][first:last]
+

@@ -1,0 +1,205 @@
+"""fe-pretrain's Megatron-Core engine (``training.engine: megatron``, the default): the GPT model
+of `fe_megatron.megatron.builder` at any TP/PP/SP/CP/DP layout, Megatron's distributed
+optimizer and schedule, and distributed checkpoints (`fe_megatron.megatron.checkpointing`).
+
+`set_up` builds a `MegatronRun` (an `fe_megatron.training.run.EngineRun`) that
+`fe_megatron.training.loop.train` drives, the same way as the DeepSpeed engine's
+(`fe_megatron.deepspeed.engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from fe_megatron import ops
+from fe_megatron.checkpoint import resume_guard
+from fe_megatron.checkpoint.commit import find_checkpoint
+from fe_megatron.checkpoint.resume import start_point
+from fe_megatron.checkpoint.run_info import run_info
+from fe_megatron.training.distributed import current_device, log
+from fe_megatron.training.loop import MetricsWriter
+from fe_megatron.training.run import (EngineRun, begin, freeze_backbone, load_run_tokenizer, microbatches_per_rank,
+                                      run_datasets, use_bf16)
+
+
+def transformer_config_for(cfg, on_gpu: bool):
+    """Megatron's TransformerConfig for the run: the backbone from ``cfg.model``, the layout from
+    ``cfg.parallel``, precision and recompute from ``cfg.training``."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p, t = cfg.model, cfg.parallel, cfg.training
+    bf16 = use_bf16(t, on_gpu)
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if t.recompute == "full" else {}
+    return TransformerConfig(
+        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        layernorm_epsilon=m.norm_eps, init_method_std=m.init_std, add_bias_linear=False,
+        bias_activation_fusion=False, hidden_dropout=m.dropout, attention_dropout=m.dropout,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+        use_cpu_initialization=not on_gpu, tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline, sequence_parallel=p.sequence_parallel, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
+
+
+def count_parameters(model) -> int:
+    """Parameters of the whole model: summed over TP shards and pipeline stages (tied weights once),
+    and row-sharded tables over the memory-parallel (expert-parallel) group too."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    local = torch.zeros(2, dtype=torch.float64, device=current_device())  # [whole on this stage, row-sharded]
+    for name, param in model.named_parameters():
+        if name.endswith("output_layer.weight") and getattr(model, "share_embeddings_and_output_weights", False):
+            continue  # the last stage's copy of the tied embedding
+        if param_is_not_tensor_parallel_duplicate(param):
+            local[1 if getattr(param, "row_sharded", False) else 0] += param.numel()
+    torch.distributed.all_reduce(local[1:], group=parallel_state.get_expert_model_parallel_group())
+    torch.distributed.all_reduce(local, group=parallel_state.get_model_parallel_group())
+    return int(local.sum())
+
+
+@dataclasses.dataclass
+class MegatronRun(EngineRun):
+    """A Megatron run, set up and possibly resumed: the model and its optimizer, the data, the
+    step to start from, and where metrics go; the `EngineRun` of this engine."""
+
+    cfg: object
+    info: dict  # the run info saved with every checkpoint (`run_info`)
+    model: object  # this pipeline stage's FactorEngramGPTModel (or GPTModel)
+    ddp: object  # the model in Megatron's DistributedDataParallel
+    optimizer: object
+    scheduler: object
+    datasets: tuple  # train, validation, test
+    num_microbatches: int  # per data-parallel rank and step
+    attention_mask: torch.Tensor
+    metrics: "MetricsWriter"
+    start_step: int
+    parameters: int
+
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    def batch_attention_mask(self) -> torch.Tensor:
+        return self.attention_mask  # megatron's default mask would be built on CUDA
+
+    def train_step(self, batches: list):
+        from fe_megatron.megatron.step import train_step
+
+        return train_step([self.ddp], self.optimizer, batches, self.cfg.model.seq_length,
+                          self.cfg.training.micro_batch_size, check_finite=True)
+
+    def advance_schedule(self) -> None:
+        self.scheduler.step(increment=1)
+
+    def learning_rate(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def evaluate(self, dataset, index: int) -> float:
+        """Mean LM loss over ``eval_steps`` global batches of ``dataset``, the ``index``-th such window."""
+        from fe_megatron.megatron.step import eval_step
+
+        t = self.cfg.training
+        batches = self.evaluation_batches(dataset, index)
+        return eval_step([self.ddp], batches, self.cfg.model.seq_length, t.micro_batch_size)
+
+    def save(self, step: int) -> None:
+        from fe_megatron.megatron.checkpointing import save_checkpoint
+
+        cfg = self.cfg
+        path = save_checkpoint(cfg.save, [self.ddp], self.optimizer, self.scheduler, step,
+                               cfg.parallel.distributed_optimizer, run_info=self.info,
+                               keep=cfg.training.keep_checkpoints)
+        log(f"saved {path}")
+
+
+def find_megatron_checkpoint(cfg):
+    """``find(directory)`` for `fe_megatron.checkpoint.resume.start_point`: the verified checkpoint
+    folder per ``training.on_corrupt_checkpoint``."""
+    return lambda directory: find_checkpoint(directory, cfg.training.on_corrupt_checkpoint, log)
+
+
+def set_up(cfg) -> MegatronRun:
+    """Process groups, data, model, optimizer and schedule; resume from ``cfg.load`` if it has a checkpoint."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.checkpointing import holds_weights_only, load_checkpoint
+    from fe_megatron.megatron.parallel import initialize
+    from fe_megatron.megatron.step import causal_mask
+
+    m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
+    initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding)
+    on_gpu = torch.cuda.is_available()
+    log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
+        f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
+    tokenizer = load_run_tokenizer(cfg)
+    dp = parallel_state.get_data_parallel_world_size()
+    info = run_info(cfg, dp, {"engine": "megatron"})
+    start_at = start_point(cfg, "megatron", find_megatron_checkpoint(cfg), log)
+    resume_from = start_at.folder
+    if resume_from is not None:
+        resume_guard.guard(resume_from, start_at.saved, info, log, weights_only=holds_weights_only(resume_from))
+    datasets = run_datasets(cfg, tokenizer, dp)
+
+    tconfig = transformer_config_for(cfg, on_gpu)
+    model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory, backend=t.transformer_impl,
+                            share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
+                            table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
+    if on_gpu:
+        model.cuda()
+    if t.freeze_backbone:
+        freeze_backbone(model)
+    ddp = wrap_ddp(model, tconfig, use_distributed_optimizer=p.distributed_optimizer)
+    optimizer = build_optimizer([ddp], OptimizerConfig(
+        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
+        adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=tconfig.bf16,
+        params_dtype=tconfig.params_dtype, use_distributed_optimizer=p.distributed_optimizer),
+        table_lr_mult=o.table_lr_mult, table_weight_decay_mult=o.table_weight_decay_mult)
+    connect_schedule_hooks(tconfig, [ddp], optimizer)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=t.train_steps, lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
+        wd_incr_steps=t.train_steps, wd_incr_style="constant")
+    start = 0
+    if resume_from is not None:
+        same_layout = _layout(start_at.saved) == _layout(info)
+        start = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
+                                restore_rng=same_layout)
+        if holds_weights_only(resume_from):
+            log(f"loaded the weights of {resume_from} (a converted checkpoint: no optimizer state); training "
+                "starts at step 0")
+        else:
+            log(f"resumed from {resume_from} at iteration {start}; random states "
+                f"{'restored' if same_layout else 'not restored (the parallel layout changed)'}")
+
+    run = MegatronRun(cfg=cfg, info=info, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
+                      datasets=datasets, num_microbatches=microbatches_per_rank(t, dp),
+                      attention_mask=causal_mask(m.seq_length, current_device()),
+                      metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
+                      parameters=count_parameters(model))
+    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}", world_size=torch.distributed.get_world_size(), dp=dp,
+          tp=p.tensor, pp=p.pipeline)
+    return run
+
+
+def _layout(info) -> dict:
+    """The parallel layout of a run info, without the engine's name (older checkpoints lack it)."""
+    return {k: v for k, v in ((info or {}).get("layout") or {}).items() if k != "engine"}
+
+
+def shut_down() -> None:
+    """Megatron's model-parallel state and the process group."""
+    from fe_megatron.megatron.parallel import shutdown
+
+    shutdown()

@@ -1,0 +1,143 @@
+"""The package's layering (docs/architecture.md): imports run one way, from the command lines
+down to the core, with no cycle, and the core never imports Megatron, DeepSpeed or transformers.
+
+Every import statement counts, including those inside functions (a lazy import is still a
+dependency)."""
+
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fe_megatron")
+
+# Each top-level part of the package and its layer: a module may import from its own layer and below.
+LAYERS = {
+    "fe_megatron": 0, "config": 0, "presets": 0, "ngram": 0, "ops": 0, "memory": 0,  # the core
+    "data": 1,
+    "training": 2,
+    "checkpoint": 3,
+    "megatron": 4, "deepspeed": 4, "hf": 4,  # adapters and their engines
+    "convert": 5, "evaluation": 5, "planning": 5,
+    "train": 6, "demo": 6,  # command lines (and every */cli.py, below)
+}
+COMMAND_LINES = {"fe_megatron.data.cli", "fe_megatron.evaluation.cli", "fe_megatron.evaluation.inspect",
+                 "fe_megatron.convert.cli", "fe_megatron.convert.__main__", "fe_megatron.planning.cli"}
+CORE = {name for name, layer in LAYERS.items() if layer == 0}
+FORBIDDEN_IN_CORE = ("megatron", "deepspeed", "transformers")
+
+
+def modules() -> dict:
+    """``{dotted module name: path}`` of every module in the package."""
+    found = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                dotted = os.path.relpath(path[:-3], os.path.dirname(PACKAGE)).replace(os.sep, ".")
+                found[dotted[:-len(".__init__")] if dotted.endswith(".__init__") else dotted] = path
+    return found
+
+
+def imports_of(name: str, path: str, known: dict) -> tuple:
+    """``(package modules, third-party top-level names)`` that module ``name`` imports."""
+    is_package = path.endswith("__init__.py")
+    inside, outside = set(), set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")[:len(name.split(".")) - node.level + (1 if is_package else 0)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            if target.split(".")[0] == "fe_megatron":
+                while target not in known:
+                    target = target.rsplit(".", 1)[0]
+                inside.add(target)
+            else:
+                outside.add(target.split(".")[0])
+    inside.discard(name)
+    return inside, outside
+
+
+def layer_of(name: str) -> int:
+    if name in COMMAND_LINES:
+        return max(LAYERS.values())
+    parts = name.split(".")
+    return LAYERS[parts[1] if len(parts) > 1 else parts[0]]
+
+
+@pytest.fixture(scope="module")
+def graph():
+    known = modules()
+    return known, {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def test_every_part_of_the_package_has_a_layer(graph):
+    known, _ = graph
+    unplaced = sorted({name.split(".")[1] for name in known if "." in name} - set(LAYERS))
+    assert not unplaced, f"add these to LAYERS (and docs/architecture.md): {unplaced}"
+
+
+def test_no_module_imports_from_a_layer_above_it(graph):
+    _, edges = graph
+    upward = [f"{name} (layer {layer_of(name)}) imports {target} (layer {layer_of(target)})"
+              for name, (inside, _) in sorted(edges.items()) for target in sorted(inside)
+              if layer_of(target) > layer_of(name)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_core_imports_no_framework(graph):
+    _, edges = graph
+    bad = [f"{name} imports {lib}" for name, (_, outside) in sorted(edges.items())
+           if layer_of(name) == 0 for lib in sorted(outside) if lib in FORBIDDEN_IN_CORE]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycle(graph):
+    _, edges = graph
+    cycles = find_cycles({name: inside for name, (inside, _) in edges.items()})
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def find_cycles(edges: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan), each as a sorted list."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
