@@ -174,11 +174,8 @@ class MemoryConfig:
         for n, cap in zip(orders, self.table_capacity):
             if cap < 2:
                 raise ConfigError("table_capacity", f"capacity {cap} for order {n} must be >= 2")
-        if 1 in orders and self.token_compression is None:
-            cap1 = self.table_capacity[orders.index(1)]
-            if cap1 < self.vocab_size:
-                raise ConfigError("table_capacity", f"unigram capacity {cap1} is below vocab_size={self.vocab_size}; "
-                                                    "unigrams are directly indexed, so it must be >= vocab_size")
+        if self.token_compression is None:  # with compression the hasher checks once it has loaded the tokenizer
+            self.check_unigram_capacity(self.vocab_size)
         if self.coeff_width % self.num_branches != 0:
             raise ConfigError("coeff_width", f"{self.coeff_width} is not divisible by the {self.num_branches} branches "
                                              f"(orders {orders} x heads {self.heads_per_order}); every branch stores "
@@ -259,6 +256,18 @@ class MemoryConfig:
         return max(self.ngram_orders)
 
     # ------------------------------------------------------------------ construction
+    def check_unigram_capacity(self, lookup_vocab: int) -> None:
+        """Unigrams are indexed directly: the unigram table needs a row for each of the ``lookup_vocab``
+        ids the addressing sees (``vocab_size``, or the compressed vocabulary with token compression)."""
+        if 1 not in self.ngram_orders:
+            return
+        cap1 = self.table_capacity[self.ngram_orders.index(1)]
+        if cap1 < lookup_vocab:
+            seen = (f"vocab_size={lookup_vocab}" if self.token_compression is None
+                    else f"the lookup vocabulary ({lookup_vocab} ids after token compression)")
+            raise ConfigError("table_capacity", f"unigram capacity {cap1} is below {seen}; unigrams are directly "
+                                                f"indexed, so it must be >= {lookup_vocab}")
+
     @classmethod
     def preset_names(cls) -> list:
         from fe_megatron.presets import PRESETS

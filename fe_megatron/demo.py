@@ -59,6 +59,16 @@ def plot(out_dir, metrics):
     return path
 
 
+def repository_files() -> None:
+    """The demo reads the repository's corpus and config, not files inside the installed package:
+    say so, and what to do, when this installation has no repository beside it."""
+    missing = [path for path in (CORPUS, CONFIG) if not os.path.isfile(path)]
+    if missing:
+        raise SystemExit(f"fe-demo: error: {missing[0]} is missing. fe-demo runs from a clone of the fe_megatron "
+                         "repository (it reads data/sotu.jsonl.gz and examples/configs/demo_cpu.yaml there); this "
+                         "installation has none beside it. Clone the repository and run `make demo` in it.")
+
+
 def config_steps() -> tuple:
     """(training steps, warm-up steps) of the demo config."""
     import yaml
@@ -79,6 +89,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fe-demo", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    repository_files()
     config_train_steps, config_warmup = config_steps()
     parser.add_argument("--steps", type=positive_int, default=None,
                         help=f"training steps per model (default {config_train_steps}); warm-up scales with them")

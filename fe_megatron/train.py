@@ -34,7 +34,8 @@ Every training.log_interval steps it prints and records (TensorBoard and SAVE/me
 the LM loss, the sparsity loss (lambda x Eq. 12), the learning rate, the gradient norm,
 tokens/s, memory and the time left; every training.eval_interval the validation perplexity;
 every training.save_interval a distributed checkpoint. --load DIR resumes from DIR's latest
-checkpoint. The config's sections and fields: docs/training.md.
+checkpoint; a new run is never written into a --save folder that holds another run's
+checkpoints. The config's sections and fields: docs/training.md.
 """
 
 
@@ -81,7 +82,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True,
                         help="YAML training config, e.g. examples/configs/demo_cpu.yaml (docs/training.md)")
-    parser.add_argument("--load", help="resume from the latest checkpoint in this directory")
+    parser.add_argument("--load", help="resume from this run directory's newest checkpoint (an earlier --save); on a "
+                                       "first start that later starts resume, the same folder as --save. The "
+                                       "DeepSpeed engine also takes a Hugging Face model directory")
     parser.add_argument("--save", help="checkpoint and metrics directory")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.train_steps=100")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's

@@ -260,3 +260,29 @@ def test_a_deepspeed_config_is_completed_from_the_training_config(small_data, tm
 def test_engine_settings_that_cannot_work_are_refused(small_data, items, message):
     with pytest.raises(ConfigError, match=message):
         load_train_config(CONFIG, small_overrides(small_data, **{"training.engine": "deepspeed"}) + items)
+
+
+@pytest.mark.distributed
+def test_deepspeed_checkpoints_are_committed_and_verified_like_megatrons(start, zero3):
+    """The DeepSpeed engine's checkpoints get the same tracker, manifest and verification as the
+    Megatron engine's (DeepSpeed's own ``latest`` is kept for its tools)."""
+    from fe_megatron.checkpoint.files import MANIFEST, TRACKER, read_manifest
+
+    with open(os.path.join(zero3, TRACKER)) as fh, open(os.path.join(zero3, "latest")) as latest:
+        assert fh.read() == "4" and latest.read() == "iter_0000004"
+    folder = os.path.join(zero3, "iter_0000004")
+    manifest = read_manifest(folder)
+    assert "fe_run.json" in manifest["files"] and any(name.endswith("model_states.pt") for name in manifest["files"])
+    assert not [name for name in os.listdir(zero3) if name.endswith(".tmp")]
+    damaged = str(start["base"] / "zero3_damaged")
+    shutil.copytree(zero3, damaged)
+    victim = sorted(name for name in manifest["files"] if name.endswith(".pt"))[0]
+    with open(os.path.join(damaged, "iter_0000004", victim), "r+b") as fh:
+        fh.seek(100)
+        byte = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    proc = run_pretrain(["--config", CONFIG, "--load", damaged, "--save", damaged, DS,
+                         "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"]), nproc=2, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{victim}: its sha256 differs from the manifest's" in proc.stderr and MANIFEST not in victim

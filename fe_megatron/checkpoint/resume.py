@@ -4,8 +4,9 @@
 * ``--load`` of a run directory with a checkpoint: resume from its newest intact checkpoint,
   after the resume guards (`fe_megatron.checkpoint.resume_guard`);
 * ``--load`` of a Hugging Face model directory: its weights start a new run (DeepSpeed engine);
-* ``--load`` of a folder that does not exist yet, or is empty: a new run only when it is also
-  ``--save`` (the launch scripts' first start: every restart afterwards resumes there).
+* ``--load`` of a folder without checkpoints (not there yet, empty, or holding only the logs of
+  a start that never saved): a new run only when it is also ``--save`` (the launch scripts'
+  first start: every restart afterwards resumes there).
 
 Everything else is refused with what a run directory holds: a file, a folder holding something
 else (a tokenizer, data), a run of the other engine.  A new run is never written into a
@@ -58,14 +59,6 @@ def start_point(cfg, engine: str, find, log) -> StartPoint:
     if os.path.isfile(load):
         raise CheckpointError(f"--load {load} is a file; --load takes a run directory to resume ({RUN_DIRECTORY})"
                               + ("" if engine == "megatron" else ", or a Hugging Face model directory"))
-    if not os.path.isdir(load) or not os.listdir(load):
-        if _same_folder(load, save):
-            log(f"--load {load} holds no checkpoint yet and is also --save: starting a new run there from step 0 "
-                "(later starts resume from its checkpoints)")
-            return StartPoint("new")
-        state = "does not exist" if not os.path.isdir(load) else "is empty"
-        raise CheckpointError(f"--load {load} {state}: there is nothing to resume. Leave out --load to start a new "
-                              "run, or give the same folder as --save (a first start that later starts resume)")
     if os.path.isfile(os.path.join(load, "config.json")):
         if engine != "deepspeed":
             raise CheckpointError(f"--load {load} is a Hugging Face model directory; the Megatron engine starts from "
@@ -73,6 +66,13 @@ def start_point(cfg, engine: str, find, log) -> StartPoint:
                                   "then --load NEW_DIR")
         _refuse_foreign_save(save, load)
         return StartPoint("hf", load)
+    if _same_folder(load, save) and not holds_checkpoints(load):  # e.g. a restart before the first save
+        log(f"--load {load} holds no checkpoint yet and is also --save: starting a new run there from step 0 "
+            "(later starts resume from its checkpoints)")
+        return StartPoint("new")
+    if not os.path.isdir(load):
+        raise CheckpointError(f"--load {load} does not exist: there is nothing to resume. Leave out --load to start a "
+                              "new run, or give the same folder as --save (a first start that later starts resume)")
     if not holds_checkpoints(load):
         raise CheckpointError(f"--load {load} is not a run directory: it holds {_some_names(load)}. {RUN_DIRECTORY}. "
                               "Give the run's --save folder, or leave out --load to start a new run")
@@ -111,4 +111,6 @@ def _check_engine(load: str, engine: str) -> None:
 
 def _some_names(directory: str) -> str:
     names = sorted(os.listdir(directory))
+    if not names:
+        return "nothing"
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")

@@ -102,3 +102,28 @@ def guard(folder: str, saved: dict, info: dict, log, weights_only: bool = False)
                               "directory without --load.")
     for line in changed:
         log(f"changed since the checkpoint: {line}")
+    note = None if weights_only else schedule_note(saved, info)
+    if note:
+        log(note)
+
+
+# The learning-rate schedule's settings: a resumed run keeps the checkpoint's (both engines).
+SCHEDULE = (("optimizer", "lr"), ("optimizer", "min_lr"), ("optimizer", "warmup_steps"), ("training", "train_steps"))
+
+
+def schedule_note(saved: Optional[dict], current: dict) -> Optional[str]:
+    """What a resumed run's learning rate does when a schedule setting changed, or None."""
+    if saved is None:
+        return None
+    changed = [(f"{section}.{name}", _get(saved, section, name), _get(current, section, name))
+               for section, name in SCHEDULE if _get(saved, section, name) != _get(current, section, name)]
+    if not changed:
+        return None
+    listed = ", ".join(f"{key} {old} -> {new}" for key, old, new in changed)
+    note = (f"note: the learning-rate schedule is the checkpoint's, so {listed} does not change it: the rate "
+            f"follows the saved warm-up and cosine decay")
+    old_steps, new_steps = _get(saved, "training", "train_steps"), _get(current, "training", "train_steps")
+    if old_steps is not None and new_steps is not None and new_steps > old_steps:
+        note += f" and stays at the saved min_lr after step {old_steps}"
+    return note + (". To train on a new schedule, start a new run from these weights (fe-convert "
+                   "mcore-to-hf / deepspeed-to-hf, then --load the converted model)")

@@ -27,6 +27,8 @@ import sys
 from fe_megatron.checkpoint.files import CheckpointError
 from fe_megatron.config import ConfigError
 from fe_megatron.convert.common import ConversionError
+from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
+from fe_megatron.presets import PRESETS
 
 def main(argv=None) -> int:
     from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
@@ -49,7 +51,8 @@ def main(argv=None) -> int:
     from_ds.add_argument("--tokenizer", help="the run's tokenizer, if it has moved since training")
     graft_cmd = commands.add_parser("graft", help="add memory branches to a pretrained Llama")
     graft_cmd.add_argument("--base", required=True, help="a transformers Llama directory or a .gguf file")
-    graft_cmd.add_argument("--memory-preset", required=True, help="a memory preset (fe-plan --list-presets)")
+    graft_cmd.add_argument("--memory-preset", required=True, choices=sorted(PRESETS), metavar="PRESET",
+                           help=f"a memory preset: {', '.join(sorted(PRESETS))} (fe-plan --preset NAME shows one)")
     graft_cmd.add_argument("--layers", type=lambda s: [int(x) for x in s.split(",")],
                            help="0-based insertion layers, comma-separated (default: the preset's)")
     graft_cmd.add_argument("--output", required=True, help="a new run directory")
@@ -57,7 +60,7 @@ def main(argv=None) -> int:
     for sub in (to_mcore, graft_cmd):
         sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size to train with (train.yaml)")
         sub.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to train with (train.yaml)")
-        sub.add_argument("--table-sharding", default="replicated", choices=["replicated", "rows"])
+        sub.add_argument("--table-sharding", default="replicated", choices=MEGATRON_TABLE_SHARDINGS)
     args = parser.parse_args(argv)
     from fe_megatron.convert.graft import graft
     from fe_megatron.convert.to_hf import mcore_to_hf

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,8 @@ from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST, find_checkpoint_fold
 from fe_megatron.checkpoint.resume import start_point
 from fe_megatron.checkpoint.run_info import run_info
 from fe_megatron.deepspeed.config import resolve, zero_stage
+from fe_megatron.memory.loss import weighted_sparsity
+from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.training.distributed import current_device, log
 from fe_megatron.training.loop import MetricsWriter
 from fe_megatron.training.lr_schedule import learning_rate
@@ -88,19 +91,24 @@ class DeepSpeedRun(EngineRun):
     start_step: int
     parameters: int
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
+    schedule: Optional[tuple] = None  # (lr, min_lr, warmup_steps, decay_steps): the config's, or a checkpoint's
+
+    def __post_init__(self):
+        if self.schedule is None:
+            o = self.cfg.optimizer
+            self.schedule = (o.lr, o.min_lr, o.warmup_steps, self.cfg.training.train_steps)
 
     def data_parallel_rank(self) -> int:
         return dist.get_rank()  # every rank is a data-parallel rank
 
     def _set_learning_rates(self) -> None:
-        o, t = self.cfg.optimizer, self.cfg.training
+        lr, min_lr, warmup, decay = self.schedule
         groups = list(self.engine.optimizer.param_groups)
         if self.tables is not None:
             groups += self.tables.optimizer.param_groups
         for group in groups:
             mult = group.get("lr_mult", 1.0)
-            group["lr"] = learning_rate(self.step_index, o.lr * mult, o.min_lr * mult, o.warmup_steps,
-                                        t.train_steps)
+            group["lr"] = learning_rate(self.step_index, lr * mult, min_lr * mult, warmup, decay)
 
     def _losses(self, batch: dict):
         output = self.engine(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False)
@@ -108,7 +116,7 @@ class DeepSpeedRun(EngineRun):
         memory = self.cfg.memory
         if output.sparsity_loss is None or memory is None:
             return lm, torch.zeros((), device=lm.device)
-        return lm, memory.sparsity_lambda * output.sparsity_loss
+        return lm, weighted_sparsity(output.sparsity_loss, memory.sparsity_lambda)  # Eq. 13
 
     def train_step(self, batches: list) -> StepResult:
         self._set_learning_rates()
@@ -151,8 +159,7 @@ class DeepSpeedRun(EngineRun):
 
     def learning_rate(self) -> float:
         """The rate of the next step (as Megatron's scheduler reports it after stepping)."""
-        o = self.cfg.optimizer
-        return learning_rate(self.step_index, o.lr, o.min_lr, o.warmup_steps, self.cfg.training.train_steps)
+        return learning_rate(self.step_index, *self.schedule)
 
     @torch.no_grad()
     def evaluate(self, dataset, index: int) -> float:
@@ -214,17 +221,17 @@ def find_deepspeed_checkpoint(cfg):
 
 
 # ----------------------------------------------------------------------------- model
-def build_model(cfg, rows_group=None):
+def build_model(cfg, memory_parallel_group=None):
     """The run's `FactorEngramForCausalLM` (a plain Llama-like model with ``memory: null``), its
-    branches row-sharded over ``rows_group`` when given."""
+    branches row-sharded over ``memory_parallel_group`` when given."""
     from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
     from fe_megatron.memory import ParallelHooks
 
     config = FactorEngramConfig.from_fe_megatron(cfg.model, cfg.memory, use_cache=False)
     hooks = None
-    if rows_group is not None:
+    if memory_parallel_group is not None:
         hooks = ParallelHooks()
-        hooks.memory_parallel_group = rows_group
+        hooks.memory_parallel_group = memory_parallel_group
     return FactorEngramForCausalLM(config, memory_parallel=hooks)
 
 
@@ -290,7 +297,7 @@ def set_up(cfg) -> DeepSpeedRun:
     dp = dist.get_world_size()
     ds_config = resolve(cfg, dp, bf16)
     stage = zero_stage(ds_config)
-    tables_mode = "rows" if p.table_sharding == "rows" else "zero"
+    tables_mode = ROW_SHARDED if p.table_sharding == ROW_SHARDED else "zero"  # replicated: as ZeRO parameters
     tokenizer = load_run_tokenizer(cfg)
     info = run_info(cfg, dp, {"engine": "deepspeed", "zero_stage": stage})
     start_at = start_point(cfg, "deepspeed", find_deepspeed_checkpoint(cfg), log)
@@ -300,7 +307,7 @@ def set_up(cfg) -> DeepSpeedRun:
     datasets = run_datasets(cfg, tokenizer, dp)
 
     torch.manual_seed(t.seed)
-    rows = tables_mode == "rows" and cfg.memory is not None
+    rows = tables_mode == ROW_SHARDED and cfg.memory is not None
     model = build_model(cfg, dist.group.WORLD if rows else None)
     if kind == "hf":
         load_hf_weights(model, where)
@@ -331,11 +338,20 @@ def set_up(cfg) -> DeepSpeedRun:
     run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=datasets,
                        num_microbatches=microbatches_per_rank(t, dp),
                        metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
-                       parameters=parameters, step_index=start)
+                       parameters=parameters, step_index=start, schedule=saved_schedule(start_at.saved))
     begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, tables "
                f"{'row-sharded outside ZeRO' if rows else 'as ZeRO parameters'}",
           world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
     return run
+
+
+def saved_schedule(saved: Optional[dict]) -> Optional[tuple]:
+    """The learning-rate schedule a checkpoint's run info records (None: a new run uses its config's).
+    A resumed run keeps it, as Megatron's scheduler does (`fe_megatron.checkpoint.resume_guard.SCHEDULE`)."""
+    if saved is None:
+        return None
+    o, t = saved["config"]["optimizer"], saved["config"]["training"]
+    return o["lr"], o["min_lr"], o["warmup_steps"], t["train_steps"]
 
 
 def shut_down() -> None:

@@ -36,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
-from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memory
+from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memory, layer_sparsity, weighted_sparsity
 
 from .configuration_fe_megatron import FactorEngramConfig
 
@@ -98,7 +98,7 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         memory_out, l1 = self.memory(hidden_states, token_ids, decoding=decoding)
         if decoding is not None and decoding.valid is not None:
             l1 = l1[decoding.valid]  # padding is not text
-        sparsity_terms.append(l1.float().mean())
+        sparsity_terms.append(layer_sparsity(l1, len(self.memory.config.layers)))  # Eq. 12
         return memory_out
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
@@ -220,7 +220,7 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
                                           past_key_values=past_key_values, use_cache=use_cache, **memory_kwargs,
                                           **kwargs)
         hidden_states = self.norm(hidden_states)
-        sparsity = torch.stack(sparsity_terms).mean() if sparsity_terms else None
+        sparsity = torch.stack(sparsity_terms).sum() if sparsity_terms else None
         return FactorEngramModelOutput(last_hidden_state=hidden_states,
                                        past_key_values=past_key_values if use_cache else None,
                                        sparsity_loss=sparsity)
@@ -279,7 +279,7 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
             memory = self.config.memory
             if outputs.sparsity_loss is not None and memory.get("sparsity_lambda", 0.0):
-                loss = loss + memory["sparsity_lambda"] * outputs.sparsity_loss  # Eq. 13
+                loss = loss + weighted_sparsity(outputs.sparsity_loss, memory["sparsity_lambda"])  # Eq. 13
         return FactorEngramCausalLMOutput(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                           sparsity_loss=outputs.sparsity_loss)
 

@@ -36,21 +36,20 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
 from fe_megatron.memory import MemoryBranch, build_memory
-from fe_megatron.memory.sharding import param_sharding
-
-TABLE_SHARDINGS = ("replicated", "rows")
+from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, param_sharding
 
 
 def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, layer_index: int,
                         tp_group: Optional[dist.ProcessGroup] = None,
                         table_sharding: str = "replicated") -> MemoryBranch:
     """The branch of insertion layer ``layer_index`` for this rank, with its Megatron attributes."""
-    if table_sharding not in TABLE_SHARDINGS:
-        raise ValueError(f"table_sharding={table_sharding!r} is not one of {TABLE_SHARDINGS}")
+    if table_sharding not in MEGATRON_TABLE_SHARDINGS:
+        raise ValueError(f"table_sharding={table_sharding!r} is not one of {MEGATRON_TABLE_SHARDINGS}")
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
-    rows_group = parallel_state.get_expert_model_parallel_group() if table_sharding == "rows" else None
-    hooks = MegatronParallelHooks(tp_group, config.sequence_parallel, cp_group, rows_group)
+    # Megatron's expert-parallel group serves as the memory-parallel group (fe_megatron.megatron.parallel)
+    memory_parallel_group = parallel_state.get_expert_model_parallel_group() if table_sharding == ROW_SHARDED else None
+    hooks = MegatronParallelHooks(tp_group, config.sequence_parallel, cp_group, memory_parallel_group)
     branch = build_memory(memory_config, layer_index, hooks, initialize=config.perform_initialization)
     for name, param in branch.named_parameters():
         sharding = param_sharding(branch.kind, name)

@@ -42,6 +42,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.memory_layer import build_memory_branch, memory_sharded_state_dict
 from fe_megatron.megatron.sparsity import attach_sparsity_loss
+from fe_megatron.memory.loss import layer_sparsity, weighted_sparsity
 
 
 def validate_against_transformer_config(memory_config: MemoryConfig, config) -> None:
@@ -119,7 +120,7 @@ class FactorEngramTransformerLayer(TransformerLayer):
     def _memory(self, residual_stream: torch.Tensor, indices: torch.Tensor):
         memory_out, l1_share = self.memory(residual_stream, indices=indices)
         mc = self.memory_config
-        aux_loss = l1_share.mean() * (mc.sparsity_lambda / len(mc.layers))  # this layer's share of Eq. 12-13
+        aux_loss = weighted_sparsity(layer_sparsity(l1_share, len(mc.layers)), mc.sparsity_lambda)  # Eq. 12-13
         # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad
         # disabled), then again in backward with grad enabled. Record the value once.
         if torch.is_grad_enabled() or not self.training:

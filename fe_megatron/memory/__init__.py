@@ -12,7 +12,7 @@ from fe_megatron.memory.branch import MemoryBranch
 from fe_megatron.memory.decoding import Decoding, DecodingState
 from fe_megatron.memory.engram import Engram
 from fe_megatron.memory.factorengram import FactorEngram
-from fe_megatron.memory.loss import sparsity_loss
+from fe_megatron.memory.loss import layer_sparsity, sparsity_loss, weighted_sparsity
 from fe_megatron.memory.parallel_hooks import ParallelHooks
 from fe_megatron.memory.sharding import SHARDING_PLAN
 from fe_megatron.memory.short_conv import ShortConv
@@ -28,4 +28,5 @@ def build_memory(config: MemoryConfig, layer_index: int, parallel: Optional[Para
 
 
 __all__ = ["BRANCH_CLASSES", "Decoding", "DecodingState", "Engram", "FactorEngram", "MemoryBranch", "NgramTables",
-           "ParallelHooks", "SHARDING_PLAN", "ShortConv", "build_memory", "sparsity_loss"]
+           "ParallelHooks", "SHARDING_PLAN", "ShortConv", "build_memory", "layer_sparsity", "sparsity_loss",
+           "weighted_sparsity"]

@@ -159,8 +159,8 @@ class _RowShardedGather(torch.autograd.Function):
     """``rows = lookup.rows()``, whose backward sends the row gradients to their owners.
 
     As `fe_megatron.ops.gather_rows`, the backward adds straight into ``main_grad`` under
-    Megatron's DDP and hands autograd a placeholder; elsewhere it returns the dense gradient
-    of the local shard (1/N of the table).
+    Megatron's DDP (`fe_megatron.ops.table_weight_gradient`); elsewhere it returns the dense
+    gradient of the local shard (1/N of the table).
     """
 
     @staticmethod
@@ -174,11 +174,5 @@ class _RowShardedGather(torch.autograd.Function):
         lookup, (weight,) = ctx.lookup, ctx.saved_tensors
         grad_rows = grad_output.reshape(-1, weight.shape[1]).contiguous()
         deterministic = ops.deterministic_backward()
-        if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
-            lookup.send_gradients(grad_rows, weight.main_grad, deterministic)
-            weight.grad_added_to_main_grad = True
-            placeholder = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            return placeholder(weight.shape, dtype=weight.dtype, device=weight.device), None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        lookup.send_gradients(grad_rows, grad_weight, deterministic)
-        return grad_weight.to(weight.dtype), None
+        return ops.table_weight_gradient(weight, lambda out: lookup.send_gradients(grad_rows, out, deterministic),
+                                         dense_dtype=torch.float32), None

@@ -29,6 +29,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+# ``parallel.table_sharding``: where the tables' rows live, across data-parallel ranks.
+TABLE_SHARDINGS = {
+    "replicated": "every data-parallel rank holds every row (gradients all-reduced, as for any weight)",
+    "rows": "the rows are split over the memory-parallel group (the data-parallel ranks, times the context-parallel "
+            "ones); the row exchange fetches what each microbatch needs",
+    "zero": "DeepSpeed engine only: the tables are ordinary parameters that ZeRO partitions and gathers whole",
+}
+ROW_SHARDED = "rows"
+MEGATRON_TABLE_SHARDINGS = ("replicated", "rows")  # the Megatron engine, the converters and fe-plan
+
 import torch
 
 

@@ -137,11 +137,7 @@ def lookup_vocab_size(config: MemoryConfig) -> int:
 def branch_layouts(config: MemoryConfig) -> dict:
     """``{layer: BranchLayout}`` for every insertion layer of ``config``."""
     vocab = lookup_vocab_size(config)
-    if 1 in config.ngram_orders:
-        cap1 = config.table_capacity[config.ngram_orders.index(1)]
-        if cap1 < vocab:
-            raise ValueError(f"MemoryConfig.table_capacity: unigram capacity {cap1} is below the lookup "
-                             f"vocabulary ({vocab} ids after token compression); it must be >= {vocab}")
+    config.check_unigram_capacity(vocab)
     key = (tuple(config.ngram_orders), tuple(config.heads_per_order), tuple(config.table_capacity),
            tuple(config.layers), config.hash_seed, vocab)
     return _layouts(key)

@@ -206,13 +206,30 @@ def gather_rows_backward(grad_rows: torch.Tensor, flat_indices: torch.Tensor, ou
                                                     deterministic)
 
 
+def table_weight_gradient(weight: torch.Tensor, add_row_gradients, dense_dtype: torch.dtype = None) -> torch.Tensor:
+    """The gradient a table's backward hands autograd, given ``add_row_gradients(out)``, which adds the
+    looked-up rows' gradients into ``out`` (a [rows, width] tensor).
+
+    Under Megatron's DDP (parameters with ``main_grad`` and ``grad_added_to_main_grad``) the rows
+    go straight into ``main_grad`` and autograd gets an unfilled placeholder, as Megatron's fused
+    weight-gradient accumulation does (DDP adds the placeholder to ``main_grad`` only when
+    ``zero_out_wgrad`` is set: then it is zeros).  Elsewhere a dense gradient, accumulated in
+    ``dense_dtype`` (default: the weight's) and returned in the weight's dtype."""
+    if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
+        add_row_gradients(weight.main_grad)
+        weight.grad_added_to_main_grad = True
+        placeholder = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return placeholder(weight.shape, dtype=weight.dtype, device=weight.device)
+    grad_weight = torch.zeros(weight.shape, dtype=dense_dtype or weight.dtype, device=weight.device)
+    add_row_gradients(grad_weight)
+    return grad_weight.to(weight.dtype)
+
+
 class _GatherRows(torch.autograd.Function):
     """``weight[indices]`` whose backward reduces each unique row once.
 
-    Under Megatron's DDP (parameters with ``main_grad`` and ``grad_added_to_main_grad``)
-    the backward adds straight into ``main_grad``, touching only the looked-up rows, and
-    hands autograd an unfilled placeholder, as Megatron's fused weight-gradient
-    accumulation does.  Elsewhere it returns a dense gradient.
+    Under Megatron's DDP the backward adds straight into ``main_grad``, touching only the
+    looked-up rows (`table_weight_gradient`).  Elsewhere it returns a dense gradient.
     """
 
     @staticmethod
@@ -232,17 +249,8 @@ class _GatherRows(torch.autograd.Function):
         grad_rows = grad_output.reshape(flat.numel(), weight.shape[1]).contiguous()
         deterministic = deterministic_backward()
         backend = _backends[ctx.backend].module
-        fused_accumulation = getattr(weight, "grad_added_to_main_grad", None) is not None
-        if fused_accumulation and getattr(weight, "main_grad", None) is not None:
-            backend.gather_rows_backward(grad_rows, flat, weight.main_grad, deterministic)
-            weight.grad_added_to_main_grad = True
-            # DDP adds this placeholder to main_grad only when zero_out_wgrad is set: then it must be zeros.
-            placeholder = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-            grad_weight = placeholder(weight.shape, dtype=weight.dtype, device=weight.device)
-        else:
-            grad_weight = torch.zeros_like(weight)
-            backend.gather_rows_backward(grad_rows, flat, grad_weight, deterministic)
-        return grad_weight, None
+        return table_weight_gradient(
+            weight, lambda out: backend.gather_rows_backward(grad_rows, flat, out, deterministic)), None
 
 
 def gather_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

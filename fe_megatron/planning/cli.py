@@ -3,9 +3,10 @@
 import argparse
 import sys
 
-from fe_megatron.planning.budget import format_budget
 from fe_megatron.config import ConfigError, MemoryConfig
-from fe_megatron.planning.rank_memory import TABLE_SHARDINGS, format_rank_memory
+from fe_megatron.planning.budget import format_budget
+from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
+from fe_megatron.planning.rank_memory import format_rank_memory
 
 DESCRIPTION = ("Print the parameter budget of a memory preset or a YAML config: the backbone, the tables per "
                "n-gram order and layer, the dictionary and projections, and the total (last line: total_params=N). "
@@ -30,7 +31,7 @@ def main(argv=None) -> int:
     layout.add_argument("--tp", type=positive_int, default=None, help="tensor-parallel size (default 1)")
     layout.add_argument("--pp", type=positive_int, default=None, help="pipeline-parallel size (default 1)")
     layout.add_argument("--dp", type=positive_int, default=None, help="data-parallel size (default 1)")
-    layout.add_argument("--table-sharding", choices=TABLE_SHARDINGS, default=None,
+    layout.add_argument("--table-sharding", choices=MEGATRON_TABLE_SHARDINGS, default=None,
                         help="tables whole on every data-parallel rank, or their rows sharded (default replicated)")
     layout.add_argument("--distributed-optimizer", action="store_true", help="shard optimizer states over DP")
     layout.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="backbone weights (default bf16)")

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fe_megatron.planning.budget import layer_params, memory_layer_budget
 from fe_megatron.config import MemoryConfig
+from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDED
+from fe_megatron.planning.budget import layer_params, memory_layer_budget
 
-TABLE_SHARDINGS = ("replicated", "rows")
 
 
 @dataclass
@@ -73,15 +73,15 @@ def _stage_params(config: MemoryConfig, pp: int, stage: int) -> tuple:
 
 def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, table_sharding: str = "replicated",
                 distributed_optimizer: bool = False, precision: str = "bf16") -> RankMemory:
-    if table_sharding not in TABLE_SHARDINGS:
-        raise ValueError(f"table_sharding {table_sharding!r} is not one of {TABLE_SHARDINGS}")
+    if table_sharding not in MEGATRON_TABLE_SHARDINGS:
+        raise ValueError(f"table_sharding {table_sharding!r} is not one of {MEGATRON_TABLE_SHARDINGS}")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision {precision!r} is not one of fp32, bf16")
     if config.num_layers % pp:
         raise ValueError(f"pipeline size {pp} does not divide num_layers={config.num_layers}")
     stages = [_stage_params(config, pp, stage) for stage in range(pp)]
     tables, rest = max(stages, key=lambda s: s[0] * 4 * 4 + s[1] * 4 * 4)
-    tables /= tp * (dp if table_sharding == "rows" else 1)
+    tables /= tp * (dp if table_sharding == ROW_SHARDED else 1)
     rest /= tp
     rest_bytes = 2 if precision == "bf16" else 4
     rest_optimizer = rest * (8 + (4 if precision == "bf16" else 0))
@@ -114,15 +114,18 @@ def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sh
                        global_batch_size: int) -> str:
     m = rank_memory(config, tp, pp, dp, table_sharding, distributed_optimizer, precision)
     gib = 2 ** 30
+    rest_dtype = "bf16 weights, fp32 gradients and Adam state" if precision == "bf16" else "fp32"
     lines = [f"# per rank: TP={tp} PP={pp} DP={dp}, tables {table_sharding}, {precision}"
              f"{', distributed optimizer' if distributed_optimizer else ''} (the heaviest pipeline stage)",
+             f"# counted in: tables fp32 (weights, gradients, Adam's two moments: 16 bytes per parameter); "
+             f"rest {rest_dtype}",
              f"{'':<8}{'weights':>10}{'grads':>10}{'optimizer':>11}{'total':>10}  (GiB)",
              f"{'tables':<8}{m.table_weights / gib:>10.2f}{m.table_grads / gib:>10.2f}{m.table_optimizer / gib:>11.2f}"
              f"{m.tables / gib:>10.2f}",
              f"{'rest':<8}{m.rest_weights / gib:>10.2f}{m.rest_grads / gib:>10.2f}{m.rest_optimizer / gib:>11.2f}"
              f"{m.rest / gib:>10.2f}",
              f"rank_bytes={int(m.tables + m.rest)}"]
-    if table_sharding == "rows":
+    if table_sharding == ROW_SHARDED:
         exchange = exchange_bytes_per_step(config, tp, pp, dp, micro_batch_size, seq_length, global_batch_size)
         lines.append(f"row exchange per step and rank: at most {exchange / gib:.2f} GiB (micro-batch "
                      f"{micro_batch_size} x {seq_length} tokens, global batch {global_batch_size}; before "

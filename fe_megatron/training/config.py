@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, load_yaml, read_yaml_mapping
+from fe_megatron.memory.sharding import TABLE_SHARDINGS
 from fe_megatron.ops import BACKEND_NAMES
 
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
 TRANSFORMER_IMPLS = ("local", "te")
-TABLE_SHARDINGS = ("replicated", "rows", "zero")
 ENGINES = ("megatron", "deepspeed")
 
 
@@ -118,7 +118,8 @@ class TrainConfig:
         if t.recompute not in ("none", "full"):
             fail("training", "recompute", f"{t.recompute!r} is not one of none, full")
         if self.parallel.table_sharding not in TABLE_SHARDINGS:
-            fail("parallel", "table_sharding", f"{self.parallel.table_sharding!r} is not one of {TABLE_SHARDINGS}")
+            fail("parallel", "table_sharding",
+                 f"{self.parallel.table_sharding!r} is not one of {tuple(TABLE_SHARDINGS)}")
         if t.transformer_impl not in TRANSFORMER_IMPLS:
             fail("training", "transformer_impl", f"{t.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}")
         if t.on_corrupt_checkpoint not in ("error", "previous"):
