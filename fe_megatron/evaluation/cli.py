@@ -1,13 +1,16 @@
 """``fe-eval``: evaluate a trained model (a run directory at any TP/PP, or a transformers directory).
 
-    fe-eval ppl     --load RUN --data FILE [FILE ...] [--stride N]
+    fe-eval ppl     --load RUN --data FILE [FILE ...] [--stride N] [--batch-size N]
     fe-eval lambada --load RUN --data FILE
     fe-eval mc      --load RUN --data FILE [FILE ...]
     fe-eval niah    --load RUN --haystack FILE --context 512,1024 [--variant 1,2,3] [--depths ...]
 
-Every subcommand prints a table and writes JSON (``--output``, default ``RUN/eval/<command>.json``;
-``niah`` also writes a heatmap PNG per variant beside it).  Under torchrun the items are split over
-the ranks (each holds the whole model) and the sums are added up.
+Every subcommand prints a table and writes JSON (``--output``, default
+``RUN/eval/<command>-<input file names>.json``, numbered ``-2``, ``-3``, .. rather than replace the
+results of another evaluation: another model, inputs or settings; ``niah`` also writes a heatmap
+PNG per variant beside it).  Under torchrun the items are split over the ranks (each holds the
+whole model) and the sums are added up.  ``docs/evaluation.md`` has the file formats;
+``examples/eval/`` has a small example file of each.
 """
 
 from __future__ import annotations
@@ -97,34 +100,36 @@ def run(args) -> dict:
 
     rank, world = _distributed()
     model = EvalModel.load(args.load, args.iteration, args.tokenizer)
-    report = {"model": model.source, "command": args.command}
-    rows = []
+    stride = (args.stride or model.max_length // 2) if args.command == "ppl" else None
+    report = {"model": os.path.abspath(model.source), "command": args.command, "settings": _settings(args, stride)}
+    output, replacing = _output_path(args, report) if rank == 0 else (None, None)
+    rows, notes = [], []
     if args.command == "ppl":
         for path in args.data:
             documents = list(tasks.iter_documents([path], args.text_key))[rank::world]
-            sums = _sum(tasks.perplexity(model, documents, args.stride or model.max_length // 2), world)
+            sums = _sum(tasks.perplexity(model, documents, stride, args.batch_size), world)
             rows.append({"file": path, **tasks.summarize_perplexity(sums)})
-        columns = ["file", "token_ppl", "word_ppl", "tokens", "words", "documents"]
+        columns = ["file", "token_ppl", "word_ppl", "tokens_per_word", "tokens", "words", "documents"]
+        report["legend"] = tasks.PPL_LEGEND
+        notes.append(tasks.word_ppl_note(rows))
     elif args.command == "lambada":
         for path in args.data:
-            items = tasks.read_items(path, ())
-            for line, record in items:
-                if not ({"context", "target"} <= set(record) or "text" in record):
-                    raise tasks.DataError(f"{path}:{line}: expected 'context' and 'target' fields (or 'text', whose "
-                                          f"last word is the target), found {sorted(record)}")
+            items = tasks.read_lambada_items(path)
             sums = _sum(tasks.lambada(model, items[rank::world], path), world)
             rows.append({"file": path, **tasks.summarize_lambada(sums)})
-        columns = ["file", "accuracy", "target_nll", "ppl", "items"]
+        columns = ["file", "accuracy", "target_word_nll", "target_token_ppl", "target_tokens_per_word", "items"]
+        report["legend"] = tasks.LAMBADA_LEGEND
+        notes.append(tasks.LAMBADA_NOTE)
     elif args.command == "mc":
         for path in args.data:
-            items = tasks.read_items(path, ("label",))
+            items = tasks.read_mc_items(path)
             sums = _sum(tasks.multiple_choice(model, items[rank::world], path), world)
             rows.append({"file": path, **tasks.summarize_mc(sums)})
         columns = ["file", "acc", "acc_norm", "items"]
     else:
         haystack = tasks.read_haystack(args.haystack)
         if rank == 0:
-            os.makedirs(os.path.dirname(os.path.abspath(_output_path(args))), exist_ok=True)
+            os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         for variant in args.variant:
             cells = _sum(tasks.niah(model, haystack, variant, args.context, args.depths, args.samples, args.seed,
                                     rank, world), world)
@@ -134,28 +139,80 @@ def run(args) -> dict:
                              "accuracy": correct / total, "samples": int(total)})
             report[f"NIAH-{variant}"] = sum(c for c, _ in cells.values()) / sum(t for _, t in cells.values())
             if rank == 0:
-                png = f"{os.path.splitext(_output_path(args))[0]}_niah{variant}.png"
+                png = f"{os.path.splitext(output)[0]}_niah{variant}.png"
                 _heatmap(cells, args.context, args.depths, f"NIAH-{variant}: {os.path.basename(args.load)}", png)
                 report[f"heatmap_{variant}"] = png
         columns = ["variant", "context", "depth", "accuracy", "samples"]
     report["results"] = rows
     if rank == 0:
         print(_table(rows, columns))
+        for note in notes:
+            print(note)
         if args.command == "niah":
             print("  ".join(f"NIAH-{v}: {report[f'NIAH-{v}']:.3f}" for v in args.variant))
-        path = _output_path(args)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as fh:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        with open(output, "w") as fh:
             json.dump(report, fh, indent=1)
-        print(f"wrote {path}")
+        print(f"wrote the results to {output}{replacing}")
     return report
 
 
-def _output_path(args) -> str:
+_EXTENSIONS = (".jsonl.gz", ".json.gz", ".txt.gz", ".jsonl", ".json", ".txt", ".parquet")
+
+
+def _stem(path: str) -> str:
+    """A file name without its folder and data extension, safe in a file name (``hf:a/b`` -> ``hf_a_b``)."""
+    name = os.path.basename(path) if not path.startswith("hf:") else path
+    for extension in _EXTENSIONS:
+        if name.endswith(extension) and len(name) > len(extension):
+            name = name[:-len(extension)]
+            break
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)
+
+
+def _settings(args, stride) -> dict:
+    """What, besides the model, makes one evaluation differ from another: the inputs (absolute
+    paths) and the options that change the numbers."""
+    if args.command == "niah":
+        return {"haystack": os.path.abspath(args.haystack), "context": args.context, "variant": args.variant,
+                "depths": args.depths, "samples": args.samples, "seed": args.seed}
+    data = [p if p.startswith("hf:") else os.path.abspath(p) for p in args.data]
+    return {"data": data, **({"stride": stride, "text_key": args.text_key} if args.command == "ppl" else {})}
+
+
+def _same_evaluation(path: str, report: dict) -> bool:
+    try:
+        with open(path) as fh:
+            earlier = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return isinstance(earlier, dict) and all(earlier.get(k) == report[k] for k in ("model", "command", "settings"))
+
+
+def _output_path(args, report: dict) -> tuple:
+    """``(JSON path, what writing it replaces: "" or a note)``.  ``--output`` is written as given.
+    The default, ``LOAD/eval/COMMAND-STEMS.json`` (STEMS: the input file names), is replaced only
+    by a rerun of the same evaluation (the same model, inputs and settings); the results of
+    another are kept, and the next free ``-2``, ``-3``, .. name is taken."""
     if args.output:
-        return args.output
+        if not os.path.exists(args.output):
+            return args.output, ""
+        same = _same_evaluation(args.output, report)
+        return args.output, (" (replacing the earlier results of the same evaluation)" if same else
+                             " (replacing what it held: --output names the file to write)")
     base = args.load if os.path.isdir(args.load) else os.path.dirname(args.load)
-    return os.path.join(base, "eval", f"{args.command}.json")
+    inputs = [args.haystack] if args.command == "niah" else args.data
+    stems = "+".join(_stem(path) for path in inputs)
+    if len(stems) > 80:
+        stems = f"{_stem(inputs[0])}+{len(inputs) - 1}-more"
+    name = os.path.join(base, "eval", f"{args.command}-{stems}")
+    path, number = f"{name}.json", 1
+    while os.path.exists(path) and not _same_evaluation(path, report):
+        number += 1
+        path = f"{name}-{number}.json"
+    if number > 1:
+        return path, f" ({name}.json holds the results of another evaluation (model, inputs or settings) and is kept)"
+    return path, " (replacing the earlier results of the same evaluation)" if os.path.exists(path) else ""
 
 
 def main(argv=None) -> int:
@@ -165,8 +222,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="fe-eval", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     helps = {"ppl": "token and word perplexity of txt/jsonl files (rolling windows)",
-             "lambada": "last-word accuracy and target NLL of {context, target} (or {text}) items",
-             "mc": "multiple choice by log-likelihood, raw and length-normalized",
+             "lambada": "last-word accuracy, NLL per target word and perplexity per target token of "
+                        "{context, target} (or {text}) items",
+             "mc": "multiple choice by log-likelihood, raw and length-normalized, of {context_question, choices, "
+                   "label} (or WinoGrande {sentence, option1, option2, label}) items",
              "niah": "needle-in-a-haystack retrieval (NIAH-1/2/3) over a context x depth grid"}
     for name, text in helps.items():
         sub = commands.add_parser(name, help=text)
@@ -174,7 +233,8 @@ def main(argv=None) -> int:
                                                        "model directory")
         sub.add_argument("--iteration", type=int, help="which checkpoint of the run (default: the latest)")
         sub.add_argument("--tokenizer", help="the run's tokenizer, if it has moved since training")
-        sub.add_argument("--output", help="JSON file (default: LOAD/eval/COMMAND.json)")
+        sub.add_argument("--output", help="JSON file (default: LOAD/eval/COMMAND-INPUT.json, INPUT: the input file "
+                                          "names; numbered -2, -3, .. rather than replace another evaluation's)")
         if name == "niah":
             sub.add_argument("--haystack", required=True, help="txt/jsonl text to hide the needles in")
             sub.add_argument("--context", type=_ints, required=True, help="context lengths, e.g. 1024,2048")
@@ -187,6 +247,8 @@ def main(argv=None) -> int:
         if name == "ppl":
             sub.add_argument("--stride", type=int, help="window stride in tokens (default: half the model's length)")
             sub.add_argument("--text-key", default="text", help="jsonl field holding the text")
+            sub.add_argument("--batch-size", type=int, help="windows per forward pass (default: as many as hold "
+                                                            f"{tasks.BATCH_TOKENS} tokens); changes only the speed")
     args = parser.parse_args(argv)
     try:
         if args.command == "niah":

@@ -28,38 +28,84 @@ def read_items(path: str, required: tuple) -> list:
 
 
 # ----------------------------------------------------------------------------- perplexity
-def perplexity(model, documents: list, stride: int) -> dict:
-    """Rolling-window perplexity (WikiText style): windows of the model's length advance by
-    ``stride`` tokens, and each token is scored once, in the first window that reaches it, with at
-    least ``max_length - stride`` tokens of context (all of them inside the first window).  The
-    first token of each document is not scored.  Returns ``{"nll", "tokens", "words",
-    "documents"}`` sums."""
+BATCH_TOKENS = 4096  # default windows per forward pass: as many as hold this many tokens (at least one)
+
+
+def rolling_windows(count: int, length: int, stride: int) -> list:
+    """``[(begin, end, first)]``: the windows ``ids[begin:end]`` that score a document of ``count``
+    tokens, and the first log-probability of each that is new (``logprobs(ids[begin:end])[first:]``
+    scores positions ``begin + first + 1 .. end - 1``).  Windows of ``length`` tokens advance by
+    ``stride``; each token is scored once, in the first window that reaches it, so with at least
+    ``length - stride`` tokens of context (all of them inside the first window); position 0 never."""
+    windows, scored_to = [], 1  # position 0 has no context
+    for begin in range(0, max(count - 1, 1), stride):
+        end = min(begin + length, count)
+        if end <= scored_to:
+            break
+        windows.append((begin, end, scored_to - begin - 1))
+        scored_to = end
+        if end == count:
+            break
+    return windows
+
+
+def perplexity(model, documents: list, stride: int, batch_size: int = None) -> dict:
+    """Rolling-window perplexity (WikiText style, `rolling_windows`): windows of the model's length
+    advance by ``stride`` tokens, and each token is scored once, in the first window that reaches it,
+    with at least ``max_length - stride`` tokens of context.  The first token of each document is
+    not scored.  The windows of all documents go through the model ``batch_size`` at a time (default:
+    as many as hold `BATCH_TOKENS` tokens), longest first, padded on the right; the per-token
+    log-probabilities are those of one window at a time (fp32 forward, fp64 log-softmax).  Returns
+    ``{"nll", "tokens", "words", "documents"}`` sums."""
     length = model.max_length
     if not 0 < stride < length:
         raise ValueError(f"--stride {stride} must lie in [1, {length - 1}]: below the model's sequence length "
                          f"{length}, so that every window's new tokens have context")
-    nll, tokens, words = 0.0, 0, 0
+    if batch_size is None:
+        batch_size = max(1, BATCH_TOKENS // length)
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
+    sums = {"nll": 0.0, "tokens": 0}
+
+    def score(pending: list) -> None:
+        pending.sort(key=lambda window: -len(window[0]))  # rows of a batch then pad little
+        for index in range(0, len(pending), batch_size):
+            batch = pending[index:index + batch_size]
+            for logprobs in model.logprobs_batch([ids for ids, _ in batch], [first for _, first in batch]):
+                sums["nll"] -= float(logprobs.sum())
+                sums["tokens"] += logprobs.numel()
+        pending.clear()
+
+    pending, words = [], 0
     for text in documents:
         ids = model.encode(text)
         words += len(text.split())
-        scored_to = 1  # position 0 has no context
-        for begin in range(0, max(len(ids) - 1, 1), stride):
-            end = min(begin + length, len(ids))
-            if end <= scored_to:
-                break
-            logprobs = model.logprobs(ids[begin:end])  # positions begin+1 .. end-1
-            new = logprobs[scored_to - begin - 1:]
-            nll -= float(new.sum())
-            tokens += new.numel()
-            scored_to = end
-            if end == len(ids):
-                break
-    return {"nll": nll, "tokens": tokens, "words": words, "documents": len(documents)}
+        pending += [(ids[begin:end], first) for begin, end, first in rolling_windows(len(ids), length, stride)]
+        if len(pending) >= 16 * batch_size:  # sort and score a chunk at a time, not the whole file at once
+            score(pending)
+    score(pending)
+    return {"nll": sums["nll"], "tokens": sums["tokens"], "words": words, "documents": len(documents)}
 
 
 def summarize_perplexity(sums: dict) -> dict:
+    """``token_ppl`` = exp(NLL per token); ``word_ppl`` = exp(NLL per whitespace-separated word) =
+    ``token_ppl ** tokens_per_word``."""
     return {"token_ppl": math.exp(sums["nll"] / sums["tokens"]), "word_ppl": math.exp(sums["nll"] / sums["words"]),
-            **sums}
+            "tokens_per_word": sums["tokens"] / sums["words"], **sums}
+
+
+PPL_LEGEND = {
+    "token_ppl": "exp(total NLL / scored tokens); the first token of each document is not scored",
+    "word_ppl": "exp(total NLL / whitespace-separated words) = token_ppl ** tokens_per_word",
+    "tokens_per_word": "scored tokens per whitespace-separated word",
+}
+
+
+def word_ppl_note(rows: list) -> str:
+    """The line printed under a table that reports word perplexity."""
+    powers = ", ".join(f"{row['tokens_per_word']:.2f}" for row in rows)
+    return (f"word_ppl = exp(total NLL / whitespace-separated words) = token_ppl ** tokens_per_word ({powers} here), "
+            "so it exceeds token_ppl by that power: in the thousands or millions for small models")
 
 
 # ----------------------------------------------------------------------------- LAMBADA
@@ -69,6 +115,17 @@ def lambada_item(record: dict) -> tuple:
         context, _, target = record["text"].rstrip().rpartition(" ")
         return context, target
     return record["context"].rstrip(), record["target"].strip()
+
+
+def read_lambada_items(path: str) -> list:
+    """`read_items` of a LAMBADA file: ``{"context", "target"}`` or ``{"text"}`` records."""
+    items = read_items(path, ())
+    for line_no, record in items:
+        if not isinstance(record, dict) or not ({"context", "target"} <= set(record) or "text" in record):
+            found = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise DataError(f"{path}:{line_no}: expected 'context' and 'target' fields (or 'text', whose last word is "
+                            f"the target), found {found}")
+    return items
 
 
 def lambada(model, items: list, path: str = "") -> dict:
@@ -93,18 +150,75 @@ def lambada(model, items: list, path: str = "") -> dict:
     return {"correct": correct, "items": len(items), "nll": nll, "target_tokens": tokens}
 
 
+LAMBADA_LEGEND = {
+    "accuracy": "share of items whose target word greedy decoding predicts token for token",
+    "target_word_nll": "nats per target word: the NLL summed over the word's tokens, averaged over the items "
+                       "(also written as target_nll)",
+    "target_token_ppl": "perplexity per target token: exp(total target NLL / target tokens) (also written as ppl)",
+}
+
+
+LAMBADA_NOTE = ("target_word_nll: nats per target word (its tokens' NLL summed, averaged over items); "
+                "target_token_ppl: exp(total target NLL / target tokens)")
+
+
 def summarize_lambada(sums: dict) -> dict:
-    return {"accuracy": sums["correct"] / sums["items"], "target_nll": sums["nll"] / sums["items"],
-            "ppl": math.exp(sums["nll"] / sums["target_tokens"]), **sums}
+    """`LAMBADA_LEGEND`'s numbers; ``target_nll`` and ``ppl`` repeat ``target_word_nll`` and
+    ``target_token_ppl`` under the names of earlier reports."""
+    word_nll, token_ppl = sums["nll"] / sums["items"], math.exp(sums["nll"] / sums["target_tokens"])
+    return {"accuracy": sums["correct"] / sums["items"], "target_word_nll": word_nll, "target_token_ppl": token_ppl,
+            "target_tokens_per_word": sums["target_tokens"] / sums["items"], "target_nll": word_nll, "ppl": token_ppl,
+            **sums}
 
 
 # ----------------------------------------------------------------------------- multiple choice
+MC_FORMATS = {"question": ("context_question", "choices", "label"),
+              "winogrande": ("sentence", "option1", "option2", "label")}
+MC_FIELDS = ("context_question (the context and the question in one string), choices (a list of strings) and label "
+             "(the 0-based index of the right choice); or, for WinoGrande pairs, sentence (with one '_' blank), "
+             "option1, option2 and label (1 or 2)")
+
+
 def mc_format(record: dict) -> str:
-    if {"context_question", "choices", "label"} <= set(record):
-        return "question"
-    if {"sentence", "option1", "option2", "label"} <= set(record):
-        return "winogrande"
+    """``"question"`` or ``"winogrande"`` (`MC_FORMATS`); KeyError for neither."""
+    for kind, fields in MC_FORMATS.items():
+        if isinstance(record, dict) and set(fields) <= set(record):
+            return kind
     raise KeyError
+
+
+def mc_problem(record) -> str:
+    """Why a record is no multiple-choice item ("" when it is one), naming the accepted fields."""
+    if not isinstance(record, dict):
+        return f"a multiple-choice item is a JSON object, found a {type(record).__name__}; its fields: {MC_FIELDS}"
+    try:
+        kind = mc_format(record)
+    except KeyError:
+        closest = max(MC_FORMATS.values(), key=lambda fields: len(set(fields) & set(record)))
+        missing = [key for key in closest if key not in record]
+        hint = ""
+        if "question" in record and "context_question" not in record:
+            hint = " (rename 'question' to 'context_question', the name lm_eval_tasks reads too)"
+        return (f"no '{missing[0]}' field (found: {sorted(record)}){hint}; multiple-choice items have the fields "
+                f"{MC_FIELDS}")
+    if kind == "question":
+        choices = record["choices"]
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+            return f"'choices' must be a non-empty list of strings, found {choices!r}"
+    if isinstance(record["label"], bool) or not isinstance(record["label"], (int, str)) or \
+            not str(record["label"]).strip().isdigit():
+        return f"'label' must be a non-negative whole number, found {record['label']!r}"
+    return ""
+
+
+def read_mc_items(path: str) -> list:
+    """`read_items` of a multiple-choice file, each record checked by `mc_problem`."""
+    items = read_items(path, ())
+    for line_no, record in items:
+        problem = mc_problem(record)
+        if problem:
+            raise DataError(f"{path}:{line_no}: {problem}")
+    return items
 
 
 def multiple_choice(model, items: list, path: str) -> dict:
@@ -114,11 +228,10 @@ def multiple_choice(model, items: list, path: str) -> dict:
     filled by each option (partial scoring)."""
     raw, normalized = 0, 0
     for line_no, record in items:
-        try:
-            kind = mc_format(record)
-        except KeyError:
-            raise DataError(f"{path}:{line_no}: expected context_question/choices/label or "
-                            f"sentence/option1/option2/label fields, found {sorted(record)}") from None
+        problem = mc_problem(record)
+        if problem:
+            raise DataError(f"{path}:{line_no}: {problem}")
+        kind = mc_format(record)
         if kind == "question":
             context = model.encode(f"Question: {record['context_question']}\nAnswer:")
             options = [(context, f" {choice}") for choice in record["choices"]]  # scored with the space
