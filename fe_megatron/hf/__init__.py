@@ -42,20 +42,11 @@ def write_modeling_files(directory: str) -> None:
 
 def save_tokenizer(sentencepiece_model: str, directory: str, model_max_length: int = None):
     """Save the run's sentencepiece model as a Hugging Face tokenizer (``tokenizer.json`` and its
-    config, with the model itself as ``tokenizer.model``) in ``directory``: a Llama-style tokenizer
-    over the same pieces and ids.  Returns it."""
-    from transformers import LlamaTokenizer
+    config, with the model itself as ``tokenizer.model``) in ``directory``: the same pieces and ids,
+    and sentencepiece's ids for every text (`fe_megatron.hf.tokenizer`).  Returns it."""
+    from fe_megatron.hf.tokenizer import save_tokenizer as save
 
-    os.makedirs(directory, exist_ok=True)
-    kept = os.path.join(directory, "tokenizer.model")  # the sentencepiece model itself stays beside it
-    if not os.path.exists(kept) or not os.path.samefile(sentencepiece_model, kept):
-        shutil.copyfile(sentencepiece_model, kept)
-    # fe-pretrain's documents carry no BOS: neither does the converted tokenizer
-    tokenizer = LlamaTokenizer.from_pretrained(directory, add_bos_token=False, add_eos_token=False)
-    if model_max_length:
-        tokenizer.model_max_length = model_max_length
-    tokenizer.save_pretrained(directory)
-    return tokenizer
+    return save(sentencepiece_model, directory, model_max_length)
 
 
 register()
