@@ -78,7 +78,7 @@ def main() -> int:
         model, tokenizer = load_base_model(gguf_file)
         model.save_pretrained(base_dir)
         tokenizer.save_pretrained(base_dir)
-    convert = [sys.executable, "-m", "fe_megatron.convert.cli"]
+    convert = [sys.executable, "-m", "fe_megatron.convert"]
     if not os.path.isdir(os.path.join(out, "plain")):
         run(*convert, "hf-to-mcore", "--input", base_dir, "--output", os.path.join(out, "plain"))
     if not os.path.isdir(os.path.join(out, "memory")):

@@ -112,3 +112,28 @@ def test_fe_demo_with_few_steps_scales_warmup_and_starts_tensorboard_clean(tmp_p
     assert not (stale / "events.out.tfevents.stale").exists() and len(os.listdir(stale)) == 1
     assert "model            val ppl  test ppl    parameters   tokens/s" in proc.stdout
     assert f"TensorBoard: {os.path.join(BIN, 'tensorboard')} --logdir {tmp_path / 'tensorboard'}" in proc.stdout
+
+
+def test_fe_demo_outside_a_repository_says_what_it_needs(monkeypatch, tmp_path, capsys):
+    from fe_megatron import demo
+
+    monkeypatch.setattr(demo, "CORPUS", str(tmp_path / "data" / "sotu.jsonl.gz"))
+    with pytest.raises(SystemExit, match=r"sotu\.jsonl\.gz is missing\. fe-demo runs from a clone of the fe_megatron "
+                                         r"repository .*run `make demo` in it"):
+        demo.main(["--out", str(tmp_path / "out")])
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_fe_plan_says_which_dtype_it_counts_in():
+    out = run(command("fe-plan") + ["--preset", "factorengram-tiny", "--dp", "2"]).stdout
+    assert "# counted in: tables fp32 (weights, gradients, Adam's two moments: 16 bytes per parameter); rest bf16 " \
+           "weights, fp32 gradients and Adam state" in out
+
+
+def test_graft_lists_the_memory_presets():
+    from fe_megatron.presets import PRESETS
+
+    proc = run(command("fe-convert") + ["graft", "--help"])
+    assert "--list-presets" not in proc.stdout and "factorengram-tiny" in proc.stdout
+    proc = run(command("fe-convert") + ["graft", "--base", "x", "--memory-preset", "nope", "--output", "y"])
+    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr and sorted(PRESETS)[0] in proc.stderr

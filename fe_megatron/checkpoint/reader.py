@@ -12,7 +12,14 @@ from fe_megatron.checkpoint.files import (RUN_INFO, TRACKER, CheckpointError, ch
 from fe_megatron.config import BackboneConfig, MemoryConfig
 
 DEEPSPEED_LATEST = "latest"  # DeepSpeed's own pointer to the newest checkpoint's tag
+
+
+class NotARunError(CheckpointError):
+    """The path given is not a run directory (or checkpoint folder) of the expected engine."""
+
+
 CONVERTERS = {"megatron": "mcore-to-hf", "deepspeed": "deepspeed-to-hf"}
+ENGINE_NAMES = {"megatron": "Megatron", "deepspeed": "DeepSpeed"}
 
 
 def run_engine(path: str) -> str:
@@ -25,34 +32,35 @@ def run_engine(path: str) -> str:
 
 def find_checkpoint_folder(load: str, iteration: Optional[int] = None, engine: str = "megatron") -> str:
     """The ``iter_NNNNNNN`` folder of run directory ``load`` to read: ``iteration``, or the
-    tracker's, verified against its manifest.  ``load`` may also be such a folder itself.  A run
-    of another engine than ``engine`` is refused, naming the command that reads it."""
+    tracker's, verified against its manifest (`CheckpointError` names a damaged file).  ``load`` may
+    also be such a folder itself.  Anything else, and a run of another engine than ``engine``, is
+    refused with `NotARunError`, naming what to give instead."""
     if not os.path.isdir(load):
-        raise CheckpointError(f"--load {load}: no such directory; give an fe-pretrain run directory (its --save)")
+        raise NotARunError(f"--load {load}: no such directory; give an fe-pretrain run directory (its --save)")
     if os.path.isfile(os.path.join(load, RUN_INFO)) and iteration is None:
         folder = load
     else:
         iterations = complete_iterations(load)
         if not iterations:
-            raise CheckpointError(f"--load {load} is not an fe-pretrain checkpoint directory: it has no "
+            raise NotARunError(f"--load {load} is not an fe-pretrain checkpoint directory: it has no "
                                   "iter_NNNNNNN checkpoint folder (give the run's --save directory)")
         for candidate in (iteration, read_tracker(load), _latest_iteration(load), iterations[-1]):
             if candidate is not None:
                 iteration = candidate
                 break
         if iteration not in iterations:
-            raise CheckpointError(f"--iteration {iteration}: {load} has checkpoints at iterations {iterations}")
+            raise NotARunError(f"--iteration {iteration}: {load} has checkpoints at iterations {iterations}")
         folder = iteration_dir(load, iteration)
     wrote = run_engine(folder) if os.path.isfile(os.path.join(folder, RUN_INFO)) else run_engine(load)
     if wrote != engine:
-        raise CheckpointError(f"{load} is a run of the {wrote} engine (training.engine={wrote}), not of the {engine} "
-                              f"engine: use fe-convert {CONVERTERS[wrote]} for it")
+        raise NotARunError(f"{load} is a run of the {ENGINE_NAMES[wrote]} engine (training.engine={wrote}), not of "
+                              f"the {ENGINE_NAMES[engine]} engine: use fe-convert {CONVERTERS[wrote]} for it")
     legacy = engine == "deepspeed" and not os.path.isfile(os.path.join(load, TRACKER))
     problems = [] if legacy else checkpoint_problems(folder)  # DeepSpeed runs saved before manifests
     if problems:
         raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))
     if read_run_info(folder) is None:
-        raise CheckpointError(f"{folder} has no {RUN_INFO} (the run's config): it was written before fe-pretrain "
+        raise NotARunError(f"{folder} has no {RUN_INFO} (the run's config): it was written before fe-pretrain "
                               "recorded one, or by another program. Resume the run with fe-pretrain --load until "
                               "its next save, which records it")
     return folder

@@ -10,6 +10,7 @@ import sys
 from typing import Optional
 
 from fe_megatron.checkpoint.files import file_digest
+from fe_megatron.checkpoint.reader import NotARunError, find_checkpoint_folder
 
 
 
@@ -38,6 +39,15 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- tokenizers
+def find_run_checkpoint(load: str, iteration: Optional[int] = None, engine: str = "megatron") -> str:
+    """The checkpoint folder to convert (`fe_megatron.checkpoint.reader.find_checkpoint_folder`); a
+    path that is not a run of ``engine`` is a `ConversionError`, a damaged checkpoint a `CheckpointError`."""
+    try:
+        return find_checkpoint_folder(load, iteration, engine)
+    except NotARunError as err:
+        raise ConversionError(str(err)) from None
+
+
 def run_tokenizer(info: dict, override: Optional[str]) -> str:
     from fe_megatron.data.tokenizer import tokenizer_file
 

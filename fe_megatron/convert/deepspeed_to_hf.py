@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from fe_megatron.checkpoint.files import read_run_info
-from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder
-from fe_megatron.convert.common import ConversionError, run_tokenizer
+from fe_megatron.checkpoint.reader import configs_of
+from fe_megatron.convert.common import ConversionError, find_run_checkpoint, run_tokenizer
 from fe_megatron.convert.to_hf import write_hf_directory
 
 
@@ -80,7 +80,7 @@ class _DeepSpeedWeights:
 def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer: Optional[str] = None,
                     max_shard_bytes: int = 2 << 30) -> str:
     """Convert the DeepSpeed engine's checkpoint in ``load`` into a transformers directory ``output``."""
-    folder = find_checkpoint_folder(load, _iteration_of(tag), engine="deepspeed")
+    folder = find_run_checkpoint(load, _iteration_of(tag), engine="deepspeed")
     info = read_run_info(folder)
     backbone, memory = configs_of(info)
     tokenizer_path = run_tokenizer(info, tokenizer)

@@ -13,10 +13,10 @@ from typing import Optional
 import torch
 
 from fe_megatron.checkpoint.files import read_run_info
-from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder
+from fe_megatron.checkpoint.reader import configs_of
 from fe_megatron.config import BackboneConfig, MemoryConfig
-from fe_megatron.convert.common import (ConversionError, Progress, check_vocabulary, fresh_output, publish,
-                                        run_tokenizer)
+from fe_megatron.convert.common import (ConversionError, Progress, check_vocabulary, find_run_checkpoint, fresh_output,
+                                        publish, run_tokenizer)
 from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
 
 def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int):
@@ -39,7 +39,7 @@ def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int)
 def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
                 max_shard_bytes: int = 2 << 30) -> str:
     """Convert an fe-pretrain checkpoint into a transformers directory ``output``; returns it."""
-    folder = find_checkpoint_folder(load, iteration)
+    folder = find_run_checkpoint(load, iteration)
     info = read_run_info(folder)
     backbone, memory = configs_of(info)
     tokenizer_path = run_tokenizer(info, tokenizer)

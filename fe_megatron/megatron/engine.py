@@ -145,7 +145,7 @@ def set_up(cfg) -> MegatronRun:
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
     tokenizer = load_run_tokenizer(cfg)
     dp = parallel_state.get_data_parallel_world_size()
-    info = run_info(cfg, dp, {"engine": "megatron"})
+    info = run_info(cfg, dp)  # a layout without "engine" is the Megatron engine's
     start_at = start_point(cfg, "megatron", find_megatron_checkpoint(cfg), log)
     resume_from = start_at.folder
     if resume_from is not None:
@@ -173,7 +173,7 @@ def set_up(cfg) -> MegatronRun:
         wd_incr_steps=t.train_steps, wd_incr_style="constant")
     start = 0
     if resume_from is not None:
-        same_layout = _layout(start_at.saved) == _layout(info)
+        same_layout = (start_at.saved or {}).get("layout") == info["layout"]
         start = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
                                 restore_rng=same_layout)
         if holds_weights_only(resume_from):
@@ -191,11 +191,6 @@ def set_up(cfg) -> MegatronRun:
     begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}", world_size=torch.distributed.get_world_size(), dp=dp,
           tp=p.tensor, pp=p.pipeline)
     return run
-
-
-def _layout(info) -> dict:
-    """The parallel layout of a run info, without the engine's name (older checkpoints lack it)."""
-    return {k: v for k, v in ((info or {}).get("layout") or {}).items() if k != "engine"}
 
 
 def shut_down() -> None:
