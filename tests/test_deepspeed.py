@@ -87,6 +87,10 @@ def deepspeed_run(start, name, stage, launcher="torchrun", **extra):
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
         proc = run_pretrain(args, nproc=2)
+        # no third-party noise: torch's deprecation of ZeRO's collectives, DeepSpeed's accelerator guess
+        noise = [line for line in (proc.stdout + proc.stderr).splitlines()
+                 if "Warning" in line or "unable to detect" in line or "built successfully" in line]
+        assert not noise, "\n".join(noise[:5])
     assert "loaded the weights of" in proc.stdout
     return save
 

@@ -28,8 +28,11 @@ directory: its weights start the run at step 0.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
+import re
 from typing import Optional
 
 import torch
@@ -81,15 +84,8 @@ class DeepSpeedRun(EngineRun):
     """A DeepSpeed run, set up and possibly resumed; the `fe_megatron.training.loop.EngineRun` of
     this engine."""
 
-    cfg: object
-    info: dict
     engine: object  # deepspeed.DeepSpeedEngine around the FactorEngramForCausalLM
     tables: object  # RowShardedTables, or None when ZeRO holds the tables
-    datasets: tuple
-    num_microbatches: int
-    metrics: MetricsWriter
-    start_step: int
-    parameters: int
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
     schedule: Optional[tuple] = None  # (lr, min_lr, warmup_steps, decay_steps): the config's, or a checkpoint's
 
@@ -269,10 +265,25 @@ def load_hf_weights(model, directory: str) -> None:
 
 
 # ----------------------------------------------------------------------------- set-up
+# What DeepSpeed prints on every rank that tells a user nothing (its shared-memory all-reduce for CPUs,
+# compiled on first use, announces itself with print()).
+KNOWN_DEEPSPEED_NOTICES = (re.compile(r"^DeepSpeed \S+ built successfully$"),)
+
+
+def import_deepspeed():
+    """``deepspeed``, told it runs on the CPU when there is no GPU (rather than guessing, and
+    warning on every rank that it could not detect one)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    return deepspeed
+
+
 def _init_distributed() -> None:
     """The process group from the launcher (torchrun, the deepspeed launcher, srun, or none):
     nccl on GPU, gloo on CPU; DeepSpeed's communication wraps it."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     from fe_megatron.training.distributed import init_process_group, launcher_environment
 
@@ -281,12 +292,16 @@ def _init_distributed() -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    for line in printed.getvalue().splitlines():
+        if not any(notice.match(line) for notice in KNOWN_DEEPSPEED_NOTICES):
+            print(line, flush=True)
 
 
 def set_up(cfg) -> DeepSpeedRun:
     """Process group, data, model, DeepSpeed engine; resume from ``cfg.load``."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     from fe_megatron.deepspeed.tables import RowShardedTables
 

@@ -70,18 +70,11 @@ class MegatronRun(EngineRun):
     """A Megatron run, set up and possibly resumed: the model and its optimizer, the data, the
     step to start from, and where metrics go; the `EngineRun` of this engine."""
 
-    cfg: object
-    info: dict  # the run info saved with every checkpoint (`run_info`)
     model: object  # this pipeline stage's FactorEngramGPTModel (or GPTModel)
     ddp: object  # the model in Megatron's DistributedDataParallel
     optimizer: object
     scheduler: object
-    datasets: tuple  # train, validation, test
-    num_microbatches: int  # per data-parallel rank and step
     attention_mask: torch.Tensor
-    metrics: "MetricsWriter"
-    start_step: int
-    parameters: int
 
     def data_parallel_rank(self) -> int:
         from megatron.core import parallel_state

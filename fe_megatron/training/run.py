@@ -34,11 +34,20 @@ class StepResult:
         return iter((self.lm_loss, self.sparsity_loss, self.grad_norm, self.updated))
 
 
+@dataclasses.dataclass
 class EngineRun:
-    """What `train` needs of an engine's run (set up, possibly resumed).  An engine's dataclass
-    holds ``cfg``, ``datasets`` (train, validation, test), ``num_microbatches`` (per data-parallel
-    rank and step), ``metrics``, ``start_step`` and ``parameters``, and implements the methods
-    below that raise NotImplementedError; the data each rank reads is the same for every engine."""
+    """What `train` needs of an engine's run (set up, possibly resumed).  An engine's run is a
+    dataclass that adds its own fields (model, optimizer, ...) to these and implements the
+    methods below that raise NotImplementedError; the data each rank reads is the same for
+    every engine."""
+
+    cfg: object  # the resolved TrainConfig
+    info: dict  # the run info saved with every checkpoint (`fe_megatron.checkpoint.run_info`)
+    datasets: tuple  # train, validation, test
+    num_microbatches: int  # per data-parallel rank and step
+    metrics: object  # the MetricsWriter
+    start_step: int
+    parameters: int  # of the whole model, every shard counted once
 
     @property
     def samples_per_rank(self) -> int:

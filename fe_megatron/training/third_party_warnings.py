@@ -18,6 +18,9 @@ KNOWN_THIRD_PARTY_WARNINGS = (
     # torch's checkpoint planner, on the ShardedTensors megatron.core's loader builds
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
      r"torch\.distributed\.checkpoint"),
+    # torch's own collectives wrapper, on the calls DeepSpeed's ZeRO makes on every step
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
+     r"torch\.distributed\.c10d_logger"),
     # megatron.core's own migration notices to its callers
     (DeprecationWarning, r"Warning: tp_group is None", r"megatron\."),
     (DeprecationWarning, r"MLP requires ffn_hidden_size", r"megatron\."),
