@@ -25,6 +25,7 @@ This file is also written next to converted weights, for ``trust_remote_code=Tru
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,6 +40,17 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPr
 from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memory, layer_sparsity, weighted_sparsity
 
 from .configuration_fe_megatron import FactorEngramConfig
+
+# transformers 5.24 renamed the cache keyword of forwards, outputs and generate()'s model inputs
+# from ``past_key_values`` to ``cache``.  These classes accept either and speak the installed one.
+CACHE_KEYWORD = "cache" if "cache" in inspect.signature(LlamaDecoderLayer.forward).parameters else "past_key_values"
+
+
+def _one_cache(cache, past_key_values):
+    """The cache passed under either name (see ``CACHE_KEYWORD``)."""
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the cache once, as `cache` or as `past_key_values`, not two different caches")
+    return cache if cache is not None else past_key_values
 
 
 class FactorEngramCache(DynamicCache):
@@ -102,8 +114,9 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         return memory_out
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, *, memory_token_ids=None, memory_decoding=None, sparsity_terms=None,
-                **kwargs):
+                position_embeddings=None, *, cache=None, memory_token_ids=None, memory_decoding=None,
+                sparsity_terms=None, **kwargs):
+        cache = _one_cache(cache, past_key_values)
         placement = self.memory.config.placement
         sparsity_terms = [] if sparsity_terms is None else sparsity_terms
         if placement == "before_attn":
@@ -112,8 +125,8 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         residual = hidden_states
         attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                                           attention_mask=attention_mask, position_ids=position_ids,
-                                          past_key_values=past_key_values, use_cache=use_cache,
-                                          position_embeddings=position_embeddings, **kwargs)
+                                          use_cache=use_cache, position_embeddings=position_embeddings,
+                                          **{CACHE_KEYWORD: cache}, **kwargs)
         hidden_states = residual + attention_out
         if placement == "before_ffn":
             hidden_states = hidden_states + self._memory(hidden_states, memory_token_ids, memory_decoding,
@@ -188,7 +201,9 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
-                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None, **kwargs):
+                inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None, cache=None,
+                **kwargs):
+        cache = _one_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
@@ -197,16 +212,16 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
                              "inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = FactorEngramCache(config=self.config)
+        if use_cache and cache is None:
+            cache = FactorEngramCache(config=self.config)
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             position_ids = position_ids.unsqueeze(0)
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
-                                         attention_mask=attention_mask, past_key_values=past_key_values,
-                                         position_ids=position_ids)
-        decodings = self._decodings(input_ids, attention_mask, past_key_values)
+                                         attention_mask=attention_mask, position_ids=position_ids,
+                                         **{CACHE_KEYWORD: cache})
+        decodings = self._decodings(input_ids, attention_mask, cache)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         sparsity_terms: list = []
@@ -217,15 +232,14 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
                                      memory_decoding=decodings.get(decoder_layer.layer_index))
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=position_ids,
-                                          past_key_values=past_key_values, use_cache=use_cache, **memory_kwargs,
+                                          use_cache=use_cache, **{CACHE_KEYWORD: cache}, **memory_kwargs,
                                           **kwargs)
         hidden_states = self.norm(hidden_states)
         sparsity = torch.stack(sparsity_terms).sum() if sparsity_terms else None
-        return FactorEngramModelOutput(last_hidden_state=hidden_states,
-                                       past_key_values=past_key_values if use_cache else None,
-                                       sparsity_loss=sparsity)
+        return FactorEngramModelOutput(last_hidden_state=hidden_states, sparsity_loss=sparsity,
+                                       **{CACHE_KEYWORD: cache if use_cache else None})
 
-    def _decodings(self, input_ids, attention_mask, past_key_values) -> dict:
+    def _decodings(self, input_ids, attention_mask, cache) -> dict:
         """``{layer_index: Decoding}``: the padding of the new positions and, with a cache, each
         branch's state from earlier calls.  Empty when there is nothing to mask or carry."""
         if not self.memory_layers:
@@ -234,15 +248,15 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         if attention_mask is not None and attention_mask.dim() == 2:
             new = attention_mask[:, attention_mask.shape[1] - input_ids.shape[1]:].bool()
             valid = None if bool(new.all()) else new
-        if past_key_values is None:
+        if cache is None:
             return {} if valid is None else {layer: Decoding(valid) for layer in self.memory_layers}
-        if not isinstance(past_key_values, FactorEngramCache):
-            raise TypeError(f"past_key_values is a {type(past_key_values).__name__}; a model with memory branches "
-                            "keeps their decoding state in a FactorEngramCache (leave past_key_values unset, or "
-                            "pass FactorEngramCache(config=model.config))")
-        states = past_key_values.memory_states
+        if not isinstance(cache, FactorEngramCache):
+            raise TypeError(f"the cache is a {type(cache).__name__}; a model with memory branches keeps their "
+                            f"decoding state in a FactorEngramCache (leave {CACHE_KEYWORD} unset, or pass "
+                            "FactorEngramCache(config=model.config))")
+        states = cache.memory_states
         if not states:
-            if past_key_values.get_seq_length() > 0:
+            if cache.get_seq_length() > 0:
                 raise ValueError("this FactorEngramCache holds keys and values but no memory state; it was not "
                                  "filled by this model")
             for layer in self.memory_layers:
@@ -267,10 +281,10 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, **kwargs):
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                             **kwargs)
+                             cache=_one_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
+                             use_cache=use_cache, **kwargs)
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
@@ -280,12 +294,12 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
             memory = self.config.memory
             if outputs.sparsity_loss is not None and memory.get("sparsity_lambda", 0.0):
                 loss = loss + weighted_sparsity(outputs.sparsity_loss, memory["sparsity_lambda"])  # Eq. 13
-        return FactorEngramCausalLMOutput(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                          sparsity_loss=outputs.sparsity_loss)
+        return FactorEngramCausalLMOutput(loss=loss, logits=logits, sparsity_loss=outputs.sparsity_loss,
+                                          **{CACHE_KEYWORD: getattr(outputs, CACHE_KEYWORD)})
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() makes a `DynamicCache`; make it a `FactorEngramCache` (the memory's state too)."""
         super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_KEYWORD)
         if type(cache) is DynamicCache and cache.get_seq_length() == 0:
-            model_kwargs["past_key_values"] = FactorEngramCache(config=self.config.get_text_config(decoder=True))
+            model_kwargs[CACHE_KEYWORD] = FactorEngramCache(config=self.config.get_text_config(decoder=True))
