@@ -58,3 +58,41 @@ def test_a_failed_write_leaves_no_folder_and_keeps_the_tracker(tmp_path, process
     with pytest.raises(CheckpointError, match="saving iteration 3 failed on 1 rank.*tracker still names"):
         commit_module.agree_on_failure(OSError("disk full"), tmp, 3)
     assert not os.path.exists(tmp) and read_tracker(str(run)) is None
+
+
+def test_deepspeeds_latest_is_written_between_the_rename_and_the_tracker(tmp_path, process_group, monkeypatch):
+    """A stop at any point leaves ``latest`` and the tracker each naming a complete checkpoint."""
+    from fe_megatron.deepspeed.engine import write_deepspeed_latest
+
+    run = tmp_path / "run"
+    run.mkdir()
+    events = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        events.append(os.path.basename(str(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    tmp = commit_module.start_save(str(run), 5)
+    (tmp_path / "run" / "iter_0000005.tmp" / "model.pt").write_bytes(os.urandom(100))
+    commit_module.commit(tmp, str(run), 5, before_tracker=lambda final: write_deepspeed_latest(str(run), final))
+    assert events == [MANIFEST, "iter_0000005", "latest", TRACKER]
+    assert (run / "latest").read_text() == "iter_0000005"
+
+
+def test_a_renamed_checkpoint_without_a_tracker_is_resumed(tmp_path, process_group):
+    """A stop between the first rename and the tracker: the folder is complete (its manifest was
+    written before the rename), so the restart resumes from it after checking its files."""
+    run = tmp_path / "run"
+    run.mkdir()
+    tmp = commit_module.start_save(str(run), 9)
+    (run / "iter_0000009.tmp" / "model.pt").write_bytes(os.urandom(100))
+    commit_module.commit(tmp, str(run), 9)
+    os.remove(run / TRACKER)
+    logged = []
+    assert commit_module.find_checkpoint(str(run), log=logged.append) == str(run / "iter_0000009")
+    assert "no latest_checkpointed_iteration.txt but holds iter_0000009 with its manifest" in logged[0]
+    (run / "iter_0000009" / "model.pt").write_bytes(b"changed")
+    with pytest.raises(CheckpointError, match="model.pt: 7 bytes, the manifest says 100"):
+        commit_module.find_checkpoint(str(run), log=logged.append)

@@ -231,6 +231,10 @@ def test_row_sharded_tables_are_clipped_by_their_own_norm(small_data, tmp_path):
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
     ({"scheduler": {"type": "WarmupLR"}}, "remove deepspeed.scheduler"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4 is not one of 0, 1, 2, 3"),
+    ({"checkpoint": {"writer": {"type": "decoupled"}}}, "checkpoint.writer={'type': 'decoupled'}: fe-pretrain "
+                                                       "commits every checkpoint itself"),
+    ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage=true"),
+    ({"datastates_ckpt": {}}, "datastates_ckpt={}"),
 ])
 def test_a_deepspeed_config_that_contradicts_the_training_config_is_refused(small_data, ds, message):
     from fe_megatron.deepspeed.config import resolve

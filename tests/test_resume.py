@@ -87,10 +87,23 @@ def test_a_new_run_never_writes_into_another_runs_checkpoints(tmp_path):
     with pytest.raises(CheckpointError, match="already holds another run's checkpoints; resume it with --load"):
         start(cfg(None, old))
     other = make_run(tmp_path / "other", iteration=80)
-    with pytest.raises(CheckpointError, match=f"--save {old} already holds another run's checkpoints"):
+    with pytest.raises(CheckpointError, match=f"--save {old} already holds checkpoints, so this start would not "
+                                              f"continue them from --load {other}"):
         start(cfg(other, old))  # resuming one run into another's folder
     point, _ = start(cfg(other, tmp_path / "branch"))  # branching into a fresh folder is fine
     assert point.kind == "checkpoint"
+    branch = make_run(tmp_path / "branch", iteration=100)  # the branch saved; its restart names its own folder
+    with pytest.raises(CheckpointError, match=f"relaunch with --load {branch} --save {branch}"):
+        start(cfg(other, branch))
+    assert start(cfg(branch, branch))[0].folder == iteration_dir(branch, 100)
+
+
+def test_checkpoint_folders_without_a_tracker_are_never_overwritten(tmp_path):
+    run = tmp_path / "run"
+    os.makedirs(iteration_dir(str(run), 40))  # no tracker, no manifest: not a checkpoint we can vouch for
+    with pytest.raises(CheckpointError, match="holds iter_0000040 but no complete checkpoint .*Move them out of "
+                                              "the way"):
+        start_point(cfg(run, run), "megatron", lambda directory: None, print)
 
 
 def test_a_run_of_the_other_engine_is_named(tmp_path):
@@ -113,20 +126,31 @@ def test_a_hugging_face_directory(tmp_path):
 
 
 def test_a_changed_schedule_is_explained_on_resume():
-    from fe_megatron.checkpoint.resume_guard import guard
+    from fe_megatron.checkpoint.resume_guard import guard, schedule_in_force
 
-    def info(steps, lr=1e-3):
-        return {"config": {"training": {"train_steps": steps}, "optimizer": {"lr": lr, "min_lr": 1e-4,
-                                                                                 "warmup_steps": 10}}}
+    def info(steps, lr=1e-3, schedule=None):
+        run = {"config": {"training": {"train_steps": steps},
+                          "optimizer": {"lr": lr, "min_lr": 1e-4, "warmup_steps": 10, "weight_decay": 0.1}}}
+        return run if schedule is None else dict(run, schedule=schedule)
 
     logged = []
     guard("ckpt", info(300), info(600), logged.append)
     note = [line for line in logged if line.startswith("note:")]
-    assert note and "training.train_steps 300 -> 600 does not change it" in note[0]
-    assert "stays at the saved min_lr after step 300" in note[0]
+    assert note and "training.train_steps 600 (in force: 300) does not change it" in note[0]
+    assert "stays at min_lr 0.0001 after step 300" in note[0]
     logged.clear()
     guard("ckpt", info(300), info(300, lr=2e-3), logged.append)
-    assert any("optimizer.lr 0.001 -> 0.002 does not change it" in line for line in logged)
+    assert any("optimizer.lr 0.002 (in force: 0.001) does not change it" in line for line in logged)
     logged.clear()
     guard("ckpt", info(300), info(600), logged.append, weights_only=True)  # a conversion: a fresh schedule
     assert not [line for line in logged if line.startswith("note:")]
+
+    # A second resume: the checkpoint's config already says 600 steps, but the schedule it
+    # followed (and records) is still the first run's.
+    kept = schedule_in_force(info(300), info(600))
+    assert kept["decay_steps"] == 300 and kept["weight_decay"] == 0.1
+    second = info(600, schedule=kept)
+    assert schedule_in_force(second, info(600)) == kept
+    logged.clear()
+    guard("ckpt", second, info(600), logged.append)
+    assert any("training.train_steps 600 (in force: 300)" in line for line in logged)

@@ -24,7 +24,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from fe_megatron.checkpoint.files import (CheckpointError, checkpoint_files, checkpoint_problems, complete_iterations,
+from fe_megatron.checkpoint.files import (MANIFEST, TRACKER, CheckpointError, checkpoint_files, checkpoint_problems, complete_iterations,
                                           file_digest, iteration_dir, prune, read_tracker, sync_directory,
                                           write_manifest, write_tracker)
 from fe_megatron.training import faults
@@ -55,10 +55,12 @@ def agree_on_failure(error, tmp: str, iteration: int) -> None:
                               "the previous checkpoint") from error
 
 
-def commit(tmp: str, directory: str, iteration: int, keep: int = 0) -> str:
+def commit(tmp: str, directory: str, iteration: int, keep: int = 0, before_tracker=None) -> str:
     """Hash ``tmp``'s files (all ranks, in shares), write the manifest, rename ``tmp`` to the
     iteration's folder, make the tracker name it, and delete all but the newest ``keep``
-    checkpoints (``keep`` 0: none).  Returns the final folder."""
+    checkpoints (``keep`` 0: none).  ``before_tracker(final)`` runs on rank 0 between the rename
+    and the tracker (an engine's own pointer, e.g. DeepSpeed's ``latest``).  Returns the final
+    folder."""
     final = iteration_dir(directory, iteration)
     rank, world = dist.get_rank(), dist.get_world_size()
     names = [checkpoint_files(tmp) if rank == 0 else None]
@@ -73,10 +75,21 @@ def commit(tmp: str, directory: str, iteration: int, keep: int = 0) -> str:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         sync_directory(directory)  # the rename itself is durable before the tracker names it
+        if before_tracker is not None:
+            before_tracker(final)
         write_tracker(directory, iteration)
         prune(directory, keep, protect=iteration)
     dist.barrier()
     return final
+
+
+def _uncommitted_newest(directory: str):
+    """The newest iteration whose folder was renamed into place with its manifest (a save is
+    complete then) in a run directory without a tracker, or None."""
+    for iteration in reversed(complete_iterations(directory)):
+        if os.path.isfile(os.path.join(iteration_dir(directory, iteration), MANIFEST)):
+            return iteration
+    return None
 
 
 def verify_checkpoint(folder: str) -> list:
@@ -95,7 +108,12 @@ def find_checkpoint(directory: str, on_corrupt: str = "error", log=print):
     has no checkpoint yet."""
     latest = read_tracker(directory)
     if latest is None:
-        return None
+        latest = _uncommitted_newest(directory)
+        if latest is None:
+            return None
+        log(f"{directory} has no {TRACKER} but holds {os.path.basename(iteration_dir(directory, latest))} with its "
+            "manifest: the save before the last stop was renamed into place but not yet named by the tracker. "
+            "Resuming from it once its checksums pass")
     for iteration in reversed([it for it in complete_iterations(directory) if it <= latest]):
         folder = iteration_dir(directory, iteration)
         problems = verify_checkpoint(folder)

@@ -23,10 +23,16 @@ ENGINE_NAMES = {"megatron": "Megatron", "deepspeed": "DeepSpeed"}
 
 
 def run_engine(path: str) -> str:
-    """"megatron" or "deepspeed": the engine that wrote the run directory (or checkpoint folder) ``path``."""
+    """"megatron" or "deepspeed": the engine that wrote the run directory (or checkpoint folder)
+    ``path``: DeepSpeed's ``latest``, else the run info of the folder or of its newest checkpoint
+    (a DeepSpeed run stopped before its first ``latest`` was written has only that)."""
     if os.path.isfile(os.path.join(path, DEEPSPEED_LATEST)):
         return "deepspeed"
-    info = read_run_info(path) if os.path.isfile(os.path.join(path, RUN_INFO)) else None
+    folder = path
+    if not os.path.isfile(os.path.join(path, RUN_INFO)):
+        iterations = complete_iterations(path)
+        folder = iteration_dir(path, iterations[-1]) if iterations else path
+    info = read_run_info(folder) if os.path.isfile(os.path.join(folder, RUN_INFO)) else None
     return ((info or {}).get("layout") or {}).get("engine", "megatron")
 
 
@@ -55,7 +61,8 @@ def find_checkpoint_folder(load: str, iteration: Optional[int] = None, engine: s
     if wrote != engine:
         raise NotARunError(f"{load} is a run of the {ENGINE_NAMES[wrote]} engine (training.engine={wrote}), not of "
                               f"the {ENGINE_NAMES[engine]} engine: use fe-convert {CONVERTERS[wrote]} for it")
-    legacy = engine == "deepspeed" and not os.path.isfile(os.path.join(load, TRACKER))
+    run_directory = os.path.dirname(os.path.abspath(folder))
+    legacy = engine == "deepspeed" and not os.path.isfile(os.path.join(run_directory, TRACKER))
     problems = [] if legacy else checkpoint_problems(folder)  # DeepSpeed runs saved before manifests
     if problems:
         raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))

@@ -19,8 +19,9 @@ import dataclasses
 import os
 from typing import Optional
 
-from fe_megatron.checkpoint.files import RUN_INFO, TRACKER, CheckpointError, complete_iterations, read_run_info
-from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST
+from fe_megatron.checkpoint.files import (RUN_INFO, TRACKER, CheckpointError, complete_iterations, iteration_dir,
+                                          read_run_info)
+from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST, run_engine
 
 RUN_DIRECTORY = (f"a run directory is fe-pretrain's --save folder: it holds {TRACKER} (the newest checkpoint's "
                  f"iteration) and iter_NNNNNNN/ checkpoint folders, each with {RUN_INFO} and fe_manifest.json")
@@ -79,6 +80,12 @@ def start_point(cfg, engine: str, find, log) -> StartPoint:
     _check_engine(load, engine)
     folder = find(load)
     if folder is None:
+        leftovers = [os.path.basename(iteration_dir(load, it)) for it in complete_iterations(load)]
+        if leftovers:  # folders neither a tracker nor a manifest vouches for: not ours to overwrite
+            raise CheckpointError(f"--load {load} holds {', '.join(leftovers)} but no complete checkpoint (no {TRACKER}"
+                                  f", and no folder with its fe_manifest.json): they were not written by fe-pretrain, "
+                                  "or its save was stopped before it finished. Move them out of the way to start a "
+                                  "new run there, or choose another --save folder")
         if _same_folder(load, save):
             log(f"--load {load} holds no complete checkpoint yet and is also --save: starting a new run there from "
                 "step 0")
@@ -90,16 +97,21 @@ def start_point(cfg, engine: str, find, log) -> StartPoint:
 
 
 def _refuse_foreign_save(save: Optional[str], load: str) -> None:
-    """A new run (or a branch of ``load``) must not write into another run's checkpoints."""
-    if holds_checkpoints(save):
-        what = f"resume it with --load {save}" if not load else f"resume it with --load {save} --save {save}"
-        raise CheckpointError(f"--save {save} already holds another run's checkpoints; {what}, or choose a new --save "
-                              "folder (fe-pretrain never writes a new run over an old one)")
+    """A new run (or a branch of ``load``) must not write into checkpoints already in ``save``."""
+    if not holds_checkpoints(save):
+        return
+    if not load:
+        raise CheckpointError(f"--save {save} already holds another run's checkpoints; resume it with --load {save}, "
+                              "or choose a new --save folder (fe-pretrain never writes a new run over an old one)")
+    raise CheckpointError(f"--save {save} already holds checkpoints, so this start would not continue them from "
+                          f"--load {load}: they are another run's, or this branch's own from an earlier start. To "
+                          f"continue a branch after its first save, relaunch with --load {save} --save {save}; "
+                          "otherwise choose a new --save folder (fe-pretrain never writes over another run)")
 
 
 def _check_engine(load: str, engine: str) -> None:
     """Refuse a run directory written by the other engine, naming the conversion that bridges them."""
-    deepspeed_run = os.path.isfile(os.path.join(load, DEEPSPEED_LATEST))
+    deepspeed_run = run_engine(load) == "deepspeed"
     if engine == "megatron" and deepspeed_run:
         raise CheckpointError(f"--load {load} is a run of the DeepSpeed engine (training.engine=deepspeed); resume it "
                               "with that engine, or fe-convert deepspeed-to-hf then hf-to-mcore for the Megatron "

@@ -107,23 +107,43 @@ def guard(folder: str, saved: dict, info: dict, log, weights_only: bool = False)
         log(note)
 
 
-# The learning-rate schedule's settings: a resumed run keeps the checkpoint's (both engines).
-SCHEDULE = (("optimizer", "lr"), ("optimizer", "min_lr"), ("optimizer", "warmup_steps"), ("training", "train_steps"))
+# The schedule a run follows: its learning rate (warm-up, cosine decay to ``min_lr`` over
+# ``decay_steps``) and weight decay, by name, with the config field that sets it for a new run.
+# A resumed run keeps its checkpoint's (Megatron's OptimizerParamScheduler restores its own; the
+# DeepSpeed engine reads it from the run info), so each run info records the one in force.
+SCHEDULE = {"lr": ("optimizer", "lr"), "min_lr": ("optimizer", "min_lr"),
+            "warmup_steps": ("optimizer", "warmup_steps"), "decay_steps": ("training", "train_steps"),
+            "weight_decay": ("optimizer", "weight_decay")}
+
+
+def configured_schedule(info: dict) -> dict:
+    """The schedule run info ``info``'s config sets (what a new run follows)."""
+    return {key: _get(info, section, name) for key, (section, name) in SCHEDULE.items()}
+
+
+def schedule_in_force(saved: Optional[dict], info: dict) -> dict:
+    """The schedule the run of ``info`` follows: for a resumed run the checkpoint's (run info
+    ``saved``: its ``"schedule"``, or for checkpoints written before it was recorded, its config's),
+    for a new run (``saved`` None) its own config's."""
+    if saved is None:
+        return configured_schedule(info)
+    return dict(saved.get("schedule") or configured_schedule(saved))
 
 
 def schedule_note(saved: Optional[dict], current: dict) -> Optional[str]:
-    """What a resumed run's learning rate does when a schedule setting changed, or None."""
+    """What a resumed run's schedule does when this run's config asks for another one, or None."""
     if saved is None:
         return None
-    changed = [(f"{section}.{name}", _get(saved, section, name), _get(current, section, name))
-               for section, name in SCHEDULE if _get(saved, section, name) != _get(current, section, name)]
+    in_force, asked = schedule_in_force(saved, current), configured_schedule(current)
+    changed = [f"{'.'.join(SCHEDULE[key])} {asked[key]} (in force: {in_force[key]})"
+               for key in SCHEDULE if in_force[key] != asked[key]]
     if not changed:
         return None
-    listed = ", ".join(f"{key} {old} -> {new}" for key, old, new in changed)
-    note = (f"note: the learning-rate schedule is the checkpoint's, so {listed} does not change it: the rate "
-            f"follows the saved warm-up and cosine decay")
-    old_steps, new_steps = _get(saved, "training", "train_steps"), _get(current, "training", "train_steps")
-    if old_steps is not None and new_steps is not None and new_steps > old_steps:
-        note += f" and stays at the saved min_lr after step {old_steps}"
-    return note + (". To train on a new schedule, start a new run from these weights (fe-convert "
-                   "mcore-to-hf / deepspeed-to-hf, then --load the converted model)")
+    note = (f"note: a resumed run keeps its checkpoint's schedule, so {', '.join(changed)} does not change it: "
+            "the rate follows the saved warm-up and cosine decay")
+    if asked["decay_steps"] is not None and in_force["decay_steps"] is not None \
+            and asked["decay_steps"] > in_force["decay_steps"]:
+        note += f" and stays at min_lr {in_force['min_lr']} after step {in_force['decay_steps']}"
+    return note + (". To train on a new schedule, start a new run from these weights: fe-convert mcore-to-hf "
+                   "then hf-to-mcore, and --load its output (Megatron engine), or fe-convert deepspeed-to-hf and "
+                   "--load the output (DeepSpeed engine)")

@@ -88,6 +88,7 @@ def resolve(cfg, data_parallel_size: int, bf16: bool) -> dict:
         raise ConfigError("deepspeed", f"scheduler={ds['scheduler']!r}: the learning-rate schedule comes from the "
                                        "optimizer section (lr, min_lr, warmup_steps; cosine decay over "
                                        "training.train_steps, as Megatron's); remove deepspeed.scheduler", None, None)
+    _check_checkpoint_writing(ds)
     ds.setdefault("steps_per_print", 2 ** 31 - 1)  # fe-pretrain logs every training.log_interval steps itself
     ds.setdefault("wall_clock_breakdown", False)
     return ds
@@ -114,6 +115,27 @@ def _check_optimizer(block, o) -> None:
                 _refuse(f"optimizer.params.{key}", given, name, value)
         elif not _same(given, value):
             _refuse(f"optimizer.params.{key}", given, name, value)
+
+
+def _check_checkpoint_writing(ds: dict) -> None:
+    """Refuse DeepSpeed settings that write checkpoints asynchronously or outside the save folder:
+    fe-pretrain commits each checkpoint itself (written whole under ``iter_NNNNNNN.tmp``, hashed,
+    renamed, then named by the tracker), which such a writer would bypass."""
+    checkpoint = ds.get("checkpoint") or {}
+    offending = []
+    if checkpoint.get("writer") is not None:
+        offending.append(f"checkpoint.writer={checkpoint['writer']!r}")
+    if checkpoint.get("use_node_local_storage"):
+        offending.append("checkpoint.use_node_local_storage=true")
+    if ds.get("datastates_ckpt") not in (None, False):
+        offending.append(f"datastates_ckpt={ds['datastates_ckpt']!r}")
+    if (ds.get("nebula") or {}).get("enabled"):
+        offending.append("nebula.enabled=true")
+    if offending:
+        raise ConfigError("deepspeed", f"{', '.join(offending)}: fe-pretrain commits every checkpoint itself (all "
+                                       "files written, checksummed and renamed into place before the tracker "
+                                       "names it; docs/deepspeed.md), which an asynchronous, decoupled or "
+                                       "node-local checkpoint writer would bypass; remove these keys", None, None)
 
 
 def zero_stage(ds: dict) -> int:

@@ -22,7 +22,8 @@ client optimizer, which ZeRO wraps.  Table modes:
 
 Checkpoints are DeepSpeed's (``engine.save_checkpoint``, tag ``iter_NNNNNNN``), with
 ``fe_run.json`` and, under ``rows``, one ``tables_rank_NNNNN.pt`` per rank in the same folder,
-all written before DeepSpeed updates ``latest``.  ``--load`` also accepts a Hugging Face model
+committed as the Megatron engine's are (`fe_megatron.checkpoint.commit`) before ``latest`` and the
+tracker name them.  ``--load`` also accepts a Hugging Face model
 directory: its weights start the run at step 0.
 """
 
@@ -33,7 +34,6 @@ import dataclasses
 import io
 import os
 import re
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -87,24 +87,22 @@ class DeepSpeedRun(EngineRun):
     engine: object  # deepspeed.DeepSpeedEngine around the FactorEngramForCausalLM
     tables: object  # RowShardedTables, or None when ZeRO holds the tables
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
-    schedule: Optional[tuple] = None  # (lr, min_lr, warmup_steps, decay_steps): the config's, or a checkpoint's
-
-    def __post_init__(self):
-        if self.schedule is None:
-            o = self.cfg.optimizer
-            self.schedule = (o.lr, o.min_lr, o.warmup_steps, self.cfg.training.train_steps)
 
     def data_parallel_rank(self) -> int:
         return dist.get_rank()  # every rank is a data-parallel rank
 
     def _set_learning_rates(self) -> None:
-        lr, min_lr, warmup, decay = self.schedule
+        """Every group's rate and weight decay from the schedule in force (``info["schedule"]``:
+        the config's, or a resumed checkpoint's), times the group's multipliers."""
+        schedule = self.info["schedule"]
         groups = list(self.engine.optimizer.param_groups)
         if self.tables is not None:
             groups += self.tables.optimizer.param_groups
         for group in groups:
             mult = group.get("lr_mult", 1.0)
-            group["lr"] = learning_rate(self.step_index, lr * mult, min_lr * mult, warmup, decay)
+            group["lr"] = learning_rate(self.step_index, schedule["lr"] * mult, schedule["min_lr"] * mult,
+                                        schedule["warmup_steps"], schedule["decay_steps"])
+            group["weight_decay"] = schedule["weight_decay"] * group.get("wd_mult", 1.0)
 
     def _losses(self, batch: dict):
         output = self.engine(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False)
@@ -155,7 +153,9 @@ class DeepSpeedRun(EngineRun):
 
     def learning_rate(self) -> float:
         """The rate of the next step (as Megatron's scheduler reports it after stepping)."""
-        return learning_rate(self.step_index, *self.schedule)
+        schedule = self.info["schedule"]
+        return learning_rate(self.step_index, schedule["lr"], schedule["min_lr"], schedule["warmup_steps"],
+                             schedule["decay_steps"])
 
     @torch.no_grad()
     def evaluate(self, dataset, index: int) -> float:
@@ -178,29 +178,37 @@ class DeepSpeedRun(EngineRun):
 # ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(run: DeepSpeedRun, step: int) -> str:
     """DeepSpeed's checkpoint of ``step``, committed like every engine's
-    (`fe_megatron.checkpoint.commit`): written under ``iter_NNNNNNN.tmp`` with ``fe_run.json`` and
-    the row-sharded tables, checksummed, renamed, then named by the tracker and by DeepSpeed's
-    ``latest``; older ones beyond ``training.keep_checkpoints`` are deleted."""
+    (`fe_megatron.checkpoint.commit`): DeepSpeed's files, then ``fe_run.json`` and the row-sharded
+    tables, written under ``iter_NNNNNNN.tmp``, checksummed, renamed, named by DeepSpeed's
+    ``latest`` and then by the tracker; older ones beyond ``training.keep_checkpoints`` are deleted."""
     cfg = run.cfg
     tmp = start_save(cfg.save, step)
     error = None
     try:
+        run.engine.save_checkpoint(cfg.save, tag=os.path.basename(tmp), client_state={"step": step},
+                                   save_latest=False)
         if dist.get_rank() == 0:
             write_run_info(tmp, dict(run.info, step=step))
         if run.tables is not None:
             run.tables.save(tmp)
-        run.engine.save_checkpoint(cfg.save, tag=os.path.basename(tmp), client_state={"step": step},
-                                   save_latest=False)
     except Exception as err:  # noqa: BLE001 - any rank's failure must keep the tracker where it is
         error = err
     agree_on_failure(error, tmp, step)
-    folder = commit(tmp, cfg.save, step, cfg.training.keep_checkpoints)
-    if dist.get_rank() == 0:  # DeepSpeed's own tools (zero_to_fp32) read it
-        with open(os.path.join(cfg.save, DEEPSPEED_LATEST), "w") as fh:
-            fh.write(os.path.basename(folder))
-    dist.barrier()
+    folder = commit(tmp, cfg.save, step, cfg.training.keep_checkpoints,
+                    before_tracker=lambda final: write_deepspeed_latest(cfg.save, final))
     log(f"saved {folder}")
     return folder
+
+
+def write_deepspeed_latest(directory: str, folder: str) -> None:
+    """Point DeepSpeed's ``latest`` (read by its own tools, e.g. zero_to_fp32) at ``folder``,
+    atomically, before the tracker moves: a stop in between leaves both naming complete checkpoints."""
+    path = os.path.join(directory, DEEPSPEED_LATEST)
+    with open(path + ".tmp", "w") as fh:
+        fh.write(os.path.basename(folder))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(path + ".tmp", path)
 
 
 def find_deepspeed_checkpoint(cfg):
@@ -319,6 +327,7 @@ def set_up(cfg) -> DeepSpeedRun:
     kind, where = start_at.kind, start_at.folder
     if kind == "checkpoint":
         resume_guard.guard(where, start_at.saved, info, log)
+    info["schedule"] = resume_guard.schedule_in_force(start_at.saved if kind == "checkpoint" else None, info)
     datasets = run_datasets(cfg, tokenizer, dp)
 
     torch.manual_seed(t.seed)
@@ -353,20 +362,11 @@ def set_up(cfg) -> DeepSpeedRun:
     run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=datasets,
                        num_microbatches=microbatches_per_rank(t, dp),
                        metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
-                       parameters=parameters, step_index=start, schedule=saved_schedule(start_at.saved))
+                       parameters=parameters, step_index=start)
     begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, tables "
                f"{'row-sharded outside ZeRO' if rows else 'as ZeRO parameters'}",
           world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
     return run
-
-
-def saved_schedule(saved: Optional[dict]) -> Optional[tuple]:
-    """The learning-rate schedule a checkpoint's run info records (None: a new run uses its config's).
-    A resumed run keeps it, as Megatron's scheduler does (`fe_megatron.checkpoint.resume_guard.SCHEDULE`)."""
-    if saved is None:
-        return None
-    o, t = saved["config"]["optimizer"], saved["config"]["training"]
-    return o["lr"], o["min_lr"], o["warmup_steps"], t["train_steps"]
 
 
 def shut_down() -> None:

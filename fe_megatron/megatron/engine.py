@@ -141,8 +141,11 @@ def set_up(cfg) -> MegatronRun:
     info = run_info(cfg, dp)  # a layout without "engine" is the Megatron engine's
     start_at = start_point(cfg, "megatron", find_megatron_checkpoint(cfg), log)
     resume_from = start_at.folder
+    weights_only = resume_from is not None and holds_weights_only(resume_from)
     if resume_from is not None:
-        resume_guard.guard(resume_from, start_at.saved, info, log, weights_only=holds_weights_only(resume_from))
+        resume_guard.guard(resume_from, start_at.saved, info, log, weights_only=weights_only)
+    # Megatron's scheduler restores a checkpoint's schedule; a converted checkpoint has none
+    info["schedule"] = resume_guard.schedule_in_force(None if weights_only else start_at.saved, info)
     datasets = run_datasets(cfg, tokenizer, dp)
 
     tconfig = transformer_config_for(cfg, on_gpu)
@@ -169,7 +172,7 @@ def set_up(cfg) -> MegatronRun:
         same_layout = (start_at.saved or {}).get("layout") == info["layout"]
         start = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
                                 restore_rng=same_layout)
-        if holds_weights_only(resume_from):
+        if weights_only:
             log(f"loaded the weights of {resume_from} (a converted checkpoint: no optimizer state); training "
                 "starts at step 0")
         else:
