@@ -278,6 +278,9 @@ def load_hf_weights(model, directory: str) -> None:
 KNOWN_DEEPSPEED_NOTICES = (re.compile(r"^DeepSpeed \S+ built successfully$"),)
 
 
+_ENGINES: list = []  # the engines set_up made in this process, for shut_down
+
+
 def import_deepspeed():
     """``deepspeed``, told it runs on the CPU when there is no GPU (rather than guessing, and
     warning on every rank that it could not detect one)."""
@@ -345,6 +348,7 @@ def set_up(cfg) -> DeepSpeedRun:
     optimizer = torch.optim.AdamW(megatron_param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    _ENGINES.append(engine)
 
     start = 0
     if kind == "checkpoint":
@@ -370,5 +374,9 @@ def set_up(cfg) -> DeepSpeedRun:
 
 
 def shut_down() -> None:
-    """The process group (DeepSpeed keeps no other global state of ours)."""
+    """DeepSpeed's engines (their ZeRO-3 hooks and helper threads), then the process group, in the
+    order DeepSpeed asks for: an engine torn down by the garbage collector after the group is gone
+    can abort the process at exit."""
+    while _ENGINES:
+        _ENGINES.pop().destroy()
     dist.destroy_process_group()
