@@ -33,6 +33,8 @@ from typing import Any, Optional, Sequence, Union
 PLACEMENTS = ("before_attn", "before_ffn", "inside_ffn")
 GATES = ("basis", "scalar", "none")
 MEMORY_KINDS = ("factorengram", "engram")
+# How the tables are stored (`fe_megatron.memory.table_storage`); bf16 and fp8 are for serving.
+TABLE_DTYPES = ("fp32", "bf16", "fp8")
 BACKBONE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                    "ffn_hidden_size",
                    "seq_length", "init_std", "norm_eps", "rope_base", "tie_embeddings", "dropout")
@@ -138,6 +140,8 @@ class MemoryConfig:
     sparsity_lambda: float = 1e-3
     # --- initialization (docs/method.md) ---
     table_init_std: float = 1.0  # the tables' rows: N(0, table_init_std^2), as nn.Embedding
+    # --- storage (docs/tables.md) ---
+    table_dtype: str = "fp32"  # fp32 (training); bf16 or fp8 (per-row scaled e4m3): serving, via fe-convert
 
     def __post_init__(self) -> None:
         if not isinstance(self.backbone, BackboneConfig):
@@ -203,6 +207,8 @@ class MemoryConfig:
                 and self.sparsity_lambda >= 0):
             raise ConfigError("sparsity_lambda", f"{self.sparsity_lambda!r} must be a finite number >= 0")
         _positive_float("table_init_std", self.table_init_std)
+        if self.table_dtype not in TABLE_DTYPES:
+            raise ConfigError("table_dtype", f"{self.table_dtype!r} is not one of {TABLE_DTYPES}")
         if self.token_compression is not None and not isinstance(self.token_compression, str):
             raise ConfigError("token_compression", f"{self.token_compression!r} must be a path string or null")
 

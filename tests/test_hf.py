@@ -186,6 +186,71 @@ def test_converted_logits_equal_megatron(trained_runs, tmp_path, run):
         assert memory.value_proj.weight.abs().sum() > 0  # trained: the memory contributes
 
 
+@pytest.mark.parametrize("table_dtype,stored,max_loss_change", [("bf16", torch.bfloat16, 1e-3),
+                                                                   ("fp8", torch.float8_e4m3fn, 1e-2)])
+def test_quantized_tables_serve_the_trained_model(trained_runs, tmp_path, table_dtype, stored, max_loss_change):
+    """fe-convert --table-dtype: the tables are stored quantized (smaller on disk), the model loads
+    and generates with them, its loss stays close to fp32 tables', and training refuses them."""
+    from transformers import AutoModelForCausalLM
+
+    full = mcore_to_hf(trained_runs[1], str(tmp_path / "fp32"))
+    quantized = mcore_to_hf(trained_runs[1], str(tmp_path / table_dtype), table_dtype=table_dtype)
+    tokens = torch.randint(3, 512, (4, 64))
+    losses = {}
+    for name, directory in (("fp32", full), (table_dtype, quantized)):
+        model = AutoModelForCausalLM.from_pretrained(directory, trust_remote_code=True).eval()
+        with torch.no_grad():
+            losses[name] = model(tokens, labels=tokens).loss.item()
+        tables = model.model.layers[model.config.memory["layers"][0]].memory.tables
+        assert tables.weight.dtype == (torch.float32 if name == "fp32" else stored)
+    assert hasattr(tables, "row_scale") == (table_dtype == "fp8")
+    assert model.config.memory["table_dtype"] == table_dtype
+    assert abs(losses[table_dtype] - losses["fp32"]) <= max_loss_change * losses["fp32"], losses
+    assert model.generate(tokens[:1, :8], max_new_tokens=6, do_sample=False).shape == (1, 14)
+    table_bytes = {name: sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
+                             if f.endswith(".safetensors")) for name, directory in (("fp32", full),
+                                                                                  (table_dtype, quantized))}
+    assert table_bytes[table_dtype] < table_bytes["fp32"]
+    with pytest.raises(ConversionError, match=f"stores its tables as {table_dtype}, a serving format"):
+        hf_to_mcore(quantized, str(tmp_path / "back"))
+
+
+@pytest.mark.parametrize("table_dtype", ["fp32", "fp8"])
+def test_memory_mapped_tables_generate_the_same_tokens(tmp_path, table_dtype):
+    """table_storage="mmap": the tables stay in the safetensors file (views of a mapping, outside
+    the state dict), generation is identical token for token, and such a model is not saved."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model()
+    if table_dtype != "fp32":  # a quantized model, as fe-convert --table-dtype writes it
+        config = FactorEngramConfig.from_dict(dict(model.config.to_dict(), memory=dict(model.config.memory,
+                                                                                       table_dtype=table_dtype)))
+        quantized = FactorEngramForCausalLM(config).eval()
+        weights = model.state_dict()
+        with torch.no_grad():
+            for name, param in quantized.named_parameters():
+                if name.endswith("tables.weight"):
+                    quantized.get_submodule(name[:-len(".weight")]).store_(weights[name])
+                elif not name.endswith("row_scale"):
+                    param.copy_(weights[name])
+        model = quantized
+    model.save_pretrained(tmp_path / "model")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    mapped = AutoModelForCausalLM.from_pretrained(tmp_path / "model", table_storage="mmap").eval()
+    tables = mapped.model.layers[0].memory.tables
+    assert not isinstance(tables.weight, torch.nn.Parameter) and tables.weight.dtype == model.model.layers[
+        0].memory.tables.weight.dtype
+    assert not any(name.endswith("tables.weight") for name in mapped.state_dict())
+    ids = torch.randint(3, 256, (3, 12))
+    settings = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(loaded.generate(ids, **settings), mapped.generate(ids, **settings))
+    with pytest.raises(ValueError, match="cannot be saved; load it with table_storage='memory'"):
+        mapped.save_pretrained(tmp_path / "again")
+    unmapped = FactorEngramForCausalLM(FactorEngramConfig.from_dict(dict(mapped.config.to_dict())))
+    with pytest.raises(RuntimeError, match="neither in memory nor mapped"):
+        unmapped(ids)
+
+
 def test_round_trip_is_bit_exact_and_training_continues(trained_runs, small_data, tmp_path):
     from safetensors.torch import load_file
 

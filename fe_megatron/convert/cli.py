@@ -25,10 +25,11 @@ import argparse
 import sys
 
 from fe_megatron.checkpoint.files import CheckpointError
-from fe_megatron.config import ConfigError
+from fe_megatron.config import TABLE_DTYPES, ConfigError
 from fe_megatron.convert.common import ConversionError
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
 from fe_megatron.presets import PRESETS
+
 
 def main(argv=None) -> int:
     from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
@@ -49,6 +50,10 @@ def main(argv=None) -> int:
     from_ds.add_argument("--tag", help="which checkpoint, e.g. iter_0000100 (default: the one 'latest' names)")
     from_ds.add_argument("--output", required=True, help="a new directory for the transformers model")
     from_ds.add_argument("--tokenizer", help="the run's tokenizer, if it has moved since training")
+    for sub in (to_hf, from_ds):
+        sub.add_argument("--table-dtype", default="fp32", choices=TABLE_DTYPES,
+                         help="how the tables are stored: fp32 (as trained), bf16, or fp8 (e4m3 with one scale "
+                              "per row); docs/tables.md gives the perplexity and bytes of each")
     graft_cmd = commands.add_parser("graft", help="add memory branches to a pretrained Llama")
     graft_cmd.add_argument("--base", required=True, help="a transformers Llama directory or a .gguf file")
     graft_cmd.add_argument("--memory-preset", required=True, choices=sorted(PRESETS), metavar="PRESET",
@@ -68,13 +73,13 @@ def main(argv=None) -> int:
 
     try:
         if args.command == "mcore-to-hf":
-            out = mcore_to_hf(args.load, args.output, args.iteration, args.tokenizer)
+            out = mcore_to_hf(args.load, args.output, args.iteration, args.tokenizer, table_dtype=args.table_dtype)
             print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
                   "fe_megatron.hf, or with trust_remote_code=True")
         elif args.command == "deepspeed-to-hf":
             from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
 
-            out = deepspeed_to_hf(args.load, args.output, args.tag, args.tokenizer)
+            out = deepspeed_to_hf(args.load, args.output, args.tag, args.tokenizer, table_dtype=args.table_dtype)
             print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
                   "fe_megatron.hf, or with trust_remote_code=True")
         elif args.command == "hf-to-mcore":

@@ -78,7 +78,7 @@ class _DeepSpeedWeights:
 
 
 def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer: Optional[str] = None,
-                    max_shard_bytes: int = 2 << 30) -> str:
+                    max_shard_bytes: int = 2 << 30, table_dtype: str = "fp32") -> str:
     """Convert the DeepSpeed engine's checkpoint in ``load`` into a transformers directory ``output``."""
     folder = find_run_checkpoint(load, _iteration_of(tag), engine="deepspeed")
     info = read_run_info(folder)
@@ -90,7 +90,7 @@ def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer
               if not (tied and name == "lm_head.weight")]
     return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
                               lambda name: [(name, weights.get(name))], f"deepspeed-to-hf {folder}",
-                              max_shard_bytes)
+                              max_shard_bytes, table_dtype)
 
 
 def _iteration_of(tag: Optional[str]) -> Optional[int]:

@@ -6,6 +6,7 @@ held twice.  `write_hf_directory` is shared with ``deepspeed-to-hf``."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from typing import Optional
@@ -18,6 +19,10 @@ from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.convert.common import (ConversionError, Progress, check_vocabulary, find_run_checkpoint, fresh_output,
                                         publish, run_tokenizer)
 from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
+from fe_megatron.memory.table_storage import ROW_SCALE, STORAGE, has_row_scale, quantize_table
+
+TABLE_WEIGHT = "memory.tables.weight"  # the end of every table's name in a transformers directory
+
 
 def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int):
     """The tokenizer at ``path`` (sentencepiece file or HF directory) saved as an HF tokenizer in
@@ -35,9 +40,8 @@ def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int)
     return tokenizer
 
 
-
 def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
-                max_shard_bytes: int = 2 << 30) -> str:
+                max_shard_bytes: int = 2 << 30, table_dtype: str = "fp32") -> str:
     """Convert an fe-pretrain checkpoint into a transformers directory ``output``; returns it."""
     folder = find_run_checkpoint(load, iteration)
     info = read_run_info(folder)
@@ -50,18 +54,26 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
         groups.append((name, [(hf_name, tuple(t.shape), checkpoint.dtype(name)) for hf_name, t in parts]))
     return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
                               lambda name: split_checkpoint_tensor(name, checkpoint.load(name), backbone),
-                              f"mcore-to-hf {folder}", max_shard_bytes)
+                              f"mcore-to-hf {folder}", max_shard_bytes, table_dtype)
 
 
 def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
-                       groups: list, produce, where: str, max_shard_bytes: int = 2 << 30) -> str:
+                       groups: list, produce, where: str, max_shard_bytes: int = 2 << 30,
+                       table_dtype: str = "fp32") -> str:
     """A transformers directory ``output`` (written to ``output.tmp``, renamed at the end): the
     config of ``backbone`` and ``memory``, the tokenizer, the modeling files, and the weights that
     ``produce(source)`` returns source by source as ``groups`` plans them
-    (`fe_megatron.hf.safetensors_stream.write_shards`)."""
+    (`fe_megatron.hf.safetensors_stream.write_shards`), with the tables stored as ``table_dtype``
+    (`fe_megatron.memory.table_storage`)."""
     from fe_megatron.hf import AUTO_MAP, FactorEngramConfig, write_modeling_files
     from fe_megatron.hf.safetensors_stream import write_shards
 
+    if table_dtype != "fp32":
+        if memory is None:
+            raise ConversionError(f"{where}: --table-dtype {table_dtype}: this model has no memory, so no tables "
+                                  "to store; leave --table-dtype out")
+        memory = dataclasses.replace(memory, table_dtype=table_dtype)
+        groups, produce = _stored_tables(groups, produce, table_dtype)
     tmp = fresh_output(output)
     try:
         hf_tokenizer = _save_tokenizer(tokenizer_path, tmp, backbone.vocab_size, backbone.seq_length)
@@ -79,6 +91,33 @@ def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[M
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return publish(tmp, output)
+
+
+def _stored_tables(groups: list, produce, table_dtype: str) -> tuple:
+    """``groups`` and ``produce`` with every table quantized to ``table_dtype`` as it is written
+    (one table at a time), and an fp8 table's row scales beside it."""
+    def planned(entries):
+        out = []
+        for name, shape, dtype in entries:
+            if not name.endswith(TABLE_WEIGHT):
+                out.append((name, shape, dtype))
+                continue
+            out.append((name, shape, STORAGE[table_dtype]))
+            if has_row_scale(table_dtype):
+                out.append((name[:-len("weight")] + ROW_SCALE, (shape[0],), torch.float32))
+        return out
+
+    def quantized(source):
+        for name, tensor in produce(source):
+            if not name.endswith(TABLE_WEIGHT):
+                yield name, tensor
+                continue
+            stored = quantize_table(tensor, table_dtype)
+            yield name, stored["weight"]
+            if ROW_SCALE in stored:
+                yield name[:-len("weight")] + ROW_SCALE, stored[ROW_SCALE]
+
+    return [(source, planned(entries)) for source, entries in groups], quantized
 
 
 def weights_bytes(entries) -> int:

@@ -1,8 +1,10 @@
 """`FactorEngramConfig`: the Hugging Face configuration of an fe_megatron model.
 
 It is a `LlamaConfig` (the backbone fe-pretrain trains is Llama's: RoPE, RMSNorm, SwiGLU, no
-biases) plus one field, ``memory``: the `fe_megatron.config.MemoryConfig` fields other than its
-backbone (``None`` for a plain Transformer).  The backbone is never written twice: the memory's
+biases) plus ``memory``: the `fe_megatron.config.MemoryConfig` fields other than its backbone
+(``None`` for a plain Transformer), and ``table_storage``: where a loaded model keeps its tables,
+``"memory"`` (the default) or ``"mmap"`` (read from the safetensors files, memory-mapped:
+``from_pretrained(DIR, table_storage="mmap")``, `fe_megatron.hf.mmap_tables`).  The backbone is never written twice: the memory's
 backbone is rebuilt from the Llama fields by `backbone_config`.
 
 This file is also written next to converted weights, for ``trust_remote_code=True`` loading.
@@ -24,6 +26,7 @@ class FactorEngramConfig(LlamaConfig):
     model_type = "fe_megatron"
 
     memory: Optional[dict] = None
+    table_storage: str = "memory"
 
     def backbone_config(self) -> BackboneConfig:
         """The fe_megatron backbone these Llama fields describe."""

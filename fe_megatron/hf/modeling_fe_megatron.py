@@ -145,6 +145,26 @@ class FactorEngramPreTrainedModel(LlamaPreTrainedModel):
     config: FactorEngramConfig
     _no_split_modules = ["LlamaDecoderLayer", "FactorEngramDecoderLayer"]
     _can_compile_fullgraph = False  # token-id range checks synchronize with the host
+    # with table_storage="mmap" the tables are mapped after loading, not loaded
+    _keys_to_ignore_on_load_unexpected = [r"memory\.tables\.weight$"]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' ``from_pretrained``; with ``table_storage="mmap"`` (a keyword here, or the
+        config's field) every table stays in its safetensors file and is read row by row through a
+        memory mapping (`fe_megatron.hf.mmap_tables`).  Generation is the same token for token."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        if model.config.table_storage == "mmap":
+            from fe_megatron.hf.mmap_tables import map_tables
+
+            map_tables(model.base_model, str(pretrained_model_name_or_path))
+        return model
+
+    def save_pretrained(self, *args, **kwargs):
+        if self.config.table_storage == "mmap":
+            raise ValueError("this model's tables are mapped from the directory it was loaded from, not held in "
+                             "it, so it cannot be saved; load it with table_storage='memory' to save it")
+        return super().save_pretrained(*args, **kwargs)
 
     def _initialize_weights(self, module, *args, **kwargs):
         """transformers skips a module of code outside its package that has no direct parameters
@@ -186,6 +206,8 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
             if memory.placement == "inside_ffn" and config.hidden_act != "silu":
                 raise ValueError(f"placement 'inside_ffn' needs a SwiGLU MLP (hidden_act='silu'), got "
                                  f"{config.hidden_act!r}")
+        if config.table_storage not in ("memory", "mmap"):
+            raise ValueError(f"table_storage={config.table_storage!r} is not one of 'memory', 'mmap'")
         memory_layers = set(memory.layers) if memory is not None else set()
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
@@ -197,6 +219,9 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.memory_layers = sorted(memory_layers)
+        if config.table_storage == "mmap":  # from_pretrained maps them (fe_megatron.hf.mmap_tables)
+            for index in self.memory_layers:
+                self.layers[index].memory.tables.release_for_mapping()
         self.post_init()
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,

@@ -19,7 +19,8 @@ from typing import Callable, Iterable
 import torch
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+          torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL",
+          torch.float8_e4m3fn: "F8_E4M3"}
 INDEX = "model.safetensors.index.json"
 
 

@@ -60,7 +60,8 @@ class MemoryBranch(nn.Module):
         if group is not None:
             self.row_partition = RowPartition(layout.moduli, layout.offsets, dist.get_world_size(group),
                                               dist.get_rank(group))
-        self.tables = NgramTables(*self.local_shape("tables.weight", (layout.total_rows, config.branch_width)))
+        self.tables = NgramTables(*self.local_shape("tables.weight", (layout.total_rows, config.branch_width)),
+                                  table_dtype=config.table_dtype)
         self.conv = ShortConv(config.output_size, config.conv_kernel_size, config.conv_dilation, config.norm_eps)
 
     # ----------------------------------------------------------------- parameters
@@ -96,16 +97,28 @@ class MemoryBranch(nn.Module):
         exactly its slice of what a single process would hold."""
         seed = draw_seed() if seed is None else seed
         initial = self.initial_values()
+        held = isinstance(self.tables.weight, nn.Parameter)  # released tables get mapped, not drawn
+        stored = held and self.tables.table_dtype != "fp32"  # bf16 / fp8 tables: drawn in fp32, then stored
         for name, param in self.named_parameters():
-            value = initial[name]
-            if not isinstance(value, Normal):
-                param.fill_(value)
+            if name.startswith("tables.") and (stored or not held):
                 continue
-            for first, rows, local in self.global_row_slices(name):
-                normal_by_global_rows_(param[local:local + rows], value.std, seed, name, self.global_shape(name),
-                                       split_dim=param_sharding(self.kind, name).tensor_parallel_dim,
-                                       split_rank=self.parallel.tensor_parallel_rank,
-                                       split_size=self.parallel.tensor_parallel_size, row_offset=first)
+            self._draw(name, param, initial[name], seed)
+        if stored:
+            values = torch.empty(self.tables.weight.shape, device=self.tables.weight.device)
+            self._draw("tables.weight", values, initial["tables.weight"], seed)
+            self.tables.store_(values)
+
+    def _draw(self, name: str, target: torch.Tensor, value, seed: int) -> None:
+        """Fill ``target`` (parameter ``name``'s local values) with a constant or its slices of a
+        layout-independent normal draw."""
+        if not isinstance(value, Normal):
+            target.fill_(value)
+            return
+        for first, rows, local in self.global_row_slices(name):
+            normal_by_global_rows_(target[local:local + rows], value.std, seed, name, self.global_shape(name),
+                                   split_dim=param_sharding(self.kind, name).tensor_parallel_dim,
+                                   split_rank=self.parallel.tensor_parallel_rank,
+                                   split_size=self.parallel.tensor_parallel_size, row_offset=first)
 
     # ----------------------------------------------------------------- forward pieces
     def start_lookup(self, indices: torch.Tensor) -> RowLookup:

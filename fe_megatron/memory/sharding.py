@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 # ``parallel.table_sharding``: where the tables' rows live, across data-parallel ranks.
 TABLE_SHARDINGS = {
     "replicated": "every data-parallel rank holds every row (gradients all-reduced, as for any weight)",
@@ -38,8 +40,6 @@ TABLE_SHARDINGS = {
 }
 ROW_SHARDED = "rows"
 MEGATRON_TABLE_SHARDINGS = ("replicated", "rows")  # the Megatron engine, the converters and fe-plan
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,12 @@ class ParamSharding:
 
 _WHOLE = ParamSharding()
 _TABLE = ParamSharding(tensor_parallel_dim=1, row_parallel=True, is_table=True)
+_ROW_SCALE = ParamSharding(row_parallel=True, is_table=True)  # [rows]: fp8 serving storage only
 
 SHARDING_PLAN = {
     "factorengram": {
         "tables.weight": _TABLE,  # [rows, s_b]
+        "tables.row_scale": _ROW_SCALE,
         "dictionary": ParamSharding(tensor_parallel_dim=1),  # [branches, s_b, d_m]
         "query_proj.weight": _WHOLE,  # [d_m, d]
         "query_norm.weight": _WHOLE,  # [d_m]
@@ -68,6 +70,7 @@ SHARDING_PLAN = {
     },
     "engram": {
         "tables.weight": _TABLE,  # [rows, s_b]
+        "tables.row_scale": _ROW_SCALE,
         "value_proj.weight": ParamSharding(tensor_parallel_dim=2),  # [out, branches, s_b]
         "key_proj.weight": ParamSharding(tensor_parallel_dim=2),  # [d, branches, s_b]
         "key_norm.weight": _WHOLE,  # [d]

@@ -1,27 +1,58 @@
 """NgramTables: every branch's table E_b of one layer in a single buffer (Eq. 2 and 6).
 
 The rows are FactorEngram's coefficients z or Engram's dense embeddings; both are addressed
-the same way, by n-gram (`fe_megatron.ngram`).
+the same way, by n-gram (`fe_megatron.ngram`).  They are stored as ``MemoryConfig.table_dtype``
+says (`fe_megatron.memory.table_storage`): fp32 and trained, or bf16 / fp8 for serving, where
+only the gathered rows are dequantized.
 """
 
 import torch
 import torch.nn as nn
 
 from fe_megatron import ops
+from fe_megatron.memory.table_storage import ROW_SCALE, STORAGE, dequantize_rows, has_row_scale, quantize_table
 
 
 class NgramTables(nn.Module):
-    """``weight``: [total_rows, width]; branch b owns rows ``[offset_b, offset_b + M_b)``.
+    """``weight``: [total_rows, width]; branch b owns rows ``[offset_b, offset_b + M_b)``; with
+    ``table_dtype="fp8"`` also ``row_scale``: [total_rows].
 
     ``forward(indices)`` gathers all branches in one kernel call and concatenates them in the
-    fixed branch order: [..., branches] -> [..., branches * width] (``z_t`` of Eq. 6).  Under
-    tensor parallelism ``width`` is this rank's column slice of ``s_b``, and the result is its
-    slice of every branch, branch-major.
+    fixed branch order: [..., branches] -> [..., branches * width] (``z_t`` of Eq. 6), in fp32.
+    Under tensor parallelism ``width`` is this rank's column slice of ``s_b``, and the result is
+    its slice of every branch, branch-major.  bf16 and fp8 tables are not trained: their
+    parameters do not require gradients.
     """
 
-    def __init__(self, total_rows: int, width: int):
+    def __init__(self, total_rows: int, width: int, table_dtype: str = "fp32"):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(total_rows, width))
+        self.table_dtype = table_dtype
+        trained = table_dtype == "fp32"  # trained tables take the module's dtype, as every other weight
+        self.weight = nn.Parameter(torch.empty(total_rows, width, dtype=None if trained else STORAGE[table_dtype]),
+                                   requires_grad=trained)
+        if has_row_scale(table_dtype):
+            self.row_scale = nn.Parameter(torch.ones(total_rows), requires_grad=False)
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        return ops.gather_rows(self.weight, indices).flatten(-2)  # [..., nb, w] -> [..., nb * w]
+        if self.weight.is_meta:
+            raise RuntimeError("this table's rows are neither in memory nor mapped: table_storage='mmap' maps them "
+                               "from a checkpoint directory in from_pretrained (fe_megatron.hf.mmap_tables)")
+        if self.table_dtype == "fp32" and self.weight.requires_grad:
+            return ops.gather_rows(self.weight, indices).flatten(-2)  # [..., nb, w] -> [..., nb * w]
+        flat = indices.reshape(-1)
+        rows = ops.gather_rows_forward(self.weight, flat)
+        scales = self.row_scale.index_select(0, flat) if has_row_scale(self.table_dtype) else None
+        return dequantize_rows(rows, scales).reshape(*indices.shape[:-1], -1)
+
+    def release_for_mapping(self) -> None:
+        """Hold no rows: ``weight`` becomes an unset, non-persistent buffer of the same shape and
+        dtype, for a view of a checkpoint file to be assigned to (`fe_megatron.hf.mmap_tables`)."""
+        shape, dtype = self.weight.shape, self.weight.dtype
+        del self.weight
+        self.register_buffer("weight", torch.empty(shape, dtype=dtype, device="meta"), persistent=False)
+
+    @torch.no_grad()
+    def store_(self, weight: torch.Tensor) -> None:
+        """Store the fp32 rows ``weight`` in this table's format."""
+        for name, tensor in quantize_table(weight, self.table_dtype).items():
+            getattr(self, "weight" if name == "weight" else ROW_SCALE).copy_(tensor)

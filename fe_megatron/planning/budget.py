@@ -77,10 +77,21 @@ def format_budget(config: MemoryConfig, name: str = "") -> str:
         table_total += lb.tables
     lines.append(f"table_params={table_total}  ({table_total / 1e9:.3f}B)")
     lines.append(f"memory_dense_params={memory_total - table_total}  ({(memory_total - table_total) / 1e6:.1f}M)")
+    stored = serving_table_bytes(config)
+    lines.append("tables stored for serving (fe-convert --table-dtype): "
+                 + " | ".join(f"{dtype} {size / 2 ** 30:.2f} GiB" for dtype, size in stored.items())
+                 + " (fp8: e4m3 plus one fp32 scale per row)")
     total = backbone + memory_total
     lines.append(f"# total {total / 1e9:.3f}B")
     lines.append(f"total_params={total}")
     return "\n".join(lines)
+
+
+def serving_table_bytes(config: MemoryConfig) -> dict:
+    """``{table_dtype: bytes}`` of all tables stored in each format (`fe_megatron.memory.table_storage`)."""
+    tables = sum(memory_layer_budget(config, layer).tables for layer in config.layers)
+    rows = tables // config.branch_width
+    return {"fp32": 4 * tables, "bf16": 2 * tables, "fp8": tables + 4 * rows}
 
 
 def total_params(config: MemoryConfig) -> int:

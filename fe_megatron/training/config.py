@@ -132,6 +132,10 @@ class TrainConfig:
             fail("training", "freeze_backbone", f"{t.freeze_backbone!r} must be true or false")
         if t.freeze_backbone and self.memory is None:
             fail("training", "freeze_backbone", "is true but memory is null: there would be nothing to train")
+        if self.memory is not None and self.memory.table_dtype != "fp32":
+            fail("memory", "table_dtype", f"{self.memory.table_dtype!r}: fe-pretrain trains fp32 tables; bf16 and "
+                                          "fp8 are serving formats (fe-convert mcore-to-hf --table-dtype), so set "
+                                          "memory.table_dtype=fp32")
         self._validate_engine(fail)
         if t.kernel_backend not in KERNEL_BACKENDS:
             fail("training", "kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")

@@ -1,0 +1,85 @@
+"""Table storage (`fe_megatron.memory.table_storage`): bf16 and fp8 rows for serving.
+
+The quantization error stays within each format's rounding bound, a quantized branch gathers
+exactly the dequantized rows of its stored table, a quantized model initializes to the
+quantized values of the fp32 model's draw, and training refuses the serving formats by name."""
+
+import pytest
+import torch
+
+from fe_megatron.config import ConfigError
+from fe_megatron.memory import build_memory
+from fe_megatron.memory.table_storage import FP8_MAX, dequantize_rows, quantize_table
+from tests.conftest import small_config
+
+
+def test_bf16_rows_round_to_nearest():
+    weight = torch.randn(300, 24) * torch.logspace(-3, 2, 300).unsqueeze(1)
+    stored = quantize_table(weight, "bf16")
+    assert stored.keys() == {"weight"} and stored["weight"].dtype == torch.bfloat16
+    error = (dequantize_rows(stored["weight"]) - weight).abs()
+    assert (error <= weight.abs() * 2.0 ** -8).all()
+
+
+def test_fp8_rows_keep_three_mantissa_bits_of_their_own_range():
+    """Rows of very different magnitudes each use e4m3's whole range (one scale per row)."""
+    weight = torch.randn(300, 24) * torch.logspace(-4, 3, 300).unsqueeze(1)
+    weight[7] = 0.0  # an all-zero row stays zero (scale 1, no division by zero)
+    stored = quantize_table(weight, "fp8")
+    assert stored["weight"].dtype == torch.float8_e4m3fn and stored["row_scale"].shape == (300,)
+    restored = dequantize_rows(stored["weight"], stored["row_scale"])
+    scale = stored["row_scale"].unsqueeze(1)
+    # e4m3: relative spacing 2^-3 (rounding error at most half), subnormal spacing 2^-9 of the scale
+    bound = weight.abs() * 2.0 ** -4 + scale * 2.0 ** -10
+    assert ((restored - weight).abs() <= bound * (1 + 1e-6)).all()
+    assert torch.equal(restored[7], torch.zeros(24))
+    row_max = (stored["weight"].float().abs().amax(dim=1))
+    assert torch.allclose(row_max[row_max > 0], torch.full_like(row_max[row_max > 0], FP8_MAX))
+
+
+@pytest.mark.parametrize("table_dtype", ["bf16", "fp8"])
+def test_a_quantized_branch_gathers_its_stored_rows(table_dtype):
+    full = build_memory(small_config(), 1)
+    full.reset_parameters(seed=11)
+    quantized = build_memory(small_config(table_dtype=table_dtype), 1)
+    quantized.reset_parameters(seed=11)  # the same draw, then stored
+    stored = quantize_table(full.tables.weight, table_dtype)
+    assert torch.equal(quantized.tables.weight.float(), stored["weight"].float())
+    assert not any(param.requires_grad for param in quantized.tables.parameters())
+    indices = torch.randint(0, full.tables.weight.shape[0], (3, 17, small_config().num_branches))
+    flat = indices.reshape(-1)
+    expected = dequantize_rows(stored["weight"][flat], stored["row_scale"][flat] if table_dtype == "fp8" else None)
+    assert torch.equal(quantized.tables(indices), expected.reshape(3, 17, -1))
+    hidden = torch.randn(3, 17, small_config().hidden_size)
+    tokens = torch.randint(0, small_config().vocab_size, (3, 17))
+    with torch.no_grad():
+        for module in (full, quantized):  # make the output depend on the tables
+            module.value_proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(5))
+        out_full, _ = full(hidden, tokens)
+        out_quantized, _ = quantized(hidden, tokens)
+    assert (out_full - out_quantized).abs().max() <= 0.05 * out_full.abs().max()
+
+
+def test_table_dtype_is_checked():
+    with pytest.raises(ConfigError, match=r"table_dtype.*'fp16' is not one of \('fp32', 'bf16', 'fp8'\)"):
+        small_config(table_dtype="fp16")
+
+
+def test_training_refuses_a_serving_format(small_data):
+    from fe_megatron.training.config import load_train_config
+    from tests.test_train import CONFIG, small_overrides
+
+    with pytest.raises(ConfigError, match="table_dtype.*'fp8': fe-pretrain trains fp32 tables; bf16 and fp8 are "
+                                          "serving formats"):
+        load_train_config(CONFIG, small_overrides(small_data, **{"memory.table_dtype": "fp8"}))
+
+
+def test_fe_plan_counts_the_tables_in_every_storage_format():
+    from fe_megatron.planning.budget import format_budget, memory_layer_budget, serving_table_bytes
+
+    config = small_config()
+    tables = sum(memory_layer_budget(config, layer).tables for layer in config.layers)
+    stored = serving_table_bytes(config)
+    assert stored == {"fp32": 4 * tables, "bf16": 2 * tables, "fp8": tables + 4 * tables // config.branch_width}
+    line = [text for text in format_budget(config).splitlines() if text.startswith("tables stored for serving")]
+    assert line and "fp32 " in line[0] and "| bf16 " in line[0] and "| fp8 " in line[0]
