@@ -83,3 +83,22 @@ def test_fe_plan_counts_the_tables_in_every_storage_format():
     assert stored == {"fp32": 4 * tables, "bf16": 2 * tables, "fp8": tables + 4 * tables // config.branch_width}
     line = [text for text in format_budget(config).splitlines() if text.startswith("tables stored for serving")]
     assert line and "fp32 " in line[0] and "| bf16 " in line[0] and "| fp8 " in line[0]
+
+
+def test_the_megatron_layers_refuse_a_serving_format():
+    """Building the layers directly (Megatron-LM's own scripts), not through fe-pretrain's config."""
+    from fe_megatron.megatron.memory_layer import build_memory_branch
+
+    with pytest.raises(ValueError, match="table_dtype='fp8' is a serving format .*the Megatron layers train fp32"):
+        build_memory_branch(None, small_config(table_dtype="fp8"), 1)
+
+
+def test_a_table_with_non_finite_values_is_not_quantized():
+    weight = torch.randn(10, 4)
+    weight[3, 1] = float("nan")
+    weight[7, 0] = float("inf")
+    with pytest.raises(ValueError, match="non-finite values in 2 rows \\(first: row 3\\)"):
+        quantize_table(weight, "fp8")
+    tiny = torch.full((2, 4), 1e-42)  # the scale of a subnormal row would underflow to zero
+    stored = quantize_table(tiny, "fp8")
+    assert torch.isfinite(dequantize_rows(stored["weight"], stored["row_scale"])).all()

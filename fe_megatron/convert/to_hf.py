@@ -112,7 +112,10 @@ def _stored_tables(groups: list, produce, table_dtype: str) -> tuple:
             if not name.endswith(TABLE_WEIGHT):
                 yield name, tensor
                 continue
-            stored = quantize_table(tensor, table_dtype)
+            try:
+                stored = quantize_table(tensor, table_dtype)
+            except ValueError as err:
+                raise ConversionError(f"{name}: {err}") from None
             yield name, stored["weight"]
             if ROW_SCALE in stored:
                 yield name[:-len("weight")] + ROW_SCALE, stored[ROW_SCALE]

@@ -32,10 +32,15 @@ def quantize_table(weight: torch.Tensor, table_dtype: str) -> dict:
     if table_dtype not in STORAGE:
         raise ValueError(f"table_dtype {table_dtype!r} is not one of {TABLE_DTYPES}")
     weight = weight.detach().float()
+    finite = torch.isfinite(weight)
+    if not bool(finite.all()):
+        rows = (~finite).any(dim=1).nonzero().flatten()
+        raise ValueError(f"the table has non-finite values in {rows.numel()} rows (first: row {int(rows[0])}); "
+                         "a table with inf or nan cannot be stored in a smaller format")
     if not has_row_scale(table_dtype):
         return {"weight": weight.to(STORAGE[table_dtype])}
-    amax = weight.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = weight.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero (or subnormal) row: scale 1
     stored = (weight / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return {"weight": stored, ROW_SCALE: scale}
 
