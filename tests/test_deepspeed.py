@@ -138,6 +138,34 @@ def test_zero_3_matches_the_megatron_engine_and_resumes_exactly(start, megatron_
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["zero", "rows"])
+def test_a_checkpoint_resumes_on_fewer_ranks(start, zero3, rows3, mode):
+    """A node lost: the step-2 checkpoint of the 2-rank run resumes on 1 rank (ZeRO-3's partitions
+    through DeepSpeed's universal checkpoint, the row-sharded tables and their moments regathered)
+    and steps 3-4 match the uninterrupted 2-rank run."""
+    source, extra = (zero3, {}) if mode == "zero" else (rows3, {"parallel.table_sharding": "rows",
+                                                                "optimizer.clip_grad": 0.0})
+    half = str(start["base"] / f"{mode}_on_one_rank")
+    shutil.copytree(os.path.join(source, "iter_0000002"), os.path.join(half, "iter_0000002"))
+    with open(os.path.join(half, "latest"), "w") as fh:
+        fh.write("iter_0000002")
+    proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
+                         "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"], **extra), nproc=1)
+    assert "at iteration 2, saved by 2 data-parallel ranks" in proc.stdout
+    assert_same_curve(losses(half), losses(source)[2:])
+    assert ".fe_universal" not in os.listdir(half)  # the universal copy is gone once loaded
+    if mode == "rows":
+        assert [f for f in os.listdir(os.path.join(half, "iter_0000004")) if f.startswith("tables_rank_")] == \
+            ["tables_rank_00000.pt"]
+    else:  # the other table mode is refused by name, before any loading
+        refused = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
+                                "deepspeed={zero_optimization: {stage: 3}}"]
+                               + overrides(start["data"], **{"parallel.table_sharding": "rows"}), check=False)
+        assert refused.returncode != 0
+        assert "resume with parallel.table_sharding=replicated" in refused.stderr
+
+
+@pytest.mark.distributed
 def test_resuming_with_a_guarded_change_is_refused_naming_both_values(start, zero3):
     proc = run_pretrain(["--config", CONFIG, "--load", zero3, "--save", zero3, DS,
                          "deepspeed={zero_optimization: {stage: 3}}"]

@@ -29,6 +29,17 @@ def test_partition_covers_every_row_once_and_locates_it(branch_rows, size):
             assert rows // size <= stop - start <= rows // size + 1
 
 
+@pytest.mark.parametrize("saved_size, size", [(2, 1), (3, 2), (2, 5), (1, 4), (7, 3)])
+def test_rows_saved_by_one_group_size_are_regathered_by_another(saved_size, size):
+    """A checkpoint's per-rank shards, read by a group of another size: each new rank gets exactly
+    its own rows of the whole table (a run restarted on fewer or more nodes)."""
+    branch_rows = (10, 9, 97)
+    full = torch.randn(sum(branch_rows), 4)
+    saved = [p.take(full) for p in partitions(branch_rows, saved_size)]
+    for p in partitions(branch_rows, size):
+        assert torch.equal(p.gather_from(saved), p.take(full))
+
+
 def test_group_larger_than_a_branch_is_refused_naming_the_sizes():
     with pytest.raises(ValueError, match=r"the memory-parallel group has 4 ranks but branch 0 of this layer has only "
                                          r"3 rows; every rank must own rows of every branch"):

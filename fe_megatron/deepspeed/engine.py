@@ -23,8 +23,8 @@ client optimizer, which ZeRO wraps.  Table modes:
 Checkpoints are DeepSpeed's (``engine.save_checkpoint``, tag ``iter_NNNNNNN``), with
 ``fe_run.json`` and, under ``rows``, one ``tables_rank_NNNNN.pt`` per rank in the same folder,
 committed as the Megatron engine's are (`fe_megatron.checkpoint.commit`) before ``latest`` and the
-tracker name them.  ``--load`` also accepts a Hugging Face model
-directory: its weights start the run at step 0.
+tracker name them.  They resume at any data-parallel size (`fe_megatron.deepspeed.resize`).
+``--load`` also accepts a Hugging Face model directory: its weights start the run at step 0.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST, find_checkpoint_fold
 from fe_megatron.checkpoint.resume import start_point
 from fe_megatron.checkpoint.run_info import run_info
 from fe_megatron.deepspeed.config import resolve, zero_stage
+from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
 from fe_megatron.memory.loss import weighted_sparsity
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.training.distributed import current_device, log
@@ -224,6 +225,38 @@ def find_deepspeed_checkpoint(cfg):
     return find
 
 
+def untie_step_counters(optimizer) -> None:
+    """A universal load hands every parameter group's Adam state one shared ``step`` tensor, which
+    AdamW then advances once per group and step (skewing the bias correction): give each its own."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
+    for state in inner.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].clone()
+
+
+def saved_data_parallel_size(saved_info, default: int) -> int:
+    """The data-parallel size that wrote a checkpoint (its run info's layout), or ``default``
+    for one saved before run infos recorded it."""
+    return int(((saved_info or {}).get("layout") or {}).get("data", default))
+
+
+def refuse_table_mode_change(folder: str, saved_info, tables_mode: str) -> None:
+    """Under DeepSpeed the tables are ZeRO parameters or row shards with their own files; a
+    checkpoint resumes in the mode that wrote it (the data-parallel size may change)."""
+    sharding = ((saved_info or {}).get("layout") or {}).get("table_sharding")
+    if sharding is None or (saved_info.get("config") or {}).get("memory") is None:
+        return
+    saved = ROW_SHARDED if sharding == ROW_SHARDED else "zero"
+    if saved != tables_mode:
+        raise CheckpointError(f"{folder} was saved with its tables {_TABLE_MODES[saved]}, and this run keeps them "
+                              f"{_TABLE_MODES[tables_mode]}: resume with parallel.table_sharding={sharding}, or start "
+                              "a new run from its weights (fe-convert deepspeed-to-hf, then --load the output)")
+
+
+_TABLE_MODES = {"zero": "as ZeRO parameters (parallel.table_sharding zero or replicated)",
+                ROW_SHARDED: "row-sharded outside ZeRO (parallel.table_sharding rows)"}
+
+
 # ----------------------------------------------------------------------------- model
 def build_model(cfg, memory_parallel_group=None):
     """The run's `FactorEngramForCausalLM` (a plain Llama-like model with ``memory: null``), its
@@ -330,8 +363,12 @@ def set_up(cfg) -> DeepSpeedRun:
     kind, where = start_at.kind, start_at.folder
     if kind == "checkpoint":
         resume_guard.guard(where, start_at.saved, info, log)
+        refuse_table_mode_change(where, start_at.saved, tables_mode)
     info["schedule"] = resume_guard.schedule_in_force(start_at.saved if kind == "checkpoint" else None, info)
     datasets = run_datasets(cfg, tokenizer, dp)
+    resized = kind == "checkpoint" and needs_universal_copy(where, saved_data_parallel_size(start_at.saved, dp), dp)
+    if resized:
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     torch.manual_seed(t.seed)
     rows = tables_mode == ROW_SHARDED and cfg.memory is not None
@@ -352,14 +389,23 @@ def set_up(cfg) -> DeepSpeedRun:
 
     start = 0
     if kind == "checkpoint":
-        load_dir, tag = os.path.dirname(where), os.path.basename(where)
-        path, client_state = engine.load_checkpoint(load_dir, tag=tag, load_lr_scheduler_states=False)
+        source = universal_copy(where, cfg.save) if resized else where
+        multipliers = [(group["lr_mult"], group["wd_mult"]) for group in engine.optimizer.param_groups]
+        path, client_state = engine.load_checkpoint(os.path.dirname(source), tag=os.path.basename(source),
+                                                    load_lr_scheduler_states=False)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {where}")
+        # a universal load gives every group the first group's hyperparameters: each group's own back
+        for group, (lr_mult, wd_mult) in zip(engine.optimizer.param_groups, multipliers):
+            group["lr_mult"], group["wd_mult"] = lr_mult, wd_mult
+        if resized:
+            untie_step_counters(engine.optimizer)
+            remove_universal_copy(cfg.save)
         if tables is not None:
             tables.load(where)
         start = int(client_state["step"])
-        log(f"resumed from {where} at iteration {start}")
+        log(f"resumed from {where} at iteration {start}"
+            + (f", saved by {saved_data_parallel_size(start_at.saved, dp)} data-parallel ranks" if resized else ""))
     elif kind == "hf":
         log(f"loaded the weights of {where} (a Hugging Face model); training starts at step 0")
 

@@ -88,17 +88,38 @@ class RowShardedTables:
         os.replace(path + ".tmp", path)
 
     def load(self, folder: str) -> None:
-        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
-        path = tables_file(folder, rank)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing: this checkpoint was not saved with table_sharding=rows "
-                                    f"at {world} ranks")
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        if state["world_size"] != world:
-            raise ValueError(f"{path} holds rows for {state['world_size']} data-parallel ranks, this run has {world}; "
-                             "resume at the same size, or convert with fe-convert deepspeed-to-hf and start from the "
-                             "Hugging Face directory")
+        """This rank's rows and their AdamW moments from the ``tables_rank_*.pt`` files of
+        ``folder``, saved at any number of ranks: the files are memory-mapped and only the rows this
+        rank owns under its partition are read (`RowPartition.gather_from`), so a run restarted on
+        fewer (or more) nodes continues with the same tables and optimizer state."""
+        saved = _read_saved_shards(folder)
         with torch.no_grad():
             for name, weight in self.weights.items():
-                weight.copy_(state["tables"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+                weight.copy_(self.partitions[name].gather_from([shard["tables"][name] for shard in saved]))
+        names = [name for name, weight in self.weights.items() if weight.requires_grad]
+        state = {}
+        for index, name in enumerate(names):
+            entries = [shard["optimizer"]["state"].get(index) for shard in saved]
+            if any(entry is None for entry in entries):
+                continue  # saved before the tables' first update
+            state[index] = {key: (self.partitions[name].gather_from([entry[key] for entry in entries])
+                                  if value.dim() > 0 else value.clone())
+                            for key, value in entries[0].items()}  # step: the same scalar on every rank
+        self.optimizer.load_state_dict({"state": state, "param_groups": saved[0]["optimizer"]["param_groups"]})
+
+
+def _read_saved_shards(folder: str) -> list:
+    """Every saved rank's ``tables_rank_*.pt`` of ``folder``, memory-mapped, in rank order."""
+    first = tables_file(folder, 0)
+    if not os.path.isfile(first):
+        raise FileNotFoundError(f"{first} is missing: {folder} was not saved with parallel.table_sharding=rows "
+                                "(resume with the table sharding it was saved with)")
+    shards = [torch.load(first, map_location="cpu", mmap=True, weights_only=True)]
+    saved_world = int(shards[0]["world_size"])
+    for rank in range(1, saved_world):
+        path = tables_file(folder, rank)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: {folder} was saved by {saved_world} ranks and each wrote "
+                                    "its rows; the checkpoint is incomplete")
+        shards.append(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
+    return shards

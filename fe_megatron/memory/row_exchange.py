@@ -88,6 +88,21 @@ class RowPartition:
         """This rank's rows of a whole table ``full`` (for tests and small conversions)."""
         return torch.cat([full[first:first + rows] for first, rows, _ in self.slices(rank)])
 
+    def gather_from(self, shards: list) -> torch.Tensor:
+        """This rank's rows from the local buffers ``shards`` of a partition of the same rows over
+        ``len(shards)`` ranks (a checkpoint saved at another group size).  Only the rows this rank
+        owns are read, so memory-mapped shards are touched only where they overlap."""
+        saved = RowPartition(self.branch_rows, self.branch_offsets, len(shards), 0)
+        out = shards[0].new_empty((self.local_rows(),) + tuple(shards[0].shape[1:]))
+        for first, rows, local in self.slices():
+            for rank, shard in enumerate(shards):
+                for saved_first, saved_rows, saved_local in saved.slices(rank):
+                    lo, hi = max(first, saved_first), min(first + rows, saved_first + saved_rows)
+                    if lo < hi:
+                        out[local + lo - first:local + hi - first] = \
+                            shard[saved_local + lo - saved_first:saved_local + hi - saved_first]
+        return out
+
     def assemble(self, shards: list) -> torch.Tensor:
         """The whole table from every rank's local buffer, in rank order (inverse of `take`)."""
         total = sum(self.branch_rows)
