@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench bench-kernels cuda-check plan clean
+.PHONY: setup test demo bench bench-kernels cuda-check gpu-check plan clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,12 @@ bench-kernels: setup
 # Compile every CUDA source for sm_80 and sm_90 (no GPU needed); fails on a compile error.
 cuda-check: setup
 	bash csrc/check_cuda_sources.sh $(PY)
+
+# Every GPU path in one call, on a GPU machine whose python has the project's dependencies (not the
+# CPU venv): builds the kernels, runs their tests and benchmarks, GPU training runs against CPU
+# references, ZeRO-3 and generation; writes gpu_results/gpu_check.{json,md}. Exits 2 without a GPU.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --out gpu_results
 
 plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m

@@ -3,7 +3,7 @@
 Both models are built and stepped in the same process, on the same random token batches,
 with the same Megatron DDP + optimizer + schedule path as fe-pretrain.
 
-    python benchmarks/bench_train.py [--size tiny|small] [--steps 10]
+    python benchmarks/bench_train.py [--size tiny|small|340m-layer] [--steps 10]
 
 On a GPU machine it runs in bf16; on CPU in fp32.
 """
@@ -24,6 +24,11 @@ SIZES = {
                                 ffn_hidden_size=1408, seq_length=512),
                   memory=dict(preset="factorengram-340m", table_capacity=[32000, 100_000, 100_000], coeff_width=1536,
                               memory_dim=1536, layers=[5, 6]), mbs=4, micro=2),
+    # one layer at the 340M width with the paper's memory (Table 8) against the plain layer: the
+    # memory's cost where it sits, diluted only by the embedding and the output layer
+    "340m-layer": dict(backbone=dict(vocab_size=32000, hidden_size=1024, num_layers=1, num_attention_heads=16,
+                                     ffn_hidden_size=2816, seq_length=4096),
+                       memory=dict(preset="factorengram-340m", layers=[0]), mbs=4, micro=2),
 }
 
 

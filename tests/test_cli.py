@@ -137,3 +137,12 @@ def test_graft_lists_the_memory_presets():
     assert "--list-presets" not in proc.stdout and "factorengram-tiny" in proc.stdout
     proc = run(command("fe-convert") + ["graft", "--base", "x", "--memory-preset", "nope", "--output", "y"])
     assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr and sorted(PRESETS)[0] in proc.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: make gpu-check runs")
+def test_gpu_check_without_a_gpu_says_so_and_runs_nothing(tmp_path):
+    out = tmp_path / "gpu_results"
+    proc = run([sys.executable, "benchmarks/gpu_check.py", "--out", str(out)])
+    assert proc.returncode == 2
+    assert "no GPU is visible" in proc.stderr and "nothing was run" in proc.stderr
+    assert not out.exists()

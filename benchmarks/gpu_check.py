@@ -1,0 +1,353 @@
+"""Every GPU-specific path of fe_megatron in one call, with one results file (``make gpu-check``).
+
+    python benchmarks/gpu_check.py [--out gpu_results] [--steps 60]
+
+Steps, each a subprocess with its own log under ``OUT/logs/`` and its own time limit:
+
+1. ``environment``: the GPU, torch, CUDA, Triton (``nvidia-smi`` into the log);
+2. ``build``: ``setup.py build_ext --inplace`` (the C++ and CUDA kernels);
+3. ``kernel-tests``: ``tests/test_kernels.py``, where the cuda and compiled Triton backends join the
+   torch and cpp ones against the reference;
+4. ``kernel-bench``: ``bench_kernels.py`` in fp32 and bf16 at the 340M preset (GB/s of every kernel,
+   and the forward gather as a fraction of the measured device copy bandwidth);
+5. ``train-bench``: ``bench_train.py --size 340m-layer`` (one memory layer at the 340M width
+   against the plain layer, tokens/s and their ratio);
+6. ``pretrain``: the demo config for ``--steps`` steps, three times: fp32 on the CPU (the
+   reference), fp32 on the GPU with the CUDA kernels (both from one set of initial weights made on
+   the CPU, ``start-weights``, so the curves must agree to fp32 rounding: 1e-3 relative), and bf16
+   on the GPU with the Transformer Engine spec and the CUDA kernels (its own initialization: the
+   curve must stay within 5% of the reference);
+7. ``deepspeed-zero3``: the DeepSpeed engine, ZeRO-3, on the GPU in bf16 against the same run on
+   the CPU in fp32, from the same initial weights (within 5%);
+8. ``hf-generate``: the GPU fp32 run converted with ``fe-convert mcore-to-hf``, greedy generation on
+   the GPU and on the CPU, token for token.
+
+The host tier's prefetch overlap (issue "table storage", part 4) has no step: that tier is not
+built yet.  ``OUT/gpu_check.json`` holds every step's status, seconds, numbers and log; the
+summary is printed and written to ``OUT/gpu_check.md``.  The exit status is 0 only when every
+step passed.  Without a GPU nothing runs: it says so and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "data", "sotu.jsonl.gz")
+CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")
+PY = sys.executable
+NO_GPU_EXIT = 2
+# fp32 on GPU against fp32 on CPU: the same weights and batches, other kernels and reduction orders
+FP32_CURVE_RTOL = 1e-3
+# bf16 with its own initialization against the fp32 reference: a sanity bound on the logged losses
+BF16_CURVE_RTOL = 0.05
+
+
+class Checker:
+    def __init__(self, out: str):
+        self.out = out
+        self.logs = os.path.join(out, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.steps = []
+
+    def run(self, name: str, cmd: list, timeout: int, env: dict = None) -> tuple:
+        """Run ``cmd`` from the repository root, its output into ``logs/<name>.log``; ``(rc, output)``."""
+        log = os.path.join(self.logs, f"{name}.log")
+        merged = dict(os.environ, **(env or {}))
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=merged, capture_output=True, text=True, timeout=timeout)
+            rc, output = proc.returncode, proc.stdout + proc.stderr
+        except FileNotFoundError as err:  # the program itself is missing (nvidia-smi, say)
+            rc, output = 127, f"[gpu_check] {err}"
+        except subprocess.TimeoutExpired as err:
+            rc = 124
+            output = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+            output += f"\n[gpu_check] timed out after {timeout} s"
+        with open(log, "a") as fh:
+            fh.write(f"$ {' '.join(cmd)}\n{output}\n[gpu_check] exit {rc} after {time.perf_counter() - start:.1f} s\n")
+        return rc, output
+
+    def record(self, name: str, passed: bool, seconds: float, numbers: dict = None, why: str = "") -> None:
+        entry = {"step": name, "status": "pass" if passed else "FAIL", "seconds": round(seconds, 1),
+                 "numbers": numbers or {}, "log": os.path.join("logs", f"{name}.log")}
+        if why:
+            entry["why"] = why
+        self.steps.append(entry)
+        print(f"[gpu_check] {name}: {entry['status']} ({seconds:.0f} s){': ' + why if why else ''}", flush=True)
+
+
+def json_lines(text: str) -> list:
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def lm_curve(save: str) -> dict:
+    path = os.path.join(save, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as fh:
+        rows = [json.loads(line) for line in fh]
+    return {r["step"]: r["lm_loss"] for r in rows if "lm_loss" in r}
+
+
+def compare_curves(got: dict, reference: dict) -> tuple:
+    """``(max relative difference over the common logged steps, steps compared)``."""
+    common = sorted(set(got) & set(reference))
+    if not common:
+        return float("inf"), 0
+    return max(abs(got[s] - reference[s]) / abs(reference[s]) for s in common), len(common)
+
+
+# ----------------------------------------------------------------------------- steps
+def environment(c: Checker) -> None:
+    start = time.perf_counter()
+    c.run("environment", ["nvidia-smi"], 60)
+    rc, output = c.run("environment", [PY, "-c", (
+        "import json, torch, platform; p = torch.cuda.get_device_properties(0)\n"
+        "try:\n import triton; tv = triton.__version__\nexcept ImportError:\n tv = None\n"
+        "print(json.dumps({'device': torch.cuda.get_device_name(0), 'memory_gib': round(p.total_memory / 2**30, 1),"
+        " 'capability': f'{p.major}.{p.minor}', 'torch': torch.__version__, 'cuda': torch.version.cuda,"
+        " 'triton': tv, 'python': platform.python_version()}))")], 120)
+    rows = json_lines(output)
+    c.record("environment", rc == 0 and bool(rows), time.perf_counter() - start, rows[0] if rows else {})
+
+
+def build(c: Checker) -> bool:
+    start = time.perf_counter()
+    rc, _ = c.run("build", [PY, "setup.py", "build_ext", "--inplace"], 1800)
+    rc2, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"], 120)
+    backends = output.strip().splitlines()[-1] if output.strip() else ""
+    ok = rc == 0 and rc2 == 0 and "cuda" in backends
+    c.record("build", ok, time.perf_counter() - start, {"backends": backends},
+             "" if ok else "the CUDA extension did not build or load (see the log)")
+    return ok
+
+
+def kernel_tests(c: Checker) -> None:
+    start = time.perf_counter()
+    rc, output = c.run("kernel-tests", [PY, "-m", "pytest", "-q", "-rs", "tests/test_kernels.py"], 1800)
+    summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    c.record("kernel-tests", rc == 0, time.perf_counter() - start, {"summary": summary[-1] if summary else ""})
+
+
+def kernel_bench(c: Checker) -> None:
+    start = time.perf_counter()
+    numbers, ok = {}, True
+    for dtype in ("float32", "bfloat16"):
+        rc, output = c.run("kernel-bench", [PY, "benchmarks/bench_kernels.py", "--repeats", "20", "--dtype", dtype],
+                           1800)
+        rows = json_lines(output)
+        ok = ok and rc == 0 and bool(rows)
+        header = next((r for r in rows if "copy_gbs" in r), {})
+        numbers[dtype] = {"copy_gbs": header.get("copy_gbs"),
+                          "kernels": [r for r in rows if "backend" in r]}
+    c.record("kernel-bench", ok, time.perf_counter() - start, numbers)
+
+
+def train_bench(c: Checker) -> None:
+    start = time.perf_counter()
+    rc, output = c.run("train-bench", [PY, "benchmarks/bench_train.py", "--size", "340m-layer", "--steps", "10"], 1800)
+    rows = json_lines(output)
+    c.record("train-bench", rc == 0 and bool(rows), time.perf_counter() - start, rows[-1] if rows else {})
+
+
+def prepare_data(c: Checker) -> tuple:
+    data = os.path.join(c.out, "data")
+    tokenizer, prefix = os.path.join(data, "tokenizer.model"), os.path.join(data, "sotu")
+    if not os.path.isfile(prefix + ".idx"):
+        c.run("data", [PY, "-m", "fe_megatron.data.cli", "train-tokenizer", "--input", CORPUS,
+                       "--output-prefix", tokenizer[:-len(".model")], "--vocab-size", "4096"], 900)
+        c.run("data", [PY, "-m", "fe_megatron.data.cli", "preprocess", "--input", CORPUS, "--tokenizer-model",
+                       tokenizer, "--output-prefix", prefix, "--no-progress"], 900)
+    return tokenizer, prefix
+
+
+def data_overrides(c: Checker, tokenizer: str, prefix: str) -> list:
+    return [f"data.tokenizer_model={tokenizer}", f"data.train_data=[{prefix}]",
+            f"data.cache_dir={os.path.join(c.out, 'cache')}"]
+
+
+def pretrain_args(c: Checker, name: str, steps: int, tokenizer: str, prefix: str, *extra) -> tuple:
+    save = os.path.join(c.out, "runs", name)
+    shutil.rmtree(save, ignore_errors=True)  # a run of an earlier check: fe-pretrain never writes over one
+    return save, [PY, "-m", "fe_megatron.train", "--config", CONFIG, "--save", save,
+                  *data_overrides(c, tokenizer, prefix), f"training.train_steps={steps}",
+                  f"optimizer.warmup_steps={max(1, steps // 15)}", f"training.save_interval={steps}",
+                  f"training.eval_interval={steps}", *extra]
+
+
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+START = """
+import shutil, sys, torch
+from fe_megatron.convert.to_mcore import hf_to_mcore
+from fe_megatron.deepspeed.engine import build_model
+from fe_megatron.training.config import load_train_config
+config, hf, mcore, tokenizer = sys.argv[1:5]
+torch.manual_seed(0)
+model = build_model(load_train_config(config, sys.argv[5:]))
+model.save_pretrained(hf)
+shutil.copyfile(tokenizer, hf + "/tokenizer.model")
+hf_to_mcore(hf, mcore)
+"""
+
+
+def start_weights(c: Checker, tokenizer: str, prefix: str) -> tuple:
+    """One set of initial weights, as a Hugging Face directory (the DeepSpeed runs' ``--load``) and
+    as a Megatron checkpoint (the local-spec Megatron runs' ``--load``), so that CPU and GPU runs
+    start alike (each device initializes with its own random generator)."""
+    hf, mcore = os.path.join(c.out, "runs", "start_hf"), os.path.join(c.out, "runs", "start_mcore")
+    for folder in (hf, mcore):
+        shutil.rmtree(folder, ignore_errors=True)
+    rc, _ = c.run("start-weights", [PY, "-c", START, CONFIG, hf, mcore, tokenizer,
+                                    *data_overrides(c, tokenizer, prefix)], 900, CPU_ONLY)
+    return (hf, mcore) if rc == 0 else (None, None)
+
+
+def pretrain(c: Checker, steps: int, tokenizer: str, prefix: str, mcore_start: str) -> str:
+    """Returns the GPU fp32 run's directory (for hf-generate), or None."""
+    start = time.perf_counter()
+    load = f"load={mcore_start}"  # the Transformer Engine spec names its weights otherwise: its own start
+    runs = {
+        "cpu_fp32": ("training.precision=fp32", "training.kernel_backend=torch", load),
+        "gpu_fp32": ("training.precision=fp32", "training.kernel_backend=cuda", load),
+        "gpu_bf16_te": ("training.precision=bf16", "training.kernel_backend=cuda", "training.transformer_impl=te"),
+    }
+    curves, failed = {}, []
+    for name, extra in runs.items():
+        save, cmd = pretrain_args(c, name, steps, tokenizer, prefix, *extra)
+        rc, _ = c.run("pretrain", cmd, 3000, CPU_ONLY if name.startswith("cpu") else None)
+        curves[name] = lm_curve(save)
+        if rc != 0 or not curves[name]:
+            failed.append(name)
+    numbers = {"steps": steps, "final_lm_loss": {name: curve[max(curve)] for name, curve in curves.items() if curve}}
+    fp32, fp32_steps = compare_curves(curves["gpu_fp32"], curves["cpu_fp32"])
+    bf16, bf16_steps = compare_curves(curves["gpu_bf16_te"], curves["cpu_fp32"])
+    numbers.update(gpu_fp32_vs_cpu_max_rel=fp32, gpu_bf16_te_vs_cpu_max_rel=bf16, logged_steps=fp32_steps)
+    why = []
+    if failed:
+        why.append(f"runs that failed: {', '.join(failed)}")
+    if fp32 > FP32_CURVE_RTOL:
+        why.append(f"GPU fp32 curve differs from the CPU one by {fp32:.2e} (limit {FP32_CURVE_RTOL:.0e})")
+    if bf16 > BF16_CURVE_RTOL:
+        why.append(f"GPU bf16 TE curve differs from the CPU fp32 one by {bf16:.2e} (limit {BF16_CURVE_RTOL:.0e})")
+    c.record("pretrain", not why, time.perf_counter() - start, numbers, "; ".join(why))
+    return None if "gpu_fp32" in failed else os.path.join(c.out, "runs", "gpu_fp32")
+
+
+def deepspeed_zero3(c: Checker, steps: int, tokenizer: str, prefix: str, hf_start: str) -> None:
+    start = time.perf_counter()
+    curves, failed = {}, []
+    for name, extra, env in (("ds_cpu_fp32", ("training.precision=fp32",), CPU_ONLY),
+                             ("ds_gpu_bf16", ("training.precision=bf16",), None)):
+        save, cmd = pretrain_args(c, name, steps, tokenizer, prefix, "training.engine=deepspeed",
+                                  "deepspeed={zero_optimization: {stage: 3}}", f"load={hf_start}", *extra)
+        rc, _ = c.run("deepspeed-zero3", cmd, 3000, env)
+        curves[name] = lm_curve(save)
+        if rc != 0 or not curves[name]:
+            failed.append(name)
+    difference, compared = compare_curves(curves["ds_gpu_bf16"], curves["ds_cpu_fp32"])
+    why = [f"runs that failed: {', '.join(failed)}"] if failed else []
+    if difference > BF16_CURVE_RTOL:
+        why.append(f"GPU bf16 curve differs from the CPU fp32 one by {difference:.2e} (limit {BF16_CURVE_RTOL:.0e})")
+    c.record("deepspeed-zero3", not why, time.perf_counter() - start,
+             {"gpu_bf16_vs_cpu_fp32_max_rel": difference, "logged_steps": compared,
+              "final_lm_loss": {name: curve[max(curve)] for name, curve in curves.items() if curve}}, "; ".join(why))
+
+
+GENERATE = """
+import json, sys, torch
+import fe_megatron.hf
+from fe_megatron.hf import FactorEngramForCausalLM
+hf = sys.argv[1]
+prompt = torch.tensor([[1, 200, 31, 412, 77, 9, 1200, 5]])
+out = {}
+for name, device, dtype in (("cpu_fp32", "cpu", torch.float32), ("gpu_fp32", "cuda", torch.float32),
+                            ("gpu_bf16", "cuda", torch.bfloat16)):
+    model = FactorEngramForCausalLM.from_pretrained(hf, dtype=dtype).to(device).eval()
+    with torch.no_grad():
+        ids = model.generate(prompt.to(device), max_new_tokens=48, do_sample=False)
+    out[name] = ids[0, prompt.shape[1]:].tolist()
+same = lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+print(json.dumps({"new_tokens": len(out["cpu_fp32"]), "gpu_fp32_same_prefix": same(out["gpu_fp32"], out["cpu_fp32"]),
+                  "gpu_bf16_same_prefix": same(out["gpu_bf16"], out["cpu_fp32"])}))
+"""
+
+
+def hf_generate(c: Checker, run_dir: str) -> None:
+    start = time.perf_counter()
+    hf = os.path.join(c.out, "runs", "gpu_fp32_hf")
+    shutil.rmtree(hf, ignore_errors=True)
+    rc, _ = c.run("hf-generate", [PY, "-m", "fe_megatron.convert.cli", "mcore-to-hf", "--load", run_dir,
+                                  "--output", hf], 900)
+    rc2, output = c.run("hf-generate", [PY, "-c", GENERATE, hf], 900, {"NVIDIA_TF32_OVERRIDE": "0"})
+    rows = json_lines(output)
+    numbers = rows[-1] if rows else {}
+    ok = rc == 0 and rc2 == 0 and numbers.get("gpu_fp32_same_prefix") == numbers.get("new_tokens")
+    c.record("hf-generate", ok, time.perf_counter() - start, numbers,
+             "" if ok else "conversion or generation failed, or the GPU fp32 tokens differ from the CPU ones")
+
+
+def summary(c: Checker) -> str:
+    lines = [f"# gpu_check, {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}", "",
+             "| step | status | seconds | numbers |", "| --- | --- | --- | --- |"]
+    for step in c.steps:
+        numbers = json.dumps(step["numbers"])
+        numbers = numbers if len(numbers) < 400 else numbers[:400] + " ... (gpu_check.json)"
+        lines.append(f"| {step['step']} | {step['status']}{' (' + step['why'] + ')' if 'why' in step else ''} "
+                     f"| {step['seconds']} | `{numbers}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu_results", help="results folder (default gpu_results)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps of each pretraining run (default 60)")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print(f"gpu_check: no GPU is visible to torch {torch.__version__} (torch.cuda.is_available() is False); "
+              "nothing was run. Run it on a machine with an NVIDIA GPU and a CUDA build of torch.", file=sys.stderr)
+        return NO_GPU_EXIT
+    c = Checker(os.path.abspath(args.out))
+    environment(c)
+    if build(c):
+        kernel_tests(c)
+        kernel_bench(c)
+        train_bench(c)
+        tokenizer, prefix = prepare_data(c)
+        hf_start, mcore_start = start_weights(c, tokenizer, prefix)
+        if mcore_start is None:
+            c.record("start-weights", False, 0.0, why="the shared initial weights could not be made (see the log)")
+        else:
+            run_dir = pretrain(c, args.steps, tokenizer, prefix, mcore_start)
+            deepspeed_zero3(c, args.steps, tokenizer, prefix, hf_start)
+            if run_dir is not None:
+                hf_generate(c, run_dir)
+    with open(os.path.join(c.out, "gpu_check.json"), "w") as fh:
+        json.dump({"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "steps": c.steps}, fh, indent=1)
+    text = summary(c)
+    with open(os.path.join(c.out, "gpu_check.md"), "w") as fh:
+        fh.write(text)
+    print(text)
+    return 0 if c.steps and all(step["status"] == "pass" for step in c.steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
