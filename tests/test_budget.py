@@ -61,6 +61,34 @@ def test_rank_memory_of_whole_and_row_sharded_tables():
     assert exchange_bytes_per_step(c, 1, 1, 1, 1, 8192, 64) == 0
 
 
+def test_table_storage_choices_count_every_way_of_keeping_the_tables():
+    from fe_megatron.planning.rank_memory import table_storage_choices
+
+    c = MemoryConfig.from_preset("factorengram-340m")
+    tables = sum(memory_layer_budget(c, layer).tables for layer in c.layers)
+    rows = tables / c.branch_width  # at TP=2 each rank holds half of every row, and each row's fp8 scale
+    got = {name: table_bytes for name, table_bytes, _ in table_storage_choices(c, 2, 1, 8, "bf16")}
+    assert got == {"train, replicated": 16 * tables / 2,
+                   "train, replicated, distributed optimizer": (8 + 8 / 8) * tables / 2,
+                   "train, rows over 8 ranks": 16 * tables / 2 / 8,
+                   "serve fp32 (Hugging Face model)": 4 * tables / 2, "serve bf16 (Hugging Face model)": 2 * tables / 2,
+                   "serve fp8 (Hugging Face model)": tables / 2 + 4 * rows}
+
+
+def test_fe_plan_at_the_engram_papers_table_scale_shows_where_each_choice_stops_fitting():
+    exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
+                          "plan_engram_scale.yaml")
+    out = subprocess.run([exe, "--config", config, "--dp", "64", "--table-sharding", "rows"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "total_params=39841994368" in out  # 38.5B of them in the tables
+    fits = {line[:44].strip(): line.split()[-1] for line in out.splitlines()
+            if line.startswith(("train,", "serve "))}
+    assert fits == {"train, replicated": "no", "train, replicated, distributed optimizer": "no",
+                    "train, rows over 64 ranks": "yes", "serve fp32 (Hugging Face model)": "no",
+                    "serve bf16 (Hugging Face model)": "yes", "serve fp8 (Hugging Face model)": "yes"}
+
+
 def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
     exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
     base = [exe, "--preset", "factorengram-340m", "--dp", "8", "--distributed-optimizer"]

@@ -6,13 +6,13 @@ import sys
 from fe_megatron.config import ConfigError, MemoryConfig
 from fe_megatron.planning.budget import format_budget
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
-from fe_megatron.planning.rank_memory import format_rank_memory
+from fe_megatron.planning.rank_memory import format_rank_memory, format_table_storage_choices
 
 DESCRIPTION = ("Print the parameter budget of a memory preset or a YAML config: the backbone, the tables per "
                "n-gram order and layer, the dictionary and projections, and the total (last line: total_params=N). "
                "With a parallel layout (--tp, --pp, --dp, --table-sharding) it first prints what one rank holds: "
-               "weights, gradients and optimizer state of the tables and of the rest, and the row exchange's "
-               "bytes per step.")
+               "weights, gradients and optimizer state of the tables and of the rest, the row exchange's "
+               "bytes per step, and what the tables take per rank for every way of keeping them.")
 
 
 def positive_int(text: str) -> int:
@@ -38,6 +38,8 @@ def main(argv=None) -> int:
     layout.add_argument("--micro-batch-size", type=positive_int, default=1, help="for the row exchange (default 1)")
     layout.add_argument("--seq-length", type=positive_int, default=None, help="default: the backbone's")
     layout.add_argument("--global-batch-size", type=positive_int, default=64, help="sequences per step (default 64)")
+    layout.add_argument("--device-memory", type=float, default=80.0,
+                        help="GiB per accelerator, for the storage choices' 'fits' column (default 80)")
     args = parser.parse_args(argv)
     try:
         if args.preset:
@@ -52,6 +54,7 @@ def main(argv=None) -> int:
             print(format_rank_memory(config, tp, pp, dp, args.table_sharding or "replicated",
                                      args.distributed_optimizer, args.precision, args.micro_batch_size,
                                      args.seq_length or config.backbone.seq_length, args.global_batch_size))
+            print(format_table_storage_choices(config, tp, pp, dp, args.precision, args.device_memory))
     except (ConfigError, ValueError) as err:
         print(f"fe-plan: error: {err}", file=sys.stderr)
         return 2

@@ -94,6 +94,41 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
                       rest_weights=rest * rest_bytes, rest_grads=rest * 4, rest_optimizer=rest_optimizer)
 
 
+def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, precision: str) -> list:
+    """``[(choice, table bytes per rank, rank total)]`` of the heaviest pipeline stage at this
+    layout, for every way the tables can be kept: training (fp32 weights, gradients and Adam
+    moments) replicated, replicated with the distributed optimizer, or row-sharded over ``dp``;
+    serving (weights only, whole: the Hugging Face model) in fp32, bf16 or fp8 (plus its fp32
+    scale per row).  The rest of the model is counted as `rank_memory` counts it: for training with
+    the distributed optimizer where the choice has it, for serving its weights alone."""
+    choices = []
+    for name, sharding, distributed in (("train, replicated", "replicated", False),
+                                        ("train, replicated, distributed optimizer", "replicated", True),
+                                        (f"train, rows over {dp} ranks", ROW_SHARDED, False)):
+        m = rank_memory(config, tp, pp, dp, sharding, distributed, precision)
+        choices.append((name, m.tables, m.tables + m.rest))
+    whole = rank_memory(config, tp, pp, 1, "replicated", False, precision)
+    table_params = whole.table_weights / 4  # this stage's tables, split by tensor parallelism
+    rows = table_params / (config.branch_width / tp)
+    for dtype, per_param, per_row in (("fp32", 4, 0), ("bf16", 2, 0), ("fp8", 1, 4)):
+        table_bytes = table_params * per_param + rows * per_row
+        choices.append((f"serve {dtype} (Hugging Face model)", table_bytes, table_bytes + whole.rest_weights))
+    return choices
+
+
+def format_table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, precision: str,
+                                 device_gib: float) -> str:
+    gib = 2 ** 30
+    lines = [f"# the tables' storage choices at TP={tp} PP={pp} DP={dp} (per rank, GiB; 'rank' adds the rest of the "
+             f"model, {precision}; fits: within {device_gib:g} GiB, before activations)",
+             f"{'':<44}{'tables':>10}{'rank':>10}  fits"]
+    for name, tables, total in table_storage_choices(config, tp, pp, dp, precision):
+        lines.append(f"{name:<44}{tables / gib:>10.2f}{total / gib:>10.2f}  {'yes' if total <= device_gib * gib else 'no'}")
+    lines.append("(training tables are fp32, in device memory; bf16 training tables and a host tier are not "
+                 "offered yet)")
+    return "\n".join(lines)
+
+
 def exchange_bytes_per_step(config: MemoryConfig, tp: int, pp: int, dp: int, micro_batch_size: int, seq_length: int,
                             global_batch_size: int) -> float:
     """Bytes one rank sends and receives per step for its row exchange, without deduplication."""
