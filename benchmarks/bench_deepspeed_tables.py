@@ -1,12 +1,14 @@
 """DeepSpeed engine at DP=N: the tables as ZeRO-3 parameters (``zero``) against row-sharded
-outside ZeRO (``rows``), and what ZeRO-3's whole-table all-gather costs at the 340M shapes.
+outside ZeRO (``rows``, fp32 tables, and ``rows-bf16``, bf16 tables with fp32 Adam moments), and
+what ZeRO-3's whole-table all-gather costs at the 340M shapes.
 
     python benchmarks/bench_deepspeed_tables.py [--size small] [--steps 5] [--nproc 2]
 
 It starts ``torchrun --nproc_per_node N`` once per mode (ZeRO-3 keeps global state, so each mode
 gets fresh processes) and once for the collective timing, and prints markdown rows:
 
-* training: tokens/s and per-rank resident memory (max over ranks) for the same random batches,
+* training: tokens/s and per-rank resident and peak resident memory (max over ranks) for the same
+  random batches,
   fe-pretrain's DeepSpeed step (`fe_megatron.deepspeed.engine.DeepSpeedRun.train_step`), fp32;
 * all-gather: one ``factorengram-340m`` memory layer's tables (12 branches, 545M rows x s_b
   values in all, fp32), partitioned over N ranks as ZeRO-3 holds them, all-gathered as ZeRO-3
@@ -28,6 +30,7 @@ warnings.filterwarnings("ignore")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+MODES = ["zero", "rows", "rows-bf16"]
 SIZES = {  # as benchmarks/bench_table_sharding.py: the 340M model's 3:1 ratio of tables to backbone
     "small": dict(model=dict(vocab_size=32000, hidden_size=512, num_layers=6, num_attention_heads=8,
                              ffn_hidden_size=1408, seq_length=256),
@@ -43,7 +46,13 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2 ** 20
 
 
-def train_worker(size_name: str, tables: str, steps: int) -> None:
+def peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
+
+
+def train_worker(size_name: str, mode: str, steps: int) -> None:
     import deepspeed
     import torch.distributed as dist
 
@@ -54,10 +63,12 @@ def train_worker(size_name: str, tables: str, steps: int) -> None:
     from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
 
     size = SIZES[size_name]
+    tables, table_dtype = ("rows", "bf16") if mode == "rows-bf16" else (mode, "fp32")
     _init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
     backbone = BackboneConfig.from_dict(size["model"])
-    cfg = TrainConfig(model=backbone, memory=MemoryConfig.from_dict(size["memory"], backbone=backbone),
+    cfg = TrainConfig(model=backbone, memory=MemoryConfig.from_dict(dict(size["memory"], table_dtype=table_dtype),
+                                                                    backbone=backbone),
                       parallel=ParallelArgs(table_sharding=tables),
                       optimizer=OptimizerArgs(lr=1e-4, warmup_steps=0),
                       training=TrainingArgs(engine="deepspeed", train_steps=1000, micro_batch_size=size["micro_batch"],
@@ -85,10 +96,11 @@ def train_worker(size_name: str, tables: str, steps: int) -> None:
     dist.barrier()
     seconds = time.perf_counter() - start
     memory = [None] * world
-    dist.all_gather_object(memory, rss_mb())
+    dist.all_gather_object(memory, (rss_mb(), peak_rss_mb()))
     if rank == 0:
         tokens = steps * size["micro_batch"] * size["microbatches"] * world * seq
-        print(json.dumps({"tables": tables, "tokens_per_s": tokens / seconds, "rss_mb": memory}))
+        print(json.dumps({"tables": mode, "tokens_per_s": tokens / seconds, "rss_mb": [m[0] for m in memory],
+                          "peak_rss_mb": [m[1] for m in memory]}))
 
 
 def gather_worker(repeats: int) -> None:
@@ -141,20 +153,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--worker", choices=["zero", "rows", "gather"], help=argparse.SUPPRESS)
+    parser.add_argument("--modes", nargs="+", default=["zero", "rows", "rows-bf16"], choices=MODES)
+    parser.add_argument("--no-gather", action="store_true", help="skip the all-gather timing")
+    parser.add_argument("--worker", choices=MODES + ["gather"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "gather":
         return gather_worker(args.repeats)
     if args.worker:
         return train_worker(args.size, args.worker, args.steps)
     results = {mode: launch(args.nproc, ["--worker", mode, "--size", args.size, "--steps", str(args.steps)])
-               for mode in ("zero", "rows")}
-    print("| size | tables | tok/s | rss MB per rank (max) |\n|---|---|---:|---:|")
+               for mode in args.modes}
+    print("| size | tables | tok/s | rss MB per rank (max) | peak rss MB per rank (max) |\n|---|---|---:|---:|---:|")
     for mode, result in results.items():
-        print(f"| {args.size} | {mode} | {result['tokens_per_s']:,.0f} | {max(result['rss_mb']):,.0f} |")
-    print(f"rows / zero tokens/s: {results['rows']['tokens_per_s'] / results['zero']['tokens_per_s']:.2f}x")
-    gather = launch(args.nproc, ["--worker", "gather", "--repeats", str(args.repeats)])
-    print(json.dumps(gather))
+        print(f"| {args.size} | {mode} | {result['tokens_per_s']:,.0f} | {max(result['rss_mb']):,.0f} "
+              f"| {max(result['peak_rss_mb']):,.0f} |")
+    if "rows" in results and "zero" in results:
+        print(f"rows / zero tokens/s: {results['rows']['tokens_per_s'] / results['zero']['tokens_per_s']:.2f}x")
+    if not args.no_gather:
+        print(json.dumps(launch(args.nproc, ["--worker", "gather", "--repeats", str(args.repeats)])))
 
 
 if __name__ == "__main__":

@@ -213,6 +213,35 @@ def test_deepspeed_checkpoints_convert_to_the_megatron_runs_model(megatron_runs,
         mcore_to_hf(source, str(tmp_path / "wrong"))
 
 
+@pytest.mark.distributed
+def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, tmp_path):
+    """memory.table_dtype=bf16 under rows: the curve of the fp32 tables' run to bf16 rounding, bf16
+    rows with fp32 moments on disk, an exact resume (the rounding's random bits are a function of
+    the step), and a conversion that keeps the trained format."""
+    from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
+    from fe_megatron.hf import FactorEngramForCausalLM
+
+    bf16 = {"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0, "memory.table_dtype": "bf16"}
+    save = deepspeed_run(start, "rows3_bf16", 3, **bf16)
+    assert_same_curve(losses(save), losses(rows3), rel=1e-3)
+    shard = torch.load(os.path.join(save, "iter_0000004", "tables_rank_00001.pt"), weights_only=True)
+    assert {t.dtype for t in shard["tables"].values()} == {torch.bfloat16}
+    assert {s["exp_avg"].dtype for s in shard["optimizer"]["state"].values()} == {torch.float32}
+    half = str(start["base"] / "rows3_bf16_resumed")
+    shutil.copytree(os.path.join(save, "iter_0000002"), os.path.join(half, "iter_0000002"))
+    with open(os.path.join(half, "latest"), "w") as fh:
+        fh.write("iter_0000002")
+    run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
+                 + overrides(start["data"], **bf16), nproc=2)
+    assert losses(half) == losses(save)[2:]
+    hf = deepspeed_to_hf(save, str(tmp_path / "hf"))
+    model = FactorEngramForCausalLM.from_pretrained(hf).eval()
+    assert model.config.memory["table_dtype"] == "bf16"
+    assert model.model.layers[1].memory.tables.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(0, 512, (1, 32))).logits).all()
+
+
 # ----------------------------------------------------------------------------- in isolation
 def test_row_sharded_tables_are_clipped_by_their_own_norm(small_data, tmp_path):
     """The one documented difference from the Megatron engine: under table_sharding=rows the

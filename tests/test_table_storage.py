@@ -2,7 +2,7 @@
 
 The quantization error stays within each format's rounding bound, a quantized branch gathers
 exactly the dequantized rows of its stored table, a quantized model initializes to the
-quantized values of the fp32 model's draw, and training refuses the serving formats by name."""
+quantized values of the fp32 model's draw, and training refuses the formats it cannot train by name."""
 
 import pytest
 import torch
@@ -45,7 +45,8 @@ def test_a_quantized_branch_gathers_its_stored_rows(table_dtype):
     quantized.reset_parameters(seed=11)  # the same draw, then stored
     stored = quantize_table(full.tables.weight, table_dtype)
     assert torch.equal(quantized.tables.weight.float(), stored["weight"].float())
-    assert not any(param.requires_grad for param in quantized.tables.parameters())
+    # fp8 is for serving only; bf16 tables train (row-sharded, under the DeepSpeed engine)
+    assert quantized.tables.weight.requires_grad == (table_dtype == "bf16")
     indices = torch.randint(0, full.tables.weight.shape[0], (3, 17, small_config().num_branches))
     flat = indices.reshape(-1)
     expected = dequantize_rows(stored["weight"][flat], stored["row_scale"][flat] if table_dtype == "fp8" else None)
@@ -65,13 +66,20 @@ def test_table_dtype_is_checked():
         small_config(table_dtype="fp16")
 
 
-def test_training_refuses_a_serving_format(small_data):
+@pytest.mark.parametrize("table_dtype,extra", [
+    ("fp8", {"training.engine": "deepspeed", "parallel.table_sharding": "rows"}),
+    ("bf16", {}),  # the Megatron engine
+    ("bf16", {"training.engine": "deepspeed"}),  # ZeRO-held tables
+])
+def test_training_refuses_a_table_format_it_cannot_train(small_data, table_dtype, extra):
     from fe_megatron.training.config import load_train_config
     from tests.test_train import CONFIG, small_overrides
 
-    with pytest.raises(ConfigError, match="table_dtype.*'fp8': fe-pretrain trains fp32 tables; bf16 and fp8 are "
-                                          "serving formats"):
-        load_train_config(CONFIG, small_overrides(small_data, **{"memory.table_dtype": "fp8"}))
+    with pytest.raises(ConfigError, match=f"table_dtype.*'{table_dtype}': fe-pretrain trains fp32 tables, and bf16 "
+                                          "tables under training.engine=deepspeed with parallel.table_sharding=rows"):
+        load_train_config(CONFIG, small_overrides(small_data, **{"memory.table_dtype": table_dtype}, **extra))
+    load_train_config(CONFIG, small_overrides(small_data, **{"memory.table_dtype": "bf16", "training.engine":
+                                                             "deepspeed", "parallel.table_sharding": "rows"}))
 
 
 def test_fe_plan_counts_the_tables_in_every_storage_format():

@@ -59,6 +59,12 @@ class _DeepSpeedWeights:
             return (sum(self._partition(name).branch_rows), self.table_shards[0][name].shape[1])
         return tuple(self.state[name].shape)
 
+    def dtype(self, name: str) -> torch.dtype:
+        """fp32, or a trained table's own dtype (bf16 tables stay bf16: ``memory.table_dtype``)."""
+        if self.table_files and name in self.table_shards[0]:
+            return self.table_shards[0][name].dtype
+        return torch.float32
+
     def get(self, name: str) -> torch.Tensor:
         if self.table_files and name in self.table_shards[0]:
             return self._partition(name).assemble([shards[name] for shards in self.table_shards])
@@ -86,7 +92,7 @@ def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer
     tokenizer_path = run_tokenizer(info, tokenizer)
     weights = _DeepSpeedWeights(folder, info, memory)
     tied = backbone.tie_embeddings
-    groups = [(name, [(name, weights.shape(name), torch.float32)]) for name in weights.names()
+    groups = [(name, [(name, weights.shape(name), weights.dtype(name))]) for name in weights.names()
               if not (tied and name == "lm_head.weight")]
     return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
                               lambda name: [(name, weights.get(name))], f"deepspeed-to-hf {folder}",

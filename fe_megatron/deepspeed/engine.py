@@ -283,6 +283,12 @@ def load_hf_weights(model, directory: str) -> None:
 
     theirs = AutoConfig.from_pretrained(directory).to_dict()
     ours = model.config.to_dict()
+    if (theirs.get("memory") or {}).get("table_dtype") == "fp8":
+        raise CheckpointError(f"--load {directory} stores its tables as fp8, a serving format (fe-convert "
+                              "--table-dtype); start from a conversion with fp32 or bf16 tables")
+    # the tables' storage is not the model: fp32 weights start a bf16-table run, rounded to nearest
+    theirs, ours = ({**config, "memory": {k: v for k, v in (config.get("memory") or {}).items() if k != "table_dtype"}
+                     if config.get("memory") is not None else None} for config in (theirs, ours))
     fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "tie_word_embeddings", "memory")
     differ = [f"{name}: {theirs.get(name)!r} there, {ours.get(name)!r} in this config" for name in fields
@@ -380,7 +386,7 @@ def set_up(cfg) -> DeepSpeedRun:
         model.gradient_checkpointing_enable()
     if t.freeze_backbone:
         freeze_backbone(model)
-    tables = RowShardedTables(model, o) if rows else None
+    tables = RowShardedTables(model, o, seed=t.seed) if rows else None
     parameters = sum(param.numel() for param in model.parameters()) + (tables.numel() if tables else 0)
     optimizer = torch.optim.AdamW(megatron_param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)

@@ -6,7 +6,13 @@ already holds only ``1/N`` of every table.  ZeRO must not partition those shards
 would all-gather them for every forward) nor average their gradients (the row exchange already
 delivered every rank's gradient to the row's owner).  `RowShardedTables` therefore takes the
 tables out of the module tree that DeepSpeed sees and gives them their own AdamW over the local
-rows, with the learning-rate and weight-decay multipliers of the optimizer section.
+rows (`fe_megatron.memory.table_optimizer.TableAdamW`), with the learning-rate and weight-decay
+multipliers of the optimizer section.
+
+bf16 tables (``memory.table_dtype: bf16``) are trained here: the row exchange adds their
+gradients into an fp32 ``main_grad`` beside each shard (autograd sees none), and TableAdamW
+writes the updated rows back with stochastic rounding.  Per table parameter a rank then holds 2
+bytes of weight, 4 of gradient and 8 of Adam moments (14, against 16 for fp32 tables).
 
 Gradient clipping: DeepSpeed clips its parameters by their own global norm; the tables are clipped
 by theirs (summed over the group), each against ``optimizer.clip_grad``.  Megatron's engine clips
@@ -22,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron.memory import MemoryBranch
+from fe_megatron.memory.table_optimizer import TableAdamW
 
 
 def tables_file(folder: str, rank: int) -> str:
@@ -30,9 +37,10 @@ def tables_file(folder: str, rank: int) -> str:
 
 class RowShardedTables:
     """The row-sharded tables of ``model`` (``{name: weight}``, Hugging Face names), detached from
-    its module tree, with an AdamW over this rank's rows."""
+    its module tree, with a TableAdamW over this rank's rows (its rounding seeded by ``seed`` and
+    the rank)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer_args, group=None):
+    def __init__(self, model: torch.nn.Module, optimizer_args, group=None, seed: int = 0):
         self.group = group
         self.weights, self.partitions = {}, {}
         for name, module in list(model.named_modules()):
@@ -46,9 +54,14 @@ class RowShardedTables:
             raise ValueError("parallel.table_sharding=rows but the model has no row-sharded memory branch")
         o = optimizer_args
         self.trainable = [w for w in self.weights.values() if w.requires_grad]
-        self.optimizer = torch.optim.AdamW(
+        for weight in self.trainable:
+            if weight.dtype == torch.bfloat16:  # gradients accumulate in fp32 (`fe_megatron.ops.table_weight_gradient`)
+                weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                weight.main_grad_only = True
+        self.optimizer = TableAdamW(
             [{"params": self.trainable, "lr_mult": o.table_lr_mult, "wd_mult": o.table_weight_decay_mult}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay * o.table_weight_decay_mult)
+            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay * o.table_weight_decay_mult,
+            seed=seed * 65536 + dist.get_rank(group))
         self.clip_grad = o.clip_grad
 
     def numel(self) -> int:
@@ -60,20 +73,26 @@ class RowShardedTables:
         them by their global norm, update, and zero them.  Returns that norm (before clipping)."""
         world = dist.get_world_size(self.group)
         squares = torch.zeros((), dtype=torch.float64, device=self.trainable[0].device)
+        grads = []
         for weight in self.trainable:
-            if weight.grad is None:
+            if TableAdamW.gradient(weight) is None:
                 weight.grad = torch.zeros_like(weight)
-            weight.grad.div_(world)
-            squares += weight.grad.double().pow(2).sum()
+            grad = TableAdamW.gradient(weight)
+            grad.div_(world)
+            squares += grad.double().pow(2).sum()
+            grads.append(grad)
         dist.all_reduce(squares, group=self.group)  # each rank holds different rows
         norm = float(squares.sqrt())
         if self.clip_grad > 0:
             coefficient = self.clip_grad / (norm + 1e-6)
             if coefficient < 1.0:
-                for weight in self.trainable:
-                    weight.grad.mul_(coefficient)
+                for grad in grads:
+                    grad.mul_(coefficient)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for weight in self.trainable:
+            if getattr(weight, "main_grad", None) is not None:
+                weight.main_grad.zero_()
         return norm
 
     def save(self, folder: str) -> None:

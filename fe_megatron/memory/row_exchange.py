@@ -182,7 +182,8 @@ class _RowShardedGather(torch.autograd.Function):
     def forward(ctx, weight, lookup: RowLookup):
         ctx.lookup = lookup
         ctx.save_for_backward(weight)
-        return lookup.wait_unique_rows().index_select(0, lookup.inverse).view(*lookup.indices.shape, weight.shape[1])
+        rows = lookup.wait_unique_rows().index_select(0, lookup.inverse).view(*lookup.indices.shape, weight.shape[1])
+        return rows.float()  # a bf16 table's rows: exact in fp32, and their gradients come back in fp32
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -9,6 +9,8 @@
 bf16 and fp8 are serving formats, written by ``fe-convert mcore-to-hf --table-dtype`` and read
 by the Hugging Face model, which dequantizes only the rows a step gathers.  `quantize_table` is
 the one place a table is quantized (the converter and a quantized model's initialization).
+bf16 is also a training format (the DeepSpeed engine's row-sharded tables), whose updates are
+written back with `stochastic_round_to_bf16` (`fe_megatron.memory.table_optimizer`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ def quantize_table(weight: torch.Tensor, table_dtype: str) -> dict:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero (or subnormal) row: scale 1
     stored = (weight / scale.unsqueeze(1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return {"weight": stored, ROW_SCALE: scale}
+
+
+def stochastic_round_to_bf16(values: torch.Tensor, generator: torch.Generator = None) -> torch.Tensor:
+    """``values`` (fp32) in bfloat16, rounded up or down at random with the probabilities that make
+    the result unbiased: ``E[round(x)] = x``.  Round-to-nearest loses every update smaller than half
+    a bf16 step (about ``|x| / 256``), which is most of a table row's Adam updates late in
+    training; stochastic rounding keeps them in expectation (FBGEMM's bf16 embedding tables do
+    the same).
+
+    bf16 is the top half of an fp32's bits: adding a uniform 16-bit integer to the bottom half and
+    truncating rounds the magnitude up with probability (dropped bits) / 2^16.  inf and nan stay."""
+    bits = values.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)  # -65536: 0xFFFF0000
 
 
 def dequantize_rows(rows: torch.Tensor, row_scales: torch.Tensor = None) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 The rows are FactorEngram's coefficients z or Engram's dense embeddings; both are addressed
 the same way, by n-gram (`fe_megatron.ngram`).  They are stored as ``MemoryConfig.table_dtype``
-says (`fe_megatron.memory.table_storage`): fp32 and trained, or bf16 / fp8 for serving, where
-only the gathered rows are dequantized.
+says (`fe_megatron.memory.table_storage`): fp32, bf16 (trained, or for serving) or fp8 (for
+serving), where only the gathered rows are dequantized.
 """
 
 import torch
@@ -20,16 +20,19 @@ class NgramTables(nn.Module):
     ``forward(indices)`` gathers all branches in one kernel call and concatenates them in the
     fixed branch order: [..., branches] -> [..., branches * width] (``z_t`` of Eq. 6), in fp32.
     Under tensor parallelism ``width`` is this rank's column slice of ``s_b``, and the result is
-    its slice of every branch, branch-major.  bf16 and fp8 tables are not trained: their
-    parameters do not require gradients.
+    its slice of every branch, branch-major.  fp8 tables are not trained: their parameters do not
+    require gradients.  bf16 tables are differentiable here too (a bf16 gradient); fe-pretrain
+    trains them row-sharded, with fp32 gradients and stochastic rounding (`TableAdamW`).
     """
 
     def __init__(self, total_rows: int, width: int, table_dtype: str = "fp32"):
         super().__init__()
         self.table_dtype = table_dtype
-        trained = table_dtype == "fp32"  # trained tables take the module's dtype, as every other weight
-        self.weight = nn.Parameter(torch.empty(total_rows, width, dtype=None if trained else STORAGE[table_dtype]),
-                                   requires_grad=trained)
+        # fp32 tables take the module's dtype, as every other weight; bf16 ones are trainable too (by
+        # `fe_megatron.memory.table_optimizer.TableAdamW`); fp8 ones are for serving only
+        self.weight = nn.Parameter(torch.empty(total_rows, width,
+                                               dtype=None if table_dtype == "fp32" else STORAGE[table_dtype]),
+                                   requires_grad=table_dtype != "fp8")
         if has_row_scale(table_dtype):
             self.row_scale = nn.Parameter(torch.ones(total_rows), requires_grad=False)
 
@@ -37,8 +40,8 @@ class NgramTables(nn.Module):
         if self.weight.is_meta:
             raise RuntimeError("this table's rows are neither in memory nor mapped: table_storage='mmap' maps them "
                                "from a checkpoint directory in from_pretrained (fe_megatron.hf.mmap_tables)")
-        if self.table_dtype == "fp32" and self.weight.requires_grad:
-            return ops.gather_rows(self.weight, indices).flatten(-2)  # [..., nb, w] -> [..., nb * w]
+        if self.weight.requires_grad:  # fp32, or bf16 rows in fp32 (their gradient is bf16, as the weight)
+            return ops.gather_rows(self.weight, indices).flatten(-2).float()  # [..., nb, w] -> [..., nb * w]
         flat = indices.reshape(-1)
         rows = ops.gather_rows_forward(self.weight, flat)
         scales = self.row_scale.index_select(0, flat) if has_row_scale(self.table_dtype) else None

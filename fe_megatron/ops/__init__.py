@@ -213,8 +213,13 @@ def table_weight_gradient(weight: torch.Tensor, add_row_gradients, dense_dtype: 
     Under Megatron's DDP (parameters with ``main_grad`` and ``grad_added_to_main_grad``) the rows
     go straight into ``main_grad`` and autograd gets an unfilled placeholder, as Megatron's fused
     weight-gradient accumulation does (DDP adds the placeholder to ``main_grad`` only when
-    ``zero_out_wgrad`` is set: then it is zeros).  Elsewhere a dense gradient, accumulated in
-    ``dense_dtype`` (default: the weight's) and returned in the weight's dtype."""
+    ``zero_out_wgrad`` is set: then it is zeros).  A weight marked ``main_grad_only`` (the
+    DeepSpeed engine's bf16 tables, whose optimizer reads ``main_grad``) gets no placeholder: autograd
+    receives no gradient at all.  Elsewhere a dense gradient, accumulated in ``dense_dtype``
+    (default: the weight's) and returned in the weight's dtype."""
+    if getattr(weight, "main_grad_only", False):
+        add_row_gradients(weight.main_grad)
+        return None
     if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
         add_row_gradients(weight.main_grad)
         weight.grad_added_to_main_grad = True

@@ -98,6 +98,7 @@ def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, preci
     """``[(choice, table bytes per rank, rank total)]`` of the heaviest pipeline stage at this
     layout, for every way the tables can be kept: training (fp32 weights, gradients and Adam
     moments) replicated, replicated with the distributed optimizer, or row-sharded over ``dp``;
+    bf16 tables row-sharded (the DeepSpeed engine: bf16 weights, fp32 gradients and moments);
     serving (weights only, whole: the Hugging Face model) in fp32, bf16 or fp8 (plus its fp32
     scale per row).  The rest of the model is counted as `rank_memory` counts it: for training with
     the distributed optimizer where the choice has it, for serving its weights alone."""
@@ -107,6 +108,9 @@ def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, preci
                                         (f"train, rows over {dp} ranks", ROW_SHARDED, False)):
         m = rank_memory(config, tp, pp, dp, sharding, distributed, precision)
         choices.append((name, m.tables, m.tables + m.rest))
+    # bf16 tables (DeepSpeed engine, rows): 2 bytes of weight, 4 of fp32 gradient, 8 of fp32 moments
+    bf16 = m.tables * (2 + 4 + 8) / (4 + 4 + 8)
+    choices.append((f"train bf16 tables, rows over {dp} ranks", bf16, bf16 + m.rest))
     whole = rank_memory(config, tp, pp, 1, "replicated", False, precision)
     table_params = whole.table_weights / 4  # this stage's tables, split by tensor parallelism
     rows = table_params / (config.branch_width / tp)
@@ -124,8 +128,8 @@ def format_table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int
              f"{'':<44}{'tables':>10}{'rank':>10}  fits"]
     for name, tables, total in table_storage_choices(config, tp, pp, dp, precision):
         lines.append(f"{name:<44}{tables / gib:>10.2f}{total / gib:>10.2f}  {'yes' if total <= device_gib * gib else 'no'}")
-    lines.append("(training tables are fp32, in device memory; bf16 training tables and a host tier are not "
-                 "offered yet)")
+    lines.append("(bf16 training tables: training.engine=deepspeed with table_sharding rows; tables live in device "
+                 "memory: a host tier is not offered yet)")
     return "\n".join(lines)
 
 

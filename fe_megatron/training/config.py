@@ -133,9 +133,13 @@ class TrainConfig:
         if t.freeze_backbone and self.memory is None:
             fail("training", "freeze_backbone", "is true but memory is null: there would be nothing to train")
         if self.memory is not None and self.memory.table_dtype != "fp32":
-            fail("memory", "table_dtype", f"{self.memory.table_dtype!r}: fe-pretrain trains fp32 tables; bf16 and "
-                                          "fp8 are serving formats (fe-convert mcore-to-hf --table-dtype), so set "
-                                          "memory.table_dtype=fp32")
+            trains_bf16 = t.engine == "deepspeed" and self.parallel.table_sharding == "rows"
+            if self.memory.table_dtype != "bf16" or not trains_bf16:
+                fail("memory", "table_dtype", f"{self.memory.table_dtype!r}: fe-pretrain trains fp32 tables, and bf16 "
+                                              "tables under training.engine=deepspeed with parallel.table_sharding="
+                                              "rows (their own optimizer rounds the updates stochastically; "
+                                              "docs/tables.md); fp8 is a serving format (fe-convert --table-dtype). "
+                                              "Set memory.table_dtype=fp32, or use that engine and sharding")
         self._validate_engine(fail)
         if t.kernel_backend not in KERNEL_BACKENDS:
             fail("training", "kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
