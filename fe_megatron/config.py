@@ -33,8 +33,11 @@ from typing import Any, Optional, Sequence, Union
 PLACEMENTS = ("before_attn", "before_ffn", "inside_ffn")
 GATES = ("basis", "scalar", "none")
 MEMORY_KINDS = ("factorengram", "engram")
-# How the tables are stored (`fe_megatron.memory.table_storage`); bf16 and fp8 are for serving.
+# How the tables are stored (`fe_megatron.memory.table_storage`): fp32 and bf16 train; fp8 is for serving.
 TABLE_DTYPES = ("fp32", "bf16", "fp8")
+# Where a process keeps its tables (`fe_megatron.memory.table_store`): in accelerator memory, or in host
+# memory with the rows each microbatch needs copied over ahead of use (docs/tables.md).
+TABLE_PLACEMENTS = ("device", "host")
 BACKBONE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                    "ffn_hidden_size",
                    "seq_length", "init_std", "norm_eps", "rope_base", "tie_embeddings", "dropout")
@@ -141,7 +144,8 @@ class MemoryConfig:
     # --- initialization (docs/method.md) ---
     table_init_std: float = 1.0  # the tables' rows: N(0, table_init_std^2), as nn.Embedding
     # --- storage (docs/tables.md) ---
-    table_dtype: str = "fp32"  # fp32 (training); bf16 or fp8 (per-row scaled e4m3): serving, via fe-convert
+    table_dtype: str = "fp32"  # fp32 | bf16 (both train; bf16 rows are updated with stochastic rounding) | fp8 (serving)
+    table_placement: str = "device"  # device | host (the host tier: rows fetched ahead of use; docs/tables.md)
 
     def __post_init__(self) -> None:
         if not isinstance(self.backbone, BackboneConfig):
@@ -209,6 +213,11 @@ class MemoryConfig:
         _positive_float("table_init_std", self.table_init_std)
         if self.table_dtype not in TABLE_DTYPES:
             raise ConfigError("table_dtype", f"{self.table_dtype!r} is not one of {TABLE_DTYPES}")
+        if self.table_placement not in TABLE_PLACEMENTS:
+            raise ConfigError("table_placement", f"{self.table_placement!r} is not one of {TABLE_PLACEMENTS}")
+        if self.table_dtype == "fp8" and self.table_placement != "device":
+            raise ConfigError("table_placement", f"{self.table_placement!r} with table_dtype 'fp8': fp8 tables are a "
+                                                 "serving format, held where the model is (table_placement: device)")
         if self.token_compression is not None and not isinstance(self.token_compression, str):
             raise ConfigError("token_compression", f"{self.token_compression!r} must be a path string or null")
 

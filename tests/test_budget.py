@@ -51,14 +51,30 @@ def test_rank_memory_of_whole_and_row_sharded_tables():
 
     c = MemoryConfig.from_preset("factorengram-340m")
     tables = sum(memory_layer_budget(c, layer).tables for layer in c.layers)
-    whole = rank_memory(c, dp=8, table_sharding="replicated", distributed_optimizer=True)
-    rows = rank_memory(c, dp=8, table_sharding="rows", distributed_optimizer=True)
+    # fp32 runs: the engine's optimizer holds fp32 tables, and its distributed optimizer splits whole tables' moments
+    whole = rank_memory(c, dp=8, table_sharding="replicated", distributed_optimizer=True, precision="fp32")
+    rows = rank_memory(c, dp=8, table_sharding="rows", distributed_optimizer=True, precision="fp32")
     assert whole.table_weights == whole.table_grads == 4 * tables and whole.table_optimizer == 8 * tables / 8
     assert rows.table_weights == rows.table_grads == 4 * tables / 8 and rows.table_optimizer == 8 * tables / 8
     assert rows.rest == whole.rest and rank_memory(c, tp=2).table_weights == 2 * tables
+    # bf16 runs train every table from stores, whose moments the distributed optimizer does not split
+    assert rank_memory(c, dp=8, distributed_optimizer=True, precision="bf16").table_optimizer == 8 * tables
     # 64 sequences over 8 ranks: 8 microbatches x 2 layers x 8192 x 12 positions, 7/8 of them elsewhere
     assert exchange_bytes_per_step(c, 1, 1, 8, 1, 8192, 64) == 8 * 2 * 8192 * 12 * 7 / 8 * (8 + 8 * 256)
     assert exchange_bytes_per_step(c, 1, 1, 1, 1, 8192, 64) == 0
+
+
+@pytest.mark.parametrize("table_dtype,state_dtype,placement,per_parameter", [
+    ("fp32", "fp32", "device", 16), ("bf16", "fp32", "device", 14), ("bf16", "bf16", "device", 8),
+    ("fp32", "fp32", "host", 16), ("bf16", "bf16", "host", 8)])
+def test_each_table_storage_costs_its_bytes_where_it_lives(table_dtype, state_dtype, placement, per_parameter):
+    from fe_megatron.planning.rank_memory import TableStorage, rank_memory
+
+    c = MemoryConfig.from_preset("factorengram-340m")
+    tables = sum(memory_layer_budget(c, layer).tables for layer in c.layers)
+    m = rank_memory(c, tp=2, dp=8, table_sharding="rows", storage=TableStorage(table_dtype, state_dtype, placement))
+    assert m.tables == per_parameter * tables / 2 / 8
+    assert (m.host, m.device) == ((m.tables, m.rest) if placement == "host" else (0, m.tables + m.rest))
 
 
 def test_table_storage_choices_count_every_way_of_keeping_the_tables():
@@ -67,27 +83,38 @@ def test_table_storage_choices_count_every_way_of_keeping_the_tables():
     c = MemoryConfig.from_preset("factorengram-340m")
     tables = sum(memory_layer_budget(c, layer).tables for layer in c.layers)
     rows = tables / c.branch_width  # at TP=2 each rank holds half of every row, and each row's fp8 scale
-    got = {name: table_bytes for name, table_bytes, _ in table_storage_choices(c, 2, 1, 8, "bf16")}
-    assert got == {"train, replicated": 16 * tables / 2,
-                   "train, replicated, distributed optimizer": (8 + 8 / 8) * tables / 2,
-                   "train, rows over 8 ranks": 16 * tables / 2 / 8, "train bf16 tables, rows over 8 ranks": 14 * tables / 2 / 8,
-                   "serve fp32 (Hugging Face model)": 4 * tables / 2, "serve bf16 (Hugging Face model)": 2 * tables / 2,
-                   "serve fp8 (Hugging Face model)": tables / 2 + 4 * rows}
+    got = {(x.use, x.table_dtype, x.state_dtype, x.placement, x.sharding): x.tables
+           for x in table_storage_choices(c, 2, 1, 8, "bf16")}
+    train = {(dtype, state, placement): per_parameter * tables / 2 for dtype, state, placement, per_parameter in (
+        ("fp32", "fp32", "device", 16), ("bf16", "fp32", "device", 14), ("bf16", "bf16", "device", 8),
+        ("fp32", "fp32", "host", 16), ("bf16", "bf16", "host", 8))}
+    expected = {("train", *key, "whole"): value for key, value in train.items()}
+    expected.update({("train", *key, "rows"): value / 8 for key, value in train.items()})
+    expected.update({("serve", "fp32", "-", "device", "whole"): 4 * tables / 2,
+                     ("serve", "bf16", "-", "device", "whole"): 2 * tables / 2,
+                     ("serve", "fp8", "-", "device", "whole"): tables / 2 + 4 * rows})
+    assert got == expected
 
 
 def test_fe_plan_at_the_engram_papers_table_scale_shows_where_each_choice_stops_fitting():
+    """38.5B table parameters at DP=8: only row-sharded tables train, and of those fp32 and bf16
+    tables with fp32 state only from the host; whole tables do not fit even the host tier's node."""
     exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
-                          "plan_engram_scale.yaml")
-    out = subprocess.run([exe, "--config", config, "--dp", "64", "--table-sharding", "rows"], capture_output=True,
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "plan",
+                          "engram_scale.yaml")
+    out = subprocess.run([exe, "--config", config, "--dp", "8", "--table-sharding", "rows"], capture_output=True,
                          text=True, check=True).stdout
     assert "total_params=39841994368" in out  # 38.5B of them in the tables
-    fits = {line[:44].strip(): line.split()[-1] for line in out.splitlines()
-            if line.startswith(("train ", "train,", "serve "))}
-    assert fits == {"train, replicated": "no", "train, replicated, distributed optimizer": "no",
-                    "train, rows over 64 ranks": "yes", "train bf16 tables, rows over 64 ranks": "yes",
-                    "serve fp32 (Hugging Face model)": "no",
-                    "serve bf16 (Hugging Face model)": "yes", "serve fp8 (Hugging Face model)": "yes"}
+    fits = {" ".join(line.split()[:5]): line.split()[-1] for line in out.splitlines()
+            if line.startswith(("train ", "serve "))}
+    assert fits == {"train fp32 fp32 device whole": "no", "train bf16 fp32 device whole": "no",
+                    "train bf16 bf16 device whole": "no", "train fp32 fp32 host whole": "no",
+                    "train bf16 bf16 host whole": "no",
+                    "train fp32 fp32 device rows/8": "no", "train bf16 fp32 device rows/8": "no",
+                    "train bf16 bf16 device rows/8": "yes", "train fp32 fp32 host rows/8": "yes",
+                    "train bf16 bf16 host rows/8": "yes",
+                    "serve fp32 - device whole": "no", "serve bf16 - device whole": "yes",
+                    "serve fp8 - device whole": "yes"}
 
 
 def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
@@ -97,7 +124,12 @@ def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
     whole = subprocess.run(base, capture_output=True, text=True, check=True).stdout
     assert "tables rows" in rows and "row exchange per step and rank: at most 2.64 GiB" in rows
     assert "tables        0.51      0.51       1.01      2.03" in rows
-    assert "tables        4.06      4.06       1.01      9.13" in whole and "row exchange" not in whole
+    # bf16 (the default): the tables train from stores, whose moments the distributed optimizer does not split
+    assert "tables        4.06      4.06       8.12     16.24" in whole and "row exchange" not in whole
+    host = subprocess.run(base + ["--table-sharding", "rows", "--table-dtype", "bf16", "--table-state-dtype", "bf16",
+                                  "--table-placement", "host"], capture_output=True, text=True, check=True).stdout
+    assert "tables bf16 weights, bf16 gradients and Adam moments (8 bytes per parameter), in host memory" in host
+    assert "tables        0.25      0.25       0.51      1.01  (host)" in host
     assert rows.strip().splitlines()[-1].startswith("total_params=")
     bad = subprocess.run(base + ["--micro-batch-size", "3"], capture_output=True, text=True)
     assert bad.returncode == 2 and ("--global-batch-size 64 is not a multiple of --micro-batch-size x --dp = 3 x 8"

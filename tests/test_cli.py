@@ -126,8 +126,10 @@ def test_fe_demo_outside_a_repository_says_what_it_needs(monkeypatch, tmp_path, 
 
 def test_fe_plan_says_which_dtype_it_counts_in():
     out = run(command("fe-plan") + ["--preset", "factorengram-tiny", "--dp", "2"]).stdout
-    assert "# counted in: tables fp32 (weights, gradients, Adam's two moments: 16 bytes per parameter); rest bf16 " \
-           "weights, fp32 gradients and Adam state" in out
+    assert "# counted in: tables fp32 weights, fp32 gradients and Adam moments (16 bytes per parameter), in device " \
+           "memory; rest bf16 weights, fp32 gradients and Adam state" in out
+    out = run(command("fe-plan") + ["--preset", "factorengram-tiny", "--dp", "2", "--table-dtype", "bf16"]).stdout
+    assert "# counted in: tables bf16 weights, fp32 gradients and Adam moments (14 bytes per parameter)" in out
 
 
 def test_graft_lists_the_memory_presets():

@@ -137,14 +137,24 @@ def test_zero_3_matches_the_megatron_engine_and_resumes_exactly(start, megatron_
     assert losses(half) == losses(zero3)[2:]
 
 
+@pytest.fixture(scope="module")
+def rows3_bf16(start):
+    """rows3 with bf16 tables (fp32 moments)."""
+    return deepspeed_run(start, "rows3_bf16", 3, **BF16_ROWS)
+
+
+BF16_ROWS = {"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0, "memory.table_dtype": "bf16"}
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", ["zero", "rows"])
+@pytest.mark.parametrize("mode", ["zero", "rows", "rows-host"])
 def test_a_checkpoint_resumes_on_fewer_ranks(start, zero3, rows3, mode):
     """A node lost: the step-2 checkpoint of the 2-rank run resumes on 1 rank (ZeRO-3's partitions
-    through DeepSpeed's universal checkpoint, the row-sharded tables and their moments regathered)
-    and steps 3-4 match the uninterrupted 2-rank run."""
-    source, extra = (zero3, {}) if mode == "zero" else (rows3, {"parallel.table_sharding": "rows",
-                                                                "optimizer.clip_grad": 0.0})
+    through DeepSpeed's universal checkpoint, the row-sharded tables and their moments regathered,
+    also into the host tier) and steps 3-4 match the uninterrupted 2-rank run."""
+    rows = {"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0}
+    source, extra = {"zero": (zero3, {}), "rows": (rows3, rows),
+                     "rows-host": (rows3, dict(rows, **{"memory.table_placement": "host"}))}[mode]
     half = str(start["base"] / f"{mode}_on_one_rank")
     shutil.copytree(os.path.join(source, "iter_0000002"), os.path.join(half, "iter_0000002"))
     with open(os.path.join(half, "latest"), "w") as fh:
@@ -154,7 +164,7 @@ def test_a_checkpoint_resumes_on_fewer_ranks(start, zero3, rows3, mode):
     assert "at iteration 2, saved by 2 data-parallel ranks" in proc.stdout
     assert_same_curve(losses(half), losses(source)[2:])
     assert ".fe_universal" not in os.listdir(half)  # the universal copy is gone once loaded
-    if mode == "rows":
+    if mode != "zero":
         assert [f for f in os.listdir(os.path.join(half, "iter_0000004")) if f.startswith("tables_rank_")] == \
             ["tables_rank_00000.pt"]
     else:  # the other table mode is refused by name, before any loading
@@ -162,7 +172,7 @@ def test_a_checkpoint_resumes_on_fewer_ranks(start, zero3, rows3, mode):
                                 "deepspeed={zero_optimization: {stage: 3}}"]
                                + overrides(start["data"], **{"parallel.table_sharding": "rows"}), check=False)
         assert refused.returncode != 0
-        assert "resume with parallel.table_sharding=replicated" in refused.stderr
+        assert "resume with the table settings it was saved with (parallel.table_sharding=replicated)" in refused.stderr
 
 
 @pytest.mark.distributed
@@ -214,15 +224,23 @@ def test_deepspeed_checkpoints_convert_to_the_megatron_runs_model(megatron_runs,
 
 
 @pytest.mark.distributed
-def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, tmp_path):
+def test_the_host_tier_trains_as_the_device_tier(start, rows3):
+    """Row-sharded tables in host memory, each microbatch's rows fetched one microbatch ahead: the
+    curve of the same tables on the device."""
+    save = deepspeed_run(start, "rows3_host", 3, **{"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0,
+                                                   "memory.table_placement": "host"})
+    assert_same_curve(losses(save), losses(rows3), rel=1e-6)
+
+
+@pytest.mark.distributed
+def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, rows3_bf16, tmp_path):
     """memory.table_dtype=bf16 under rows: the curve of the fp32 tables' run to bf16 rounding, bf16
     rows with fp32 moments on disk, an exact resume (the rounding's random bits are a function of
     the step), and a conversion that keeps the trained format."""
     from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
     from fe_megatron.hf import FactorEngramForCausalLM
 
-    bf16 = {"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0, "memory.table_dtype": "bf16"}
-    save = deepspeed_run(start, "rows3_bf16", 3, **bf16)
+    bf16, save = BF16_ROWS, rows3_bf16
     assert_same_curve(losses(save), losses(rows3), rel=1e-3)
     shard = torch.load(os.path.join(save, "iter_0000004", "tables_rank_00001.pt"), weights_only=True)
     assert {t.dtype for t in shard["tables"].values()} == {torch.bfloat16}
@@ -242,6 +260,25 @@ def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, tmp_path)
         assert torch.isfinite(model(input_ids=torch.randint(0, 512, (1, 32))).logits).all()
 
 
+@pytest.mark.distributed
+def test_whole_bf16_tables_outside_zero_round_as_row_sharded_ones(start, rows3_bf16, tmp_path):
+    """table_sharding=replicated with bf16 tables: whole tables on both ranks, outside ZeRO, their
+    gradients all-reduced.  The rounding depends on each element's global coordinates only, so the
+    curve is the row-sharded run's; rank 0 alone writes the tables, which convert as trained."""
+    from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
+    from fe_megatron.hf import FactorEngramForCausalLM
+
+    save = deepspeed_run(start, "whole3_bf16", 3, **dict(BF16_ROWS, **{"parallel.table_sharding": "replicated"}))
+    assert_same_curve(losses(save), losses(rows3_bf16), rel=1e-5)
+    assert sorted(f for f in os.listdir(os.path.join(save, "iter_0000004")) if f.startswith("tables_")) == \
+        ["tables_rank_00000.pt"]
+    ours, theirs = (FactorEngramForCausalLM.from_pretrained(deepspeed_to_hf(run, str(tmp_path / name))).eval()
+                    for name, run in (("whole", save), ("rows", rows3_bf16)))
+    ids = torch.randint(0, 512, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(input_ids=ids).logits, theirs(input_ids=ids).logits, rtol=1e-3, atol=1e-3)
+
+
 # ----------------------------------------------------------------------------- in isolation
 def test_row_sharded_tables_are_clipped_by_their_own_norm(small_data, tmp_path):
     """The one documented difference from the Megatron engine: under table_sharding=rows the
@@ -249,7 +286,7 @@ def test_row_sharded_tables_are_clipped_by_their_own_norm(small_data, tmp_path):
     import torch.distributed as dist
 
     from fe_megatron.deepspeed.engine import build_model
-    from fe_megatron.deepspeed.tables import RowShardedTables
+    from fe_megatron.deepspeed.tables import StoredTables
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
@@ -257,22 +294,25 @@ def test_row_sharded_tables_are_clipped_by_their_own_norm(small_data, tmp_path):
                                                                  "optimizer.clip_grad": 0.5,
                                                                  "optimizer.weight_decay": 0.0}))
         model = build_model(cfg, dist.group.WORLD)
-        tables = RowShardedTables(model, cfg.optimizer)
+        tables = StoredTables(model, cfg.optimizer)
         assert not any(name.endswith("tables.weight") for name, _ in model.named_parameters())  # outside ZeRO
-        grads = {name: torch.randn_like(weight) for name, weight in tables.weights.items()}
-        before = {name: weight.detach().clone() for name, weight in tables.weights.items()}
-        for name, weight in tables.weights.items():
-            weight.grad = grads[name].clone()
+        assert not any(name.endswith("tables.weight") for name in model.state_dict())  # ZeRO saves none either
+        stores = tables.tables.stores
+        grads = {name: torch.randn_like(store.weight) for name, store in stores.items()}
+        before = {name: store.weight.clone() for name, store in stores.items()}
+        for name, store in stores.items():
+            store.main_grad.copy_(grads[name])
         for group in tables.optimizer.param_groups:
             group["lr"] = 1e-3
         norm = tables.step()
         expected_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())).item()
         assert norm == pytest.approx(expected_norm, rel=1e-9)
-        moved = [name for name, weight in tables.weights.items() if not torch.equal(weight, before[name])]
-        assert moved == list(tables.weights)
-        for weight, grad in zip(tables.trainable, grads.values()):  # AdamW saw the clipped gradient
+        assert [name for name, store in stores.items() if not torch.equal(store.weight, before[name])] == list(stores)
+        for store, grad in zip(stores.values(), grads.values()):  # AdamW saw the clipped gradient
             clipped = grad * (0.5 / (expected_norm + 1e-6))
-            torch.testing.assert_close(tables.optimizer.state[weight]["exp_avg"], 0.1 * clipped, rtol=1e-5, atol=1e-9)
+            torch.testing.assert_close(tables.optimizer.state[store.weight]["exp_avg"], 0.1 * clipped, rtol=1e-5,
+                                       atol=1e-9)
+            assert not store.main_grad.any()  # zeroed for the next step
     finally:
         dist.destroy_process_group()
 

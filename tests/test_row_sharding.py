@@ -55,17 +55,6 @@ def test_forced_kernel_backend_must_take_the_tables_device():
         check_kernel_backend("cpp", torch.device("cuda"))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """DP=1 with whole tables (TP=1 and TP=2): initial weights, per-step losses, final weights."""
-    root = tmp_path_factory.mktemp("row_sharding")
-    for tp, init in ((1, "--save-init"), (2, "--init")):  # both start from the same initial weights
-        torchrun("check_row_sharding.py", "--tables", "replicated", "--tp", str(tp), init, str(root / "init"),
-                 "--steps", "0:3", "--record", str(root / f"ref_tp{tp}.json"), "--save-final",
-                 str(root / f"final_tp{tp}"), nproc=tp)
-    return root
-
-
 @pytest.mark.distributed
 def test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them(reference):
     """DP=2 with sharded tables against DP=1 with whole ones on the same global batches: losses,

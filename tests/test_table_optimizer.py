@@ -1,12 +1,13 @@
-"""TableAdamW and stochastic rounding: torch's AdamW to the bit on fp32 tables, and bf16 tables
-whose tiny updates survive in expectation (where rounding to nearest loses them)."""
+"""TableAdamW and stochastic rounding: torch's AdamW to the bit on fp32 tables and state, bf16 tables
+and moments whose tiny updates survive in expectation (where rounding to nearest loses them), and
+rounding that depends on an element's global coordinates only."""
 
 import pytest
 import torch
 
 from fe_megatron.memory import table_optimizer
-from fe_megatron.memory.table_optimizer import TableAdamW
-from fe_megatron.memory.table_storage import stochastic_round_to_bf16
+from fe_megatron.memory.table_optimizer import TableAdamW, TableLayout
+from fe_megatron.memory.table_storage import rounding_noise, stochastic_round_to_bf16
 
 
 def test_fp32_tables_take_torchs_adamw_update_to_the_bit():
@@ -38,13 +39,28 @@ def test_main_grad_is_the_gradient_when_a_table_has_one():
     assert torch.equal(weight.float(), torch.full((4, 2), -0.5))  # Adam's first step: -lr * sign(grad)
 
 
-def drift_of_tiny_updates(rounding, monkeypatch) -> float:
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_moments_are_kept_in_the_state_dtype_and_reload_without_loss(state_dtype):
+    torch.manual_seed(2)
+    weight = torch.randn(64, 8).to(torch.bfloat16)
+    weight.main_grad = torch.randn(64, 8)
+    opt = TableAdamW([weight], lr=1e-3, state_dtype=state_dtype)
+    opt.step()
+    expected = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+    assert {opt.state[weight][key].dtype for key in ("exp_avg", "exp_avg_sq")} == {expected}
+    again = TableAdamW([weight], lr=1e-3, state_dtype=state_dtype)
+    again.load_state_dict(opt.state_dict())  # torch would cast fp32 moments to the bf16 table's dtype
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(again.state[weight][key], opt.state[weight][key])
+
+
+def drift_of_tiny_updates(rounding, monkeypatch, state_dtype="fp32") -> float:
     """bf16 rows at 1.0 take 300 Adam steps of about 1e-4 each, 1/78 of a bf16 step at 1.0:
     the mean of the rows minus where exact arithmetic puts them (0.97)."""
     monkeypatch.setattr(table_optimizer, "stochastic_round_to_bf16", rounding)
     weight = torch.ones(8192, 1, dtype=torch.bfloat16)
     weight.grad = torch.ones(8192, 1, dtype=torch.bfloat16)
-    opt = TableAdamW([weight], lr=1e-4, weight_decay=0.0, seed=3)
+    opt = TableAdamW([weight], lr=1e-4, weight_decay=0.0, state_dtype=state_dtype, seed=3)
     for _ in range(300):
         opt.step()
     return float(weight.float().mean()) - (1.0 - 300 * 1e-4)
@@ -55,24 +71,55 @@ def drift_of_tiny_updates(rounding, monkeypatch) -> float:
 TOLERANCE = 5 * 7.5e-4
 
 
-def test_stochastic_rounding_keeps_tiny_updates_in_expectation(monkeypatch):
-    assert abs(drift_of_tiny_updates(stochastic_round_to_bf16, monkeypatch)) < TOLERANCE
+@pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
+def test_stochastic_rounding_keeps_tiny_updates_in_expectation(monkeypatch, state_dtype):
+    assert abs(drift_of_tiny_updates(stochastic_round_to_bf16, monkeypatch, state_dtype)) < TOLERANCE
 
 
 def test_the_same_test_fails_for_round_to_nearest(monkeypatch):
-    nearest = lambda values, generator=None: values.to(torch.bfloat16)  # noqa: E731
+    nearest = lambda values, noise: values.to(torch.bfloat16)  # noqa: E731
     assert drift_of_tiny_updates(nearest, monkeypatch) == pytest.approx(0.03)  # the rows never moved
 
 
 def test_stochastic_rounding_is_unbiased_and_exact_where_bf16_is():
-    generator = torch.Generator().manual_seed(0)
     values = torch.full((100_000,), 1.0 + 3 / 1024)  # 3/8 of the way from 1.0 to the next bf16 (1 + 1/128)
-    rounded = stochastic_round_to_bf16(values, generator).float()
+    rounded = stochastic_round_to_bf16(values, rounding_noise(0, torch.arange(100_000))).float()
     assert set(rounded.unique().tolist()) == {1.0, 1.0 + 1 / 128}
     assert float(rounded.mean()) == pytest.approx(1.0 + 3 / 1024, abs=5 * (1 / 128) * 0.5 / 100_000 ** 0.5)
     exact = torch.tensor([0.0, -2.5, 3.0, float("inf"), float("-inf")])
-    assert torch.equal(stochastic_round_to_bf16(exact, generator).float(), exact)
-    assert torch.isnan(stochastic_round_to_bf16(torch.tensor([float("nan")]), generator)).all()
+    assert torch.equal(stochastic_round_to_bf16(exact, rounding_noise(1, torch.arange(5))).float(), exact)
+    nans = torch.tensor([float("nan")]).repeat(3)
+    nans.view(torch.int32)[1] = 0x7FFFFFFF  # a nan whose low bits would carry into the sign
+    assert torch.isnan(stochastic_round_to_bf16(nans, torch.full((3,), 0xFFFF))).all()
+
+
+def test_rounding_noise_is_uniform_and_a_function_of_key_and_id():
+    ids = torch.arange(200_000) * 7919 + 3  # scattered ids, as a row shard's global ids are
+    noise = rounding_noise((5, 2), ids)
+    assert noise.min() >= 0 and noise.max() < 1 << 16
+    assert float(noise.float().mean()) / 65536 == pytest.approx(0.5, abs=0.005)
+    for bit in range(16):  # every bit is a fair coin
+        assert float(((noise >> bit) & 1).float().mean()) == pytest.approx(0.5, abs=0.01)
+    assert torch.equal(rounding_noise((5, 2), ids[1000:2000]), noise[1000:2000])  # any subset, same bits
+    assert (rounding_noise((5, 3), ids) != noise).float().mean() > 0.99  # another step, other bits
+
+
+def test_a_row_shard_rounds_as_its_rows_of_the_whole_table():
+    """Rows 10-19 and 40-49 of a bf16 table updated as a shard (as a rank of a row-sharded group
+    holds them) end bit for bit where the same rows of the whole table end."""
+    torch.manual_seed(4)
+    whole = torch.randn(64, 6).to(torch.bfloat16)
+    grads = [torch.randn(64, 6) for _ in range(3)]
+    shard_rows = torch.cat([torch.arange(10, 20), torch.arange(40, 50)])
+    shard = whole[shard_rows].clone()
+    whole.table_layout = TableLayout.whole(7, whole)
+    shard.table_layout = TableLayout(7, ((10, 10, 0), (40, 10, 10)), 0, 6)
+    optimizers = [TableAdamW([whole], lr=1e-2, seed=1), TableAdamW([shard], lr=1e-2, seed=1)]
+    for grad in grads:
+        whole.main_grad, shard.main_grad = grad, grad[shard_rows]
+        for opt in optimizers:
+            opt.step()
+    assert torch.equal(shard, whole[shard_rows])
 
 
 def test_a_resumed_optimizer_rounds_as_the_uninterrupted_one():
@@ -81,7 +128,7 @@ def test_a_resumed_optimizer_rounds_as_the_uninterrupted_one():
     grads = [torch.randn(100, 4).to(torch.bfloat16) for _ in range(4)]
 
     def run(steps, weight, state=None):
-        opt = TableAdamW([weight], lr=1e-3, seed=7)
+        opt = TableAdamW([weight], lr=1e-3, state_dtype="bf16", seed=7)
         if state is not None:
             opt.load_state_dict(state)
         for grad in steps:
@@ -97,6 +144,9 @@ def test_a_resumed_optimizer_rounds_as_the_uninterrupted_one():
     assert torch.equal(whole, half)
 
 
-def test_other_dtypes_are_refused_by_name():
-    with pytest.raises(TypeError, match="TableAdamW updates fp32 or bf16 tables; got a torch.float16 parameter"):
+def test_other_dtypes_and_shapes_are_refused_by_name():
+    with pytest.raises(TypeError, match=r"TableAdamW updates fp32 or bf16 tables \[rows, width\]; got a "
+                                        r"torch.float16 parameter"):
         TableAdamW([torch.zeros(2, 2, dtype=torch.float16)])
+    with pytest.raises(ValueError, match=r"state_dtype 'fp16' is not one of \('fp32', 'bf16'\)"):
+        TableAdamW([torch.zeros(2, 2)], state_dtype="fp16")

@@ -1,8 +1,10 @@
-"""Table storage (`fe_megatron.memory.table_storage`): bf16 and fp8 rows for serving.
+"""Table storage formats (`fe_megatron.memory.table_storage`): bf16 and fp8 rows for serving, and
+the storage settings training accepts.
 
 The quantization error stays within each format's rounding bound, a quantized branch gathers
 exactly the dequantized rows of its stored table, a quantized model initializes to the
-quantized values of the fp32 model's draw, and training refuses the formats it cannot train by name."""
+quantized values of the fp32 model's draw, and training refuses by name what it cannot train.
+Training from table stores (bf16 tables, the host tier) is tests/test_table_stores.py."""
 
 import pytest
 import torch
@@ -45,8 +47,7 @@ def test_a_quantized_branch_gathers_its_stored_rows(table_dtype):
     quantized.reset_parameters(seed=11)  # the same draw, then stored
     stored = quantize_table(full.tables.weight, table_dtype)
     assert torch.equal(quantized.tables.weight.float(), stored["weight"].float())
-    # fp8 is for serving only; bf16 tables train (row-sharded, under the DeepSpeed engine)
-    assert quantized.tables.weight.requires_grad == (table_dtype == "bf16")
+    assert not quantized.tables.weight.requires_grad  # trained bf16 tables live in stores (managed_tables.py)
     indices = torch.randint(0, full.tables.weight.shape[0], (3, 17, small_config().num_branches))
     flat = indices.reshape(-1)
     expected = dequantize_rows(stored["weight"][flat], stored["row_scale"][flat] if table_dtype == "fp8" else None)
@@ -66,20 +67,35 @@ def test_table_dtype_is_checked():
         small_config(table_dtype="fp16")
 
 
-@pytest.mark.parametrize("table_dtype,extra", [
-    ("fp8", {"training.engine": "deepspeed", "parallel.table_sharding": "rows"}),
-    ("bf16", {}),  # the Megatron engine
-    ("bf16", {"training.engine": "deepspeed"}),  # ZeRO-held tables
+@pytest.mark.parametrize("overrides,message", [
+    ({"memory.table_dtype": "fp8"}, r"memory.table_dtype: 'fp8' is a serving format \(fe-convert --table-dtype fp8\); "
+                                    r"fe-pretrain trains fp32 or bf16 tables"),
+    ({"memory.table_dtype": "bf16", "training.engine": "deepspeed", "parallel.table_sharding": "zero"},
+     r"parallel.table_sharding: 'zero' keeps the tables as ZeRO's parameters, which cannot hold "
+     r"memory.table_dtype=bf16; use table_sharding rows"),
+    ({"memory.table_placement": "host", "training.engine": "deepspeed", "parallel.table_sharding": "zero"},
+     r"cannot hold memory.table_placement=host"),
+    ({"optimizer.table_state_dtype": "fp16"}, r"optimizer.table_state_dtype: 'fp16' is not one of \('fp32', 'bf16'\)"),
+    ({"memory.table_placement": "disk"}, r"memory.table_placement: 'disk' is not one of \('device', 'host'\)"),
 ])
-def test_training_refuses_a_table_format_it_cannot_train(small_data, table_dtype, extra):
+def test_training_refuses_table_storage_it_cannot_train(small_data, overrides, message):
     from fe_megatron.training.config import load_train_config
     from tests.test_train import CONFIG, small_overrides
 
-    with pytest.raises(ConfigError, match=f"table_dtype.*'{table_dtype}': fe-pretrain trains fp32 tables, and bf16 "
-                                          "tables under training.engine=deepspeed with parallel.table_sharding=rows"):
-        load_train_config(CONFIG, small_overrides(small_data, **{"memory.table_dtype": table_dtype}, **extra))
-    load_train_config(CONFIG, small_overrides(small_data, **{"memory.table_dtype": "bf16", "training.engine":
-                                                             "deepspeed", "parallel.table_sharding": "rows"}))
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(CONFIG, small_overrides(small_data, **overrides))
+
+
+@pytest.mark.parametrize("engine,sharding", [("megatron", "replicated"), ("megatron", "rows"),
+                                             ("deepspeed", "rows"), ("deepspeed", "replicated")])
+def test_every_engine_and_sharding_trains_bf16_tables_in_either_placement(small_data, engine, sharding):
+    from fe_megatron.training.config import load_train_config
+    from tests.test_train import CONFIG, small_overrides
+
+    for placement in ("device", "host"):
+        load_train_config(CONFIG, small_overrides(small_data, **{
+            "memory.table_dtype": "bf16", "memory.table_placement": placement, "optimizer.table_state_dtype": "bf16",
+            "training.engine": engine, "parallel.table_sharding": sharding}))
 
 
 def test_fe_plan_counts_the_tables_in_every_storage_format():

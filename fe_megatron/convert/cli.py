@@ -51,9 +51,10 @@ def main(argv=None) -> int:
     from_ds.add_argument("--output", required=True, help="a new directory for the transformers model")
     from_ds.add_argument("--tokenizer", help="the run's tokenizer, if it has moved since training")
     for sub in (to_hf, from_ds):
-        sub.add_argument("--table-dtype", default="fp32", choices=TABLE_DTYPES,
-                         help="how the tables are stored: fp32 (as trained), bf16, or fp8 (e4m3 with one scale "
-                              "per row); docs/tables.md gives the perplexity and bytes of each")
+        sub.add_argument("--table-dtype", choices=TABLE_DTYPES,
+                         help="how the tables are stored: fp32, bf16, or fp8 (e4m3 with one scale per row); "
+                              "default: as trained (memory.table_dtype); docs/tables.md gives the perplexity and "
+                              "bytes of each")
     graft_cmd = commands.add_parser("graft", help="add memory branches to a pretrained Llama")
     graft_cmd.add_argument("--base", required=True, help="a transformers Llama directory or a .gguf file")
     graft_cmd.add_argument("--memory-preset", required=True, choices=sorted(PRESETS), metavar="PRESET",

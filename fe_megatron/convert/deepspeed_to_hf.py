@@ -2,8 +2,8 @@
 
 The fp32 weights are consolidated the way DeepSpeed's ``zero_to_fp32`` does it, in its lazy mode
 (the ZeRO partitions are memory-mapped and each tensor is assembled only when its turn comes to
-be written); under ``table_sharding: rows`` each table is assembled from the ranks'
-``tables_rank_NNNNN.pt`` files.  Tensors stream into safetensors shards one at a time.
+be written); tables kept outside ZeRO are read from their ``tables_rank_NNNNN.pt`` files (row-sharded
+ones assembled from every rank's).  Tensors stream into safetensors shards one at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class _DeepSpeedWeights:
     """The consolidated fp32 tensors of one checkpoint folder, by Hugging Face name."""
 
     def __init__(self, folder: str, info: dict, memory):
+        from fe_megatron.deepspeed.engine import table_mode
         from fe_megatron.deepspeed.tables import tables_file
 
         layout = info["layout"]
@@ -38,12 +39,16 @@ class _DeepSpeedWeights:
                                                              lazy_mode=True)
         self.state, self.memory, self._partitions = state, memory, {}
         self.table_files = []
-        if layout.get("table_sharding") == "rows" and memory is not None:
-            self.table_files = [tables_file(folder, rank) for rank in range(self.world)]
+        config = info["config"]
+        mode = table_mode(layout.get("table_sharding"), config.get("memory"),
+                          (config.get("optimizer") or {}).get("table_state_dtype", "fp32"))
+        if mode != "zero" and memory is not None:  # the tables were outside ZeRO, in their own files
+            ranks = self.world if mode == "rows" else 1  # whole tables: rank 0's file
+            self.table_files = [tables_file(folder, rank) for rank in range(ranks)]
             missing = [path for path in self.table_files if not os.path.isfile(path)]
             if missing:
                 found = sorted(glob.glob(os.path.join(folder, "tables_rank_*.pt")))
-                raise ConversionError(f"{folder}: the run had {self.world} ranks with row-sharded tables, but "
+                raise ConversionError(f"{folder}: the run kept its tables outside ZeRO in {ranks} file(s), but "
                                       f"{missing[0]} is missing (found {len(found)} table files)")
             self.table_shards = [torch.load(path, map_location="cpu", mmap=True, weights_only=False)["tables"]
                                  for path in self.table_files]
@@ -79,12 +84,12 @@ class _DeepSpeedWeights:
         if name not in self._partitions:
             layer = int(name.split(".layers.")[1].split(".")[0])
             layout = NgramHasher(self.memory, layer).layouts[0]
-            self._partitions[name] = RowPartition(layout.moduli, layout.offsets, self.world, 0)
+            self._partitions[name] = RowPartition(layout.moduli, layout.offsets, len(self.table_shards), 0)
         return self._partitions[name]
 
 
 def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer: Optional[str] = None,
-                    max_shard_bytes: int = 2 << 30, table_dtype: str = "fp32") -> str:
+                    max_shard_bytes: int = 2 << 30, table_dtype: Optional[str] = None) -> str:
     """Convert the DeepSpeed engine's checkpoint in ``load`` into a transformers directory ``output``."""
     folder = find_run_checkpoint(load, _iteration_of(tag), engine="deepspeed")
     info = read_run_info(folder)

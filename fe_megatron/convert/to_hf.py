@@ -41,7 +41,7 @@ def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int)
 
 
 def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
-                max_shard_bytes: int = 2 << 30, table_dtype: str = "fp32") -> str:
+                max_shard_bytes: int = 2 << 30, table_dtype: Optional[str] = None) -> str:
     """Convert an fe-pretrain checkpoint into a transformers directory ``output``; returns it."""
     folder = find_run_checkpoint(load, iteration)
     info = read_run_info(folder)
@@ -59,21 +59,24 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
 
 def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
                        groups: list, produce, where: str, max_shard_bytes: int = 2 << 30,
-                       table_dtype: str = "fp32") -> str:
+                       table_dtype: Optional[str] = None) -> str:
     """A transformers directory ``output`` (written to ``output.tmp``, renamed at the end): the
     config of ``backbone`` and ``memory``, the tokenizer, the modeling files, and the weights that
     ``produce(source)`` returns source by source as ``groups`` plans them
     (`fe_megatron.hf.safetensors_stream.write_shards`), with the tables stored as ``table_dtype``
-    (`fe_megatron.memory.table_storage`)."""
+    (`fe_megatron.memory.table_storage`; None: as trained, ``memory.table_dtype``).  The model holds
+    its tables where it runs: the host tier is a training placement, so the config says ``device``."""
     from fe_megatron.hf import AUTO_MAP, FactorEngramConfig, write_modeling_files
     from fe_megatron.hf.safetensors_stream import write_shards
 
-    if table_dtype != "fp32":
-        if memory is None:
-            raise ConversionError(f"{where}: --table-dtype {table_dtype}: this model has no memory, so no tables "
-                                  "to store; leave --table-dtype out")
-        memory = dataclasses.replace(memory, table_dtype=table_dtype)
-        groups, produce = _stored_tables(groups, produce, table_dtype)
+    if table_dtype is not None and memory is None:
+        raise ConversionError(f"{where}: --table-dtype {table_dtype}: this model has no memory, so no tables "
+                              "to store; leave --table-dtype out")
+    if memory is not None:
+        trained = memory.table_dtype
+        memory = dataclasses.replace(memory, table_dtype=table_dtype or trained, table_placement="device")
+        if memory.table_dtype != trained:
+            groups, produce = _stored_tables(groups, produce, memory.table_dtype)
     tmp = fresh_output(output)
     try:
         hf_tokenizer = _save_tokenizer(tokenizer_path, tmp, backbone.vocab_size, backbone.seq_length)

@@ -35,10 +35,10 @@ def hf_to_mcore(input_dir: str, output: str, tp: int = 1, pp: int = 1, table_sha
         fields = FactorEngramConfig.__dataclass_fields__
         config = FactorEngramConfig(**{k: v for k, v in config.to_dict().items() if k in fields})
     backbone, memory = config.backbone_config(), config.memory_config()
-    if memory is not None and memory.table_dtype != "fp32":
-        raise ConversionError(f"--input {input_dir} stores its tables as {memory.table_dtype}, a serving format "
-                              "(fe-convert --table-dtype) that training does not start from; convert the run's "
-                              "checkpoint to Hugging Face with the default --table-dtype fp32 and use that")
+    if memory is not None and memory.table_dtype == "fp8":
+        raise ConversionError(f"--input {input_dir} stores its tables as fp8, a serving format (fe-convert "
+                              "--table-dtype) that training does not start from; convert the run's checkpoint to "
+                              "Hugging Face with --table-dtype fp32 or bf16 and use that")
     source = SafetensorsSource(input_dir)
     tmp = fresh_output(output)
     try:

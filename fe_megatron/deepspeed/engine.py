@@ -9,19 +9,23 @@ same samples the Megatron engine reads at the same data-parallel size):
   ``lambda`` times the sparsity term (Eq. 13), as Megatron's;
 * ``engine.backward`` and ``engine.step`` per microbatch (DeepSpeed accumulates and updates at the
   boundary); the learning rate of each parameter group is set first from `fe_megatron.training.lr_schedule`;
-* with ``parallel.table_sharding: rows``, the tables' own AdamW runs after the boundary
-  (`fe_megatron.deepspeed.tables`).
+* with the tables outside ZeRO (row-sharded, or whole in stores), their own optimizer runs after
+  the boundary (`fe_megatron.deepspeed.tables`); with the host tier each microbatch's rows are
+  fetched one microbatch ahead (`fe_megatron.memory.lookahead`).
 
 The optimizer is torch's AdamW with Megatron's parameter groups (no weight decay on biases and
 1-D tensors; the tables' learning-rate and weight-decay multipliers), handed to DeepSpeed as a
 client optimizer, which ZeRO wraps.  Table modes:
 
-* ``zero`` (or ``replicated``): the tables are ordinary parameters; ZeRO-3 partitions them and
-  all-gathers each one whole for its layer's forward and backward.
+* ``zero`` (or ``replicated`` with fp32 tables on the device and fp32 state): the tables are
+  ordinary parameters; ZeRO-3 partitions them and all-gathers each one whole for its layer's
+  forward and backward.
 * ``rows``: the tables are row-sharded over the data-parallel ranks and stay outside ZeRO.
+* ``replicated`` with table stores (bf16 tables, the host tier, bf16 state): whole tables on every
+  rank, outside ZeRO.
 
 Checkpoints are DeepSpeed's (``engine.save_checkpoint``, tag ``iter_NNNNNNN``), with
-``fe_run.json`` and, under ``rows``, one ``tables_rank_NNNNN.pt`` per rank in the same folder,
+``fe_run.json`` and, for tables outside ZeRO, ``tables_rank_NNNNN.pt`` files in the same folder,
 committed as the Megatron engine's are (`fe_megatron.checkpoint.commit`) before ``latest`` and the
 tracker name them.  They resume at any data-parallel size (`fe_megatron.deepspeed.resize`).
 ``--load`` also accepts a Hugging Face model directory: its weights start the run at step 0.
@@ -34,6 +38,7 @@ import dataclasses
 import io
 import os
 import re
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -47,13 +52,15 @@ from fe_megatron.checkpoint.resume import start_point
 from fe_megatron.checkpoint.run_info import run_info
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
+from fe_megatron.memory.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.memory.loss import weighted_sparsity
+from fe_megatron.memory.managed_tables import uses_table_stores
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.training.distributed import current_device, log
 from fe_megatron.training.loop import MetricsWriter
 from fe_megatron.training.lr_schedule import learning_rate
-from fe_megatron.training.run import (EngineRun, StepResult, begin, freeze_backbone, load_run_tokenizer,
-                                      microbatches_per_rank, run_datasets, use_bf16)
+from fe_megatron.training.run import (EngineRun, StepResult, begin, describe_tables, freeze_backbone,
+                                      load_run_tokenizer, microbatches_per_rank, run_datasets, use_bf16)
 
 
 
@@ -86,7 +93,7 @@ class DeepSpeedRun(EngineRun):
     this engine."""
 
     engine: object  # deepspeed.DeepSpeedEngine around the FactorEngramForCausalLM
-    tables: object  # RowShardedTables, or None when ZeRO holds the tables
+    tables: object  # StoredTables, or None when ZeRO holds the tables
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
 
     def data_parallel_rank(self) -> int:
@@ -106,19 +113,31 @@ class DeepSpeedRun(EngineRun):
             group["weight_decay"] = schedule["weight_decay"] * group.get("wd_mult", 1.0)
 
     def _losses(self, batch: dict):
-        output = self.engine(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False)
+        lookups = batch.get(MEMORY_LOOKUPS)
+        output = self.engine(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False,
+                             **({"memory_lookups": lookups} if lookups is not None else {}))
         lm = masked_lm_loss(output.logits, batch["labels"], batch["loss_mask"])
         memory = self.cfg.memory
         if output.sparsity_loss is None or memory is None:
             return lm, torch.zeros((), device=lm.device)
         return lm, weighted_sparsity(output.sparsity_loss, memory.sparsity_lambda)  # Eq. 13
 
+    def microbatch_feed(self, batches: list):
+        """The step's microbatches; with the host tier each one's rows fetched one microbatch ahead."""
+        if not self.fetches_rows_ahead:
+            return iter(batches)
+        model = self.engine.module
+        return MicrobatchLookups(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
+
     def train_step(self, batches: list) -> StepResult:
         self._set_learning_rates()
         sums = torch.zeros(3, dtype=torch.float64, device=current_device())  # lm, sparsity, non-finite count
         nonfinite = []
-        for index, batch in enumerate(batches):
+        feed = self.microbatch_feed(batches)
+        for index, batch in enumerate(feed):
             lm, sparsity = self._losses(batch)
+            if isinstance(feed, MicrobatchLookups):
+                feed.start_next()  # this microbatch's forward is issued: fetch the next one's rows
             loss = lm + sparsity
             if not torch.isfinite(loss):
                 nonfinite.append(f"rank {dist.get_rank()} microbatch {index}: lm loss {float(lm)}")
@@ -164,7 +183,7 @@ class DeepSpeedRun(EngineRun):
         self.engine.eval()
         try:
             total = torch.zeros(2, dtype=torch.float64, device=current_device())
-            for batch in batches:
+            for batch in self.microbatch_feed(batches):
                 lm, _ = self._losses(batch)
                 total += torch.stack([lm.double(), torch.ones((), dtype=torch.float64, device=total.device)])
         finally:
@@ -240,21 +259,38 @@ def saved_data_parallel_size(saved_info, default: int) -> int:
     return int(((saved_info or {}).get("layout") or {}).get("data", default))
 
 
+def table_mode(table_sharding: str, memory: dict, table_state_dtype: str) -> str:
+    """How this engine keeps the tables: ``zero`` (ZeRO's parameters), ``rows`` (row-sharded outside
+    ZeRO) or ``replicated`` (whole, in stores outside ZeRO; `fe_megatron.deepspeed.tables`), for
+    the memory config's fields ``memory`` (None: no memory)."""
+    if table_sharding == ROW_SHARDED:
+        return ROW_SHARDED
+    if table_sharding == "replicated" and uses_table_stores(SimpleNamespace(
+            table_dtype=memory.get("table_dtype", "fp32"), table_placement=memory.get("table_placement", "device"))
+            if memory is not None else None, table_state_dtype):
+        return "replicated"
+    return "zero"
+
+
 def refuse_table_mode_change(folder: str, saved_info, tables_mode: str) -> None:
-    """Under DeepSpeed the tables are ZeRO parameters or row shards with their own files; a
+    """Under DeepSpeed the tables are ZeRO parameters, or outside ZeRO with their own files; a
     checkpoint resumes in the mode that wrote it (the data-parallel size may change)."""
-    sharding = ((saved_info or {}).get("layout") or {}).get("table_sharding")
-    if sharding is None or (saved_info.get("config") or {}).get("memory") is None:
+    layout, config = (saved_info or {}).get("layout") or {}, (saved_info or {}).get("config") or {}
+    sharding = layout.get("table_sharding")
+    if sharding is None or config.get("memory") is None:
         return
-    saved = ROW_SHARDED if sharding == ROW_SHARDED else "zero"
+    saved = table_mode(sharding, config["memory"], (config.get("optimizer") or {}).get("table_state_dtype", "fp32"))
     if saved != tables_mode:
         raise CheckpointError(f"{folder} was saved with its tables {_TABLE_MODES[saved]}, and this run keeps them "
-                              f"{_TABLE_MODES[tables_mode]}: resume with parallel.table_sharding={sharding}, or start "
-                              "a new run from its weights (fe-convert deepspeed-to-hf, then --load the output)")
+                              f"{_TABLE_MODES[tables_mode]}: resume with the table settings it was saved with "
+                              f"(parallel.table_sharding={sharding}), or start a new run from its weights "
+                              "(fe-convert deepspeed-to-hf, then --load the output)")
 
 
-_TABLE_MODES = {"zero": "as ZeRO parameters (parallel.table_sharding zero or replicated)",
-                ROW_SHARDED: "row-sharded outside ZeRO (parallel.table_sharding rows)"}
+_TABLE_MODES = {"zero": "as ZeRO parameters (parallel.table_sharding zero, or replicated with fp32 tables)",
+                ROW_SHARDED: "row-sharded outside ZeRO (parallel.table_sharding rows)",
+                "replicated": "whole outside ZeRO (parallel.table_sharding replicated with bf16 tables, the host tier "
+                              "or bf16 table state)"}
 
 
 # ----------------------------------------------------------------------------- model
@@ -287,7 +323,8 @@ def load_hf_weights(model, directory: str) -> None:
         raise CheckpointError(f"--load {directory} stores its tables as fp8, a serving format (fe-convert "
                               "--table-dtype); start from a conversion with fp32 or bf16 tables")
     # the tables' storage is not the model: fp32 weights start a bf16-table run, rounded to nearest
-    theirs, ours = ({**config, "memory": {k: v for k, v in (config.get("memory") or {}).items() if k != "table_dtype"}
+    storage = ("table_dtype", "table_placement")
+    theirs, ours = ({**config, "memory": {k: v for k, v in (config.get("memory") or {}).items() if k not in storage}
                      if config.get("memory") is not None else None} for config in (theirs, ours))
     fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "tie_word_embeddings", "memory")
@@ -353,7 +390,7 @@ def set_up(cfg) -> DeepSpeedRun:
     """Process group, data, model, DeepSpeed engine; resume from ``cfg.load``."""
     deepspeed = import_deepspeed()
 
-    from fe_megatron.deepspeed.tables import RowShardedTables
+    from fe_megatron.deepspeed.tables import StoredTables
 
     _init_distributed()
     t, o, p = cfg.training, cfg.optimizer, cfg.parallel
@@ -362,7 +399,8 @@ def set_up(cfg) -> DeepSpeedRun:
     dp = dist.get_world_size()
     ds_config = resolve(cfg, dp, bf16)
     stage = zero_stage(ds_config)
-    tables_mode = ROW_SHARDED if p.table_sharding == ROW_SHARDED else "zero"  # replicated: as ZeRO parameters
+    tables_mode = table_mode(p.table_sharding, dataclasses.asdict(cfg.memory) if cfg.memory else None,
+                             o.table_state_dtype)
     tokenizer = load_run_tokenizer(cfg)
     info = run_info(cfg, dp, {"engine": "deepspeed", "zero_stage": stage})
     start_at = start_point(cfg, "deepspeed", find_deepspeed_checkpoint(cfg), log)
@@ -377,16 +415,17 @@ def set_up(cfg) -> DeepSpeedRun:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     torch.manual_seed(t.seed)
-    rows = tables_mode == ROW_SHARDED and cfg.memory is not None
-    model = build_model(cfg, dist.group.WORLD if rows else None)
+    outside_zero = tables_mode != "zero" and cfg.memory is not None
+    model = build_model(cfg, dist.group.WORLD if tables_mode == ROW_SHARDED and cfg.memory is not None else None)
     if kind == "hf":
         load_hf_weights(model, where)
+    # before .to(device): tables in host memory never reach the GPU
+    tables = StoredTables(model, o, o.table_state_dtype, current_device(), seed=t.seed) if outside_zero else None
     model.to(current_device())
     if t.recompute == "full":
         model.gradient_checkpointing_enable()
     if t.freeze_backbone:
         freeze_backbone(model)
-    tables = RowShardedTables(model, o, seed=t.seed) if rows else None
     parameters = sum(param.numel() for param in model.parameters()) + (tables.numel() if tables else 0)
     optimizer = torch.optim.AdamW(megatron_param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)
@@ -419,8 +458,11 @@ def set_up(cfg) -> DeepSpeedRun:
                        num_microbatches=microbatches_per_rank(t, dp),
                        metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
                        parameters=parameters, step_index=start)
-    begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, tables "
-               f"{'row-sharded outside ZeRO' if rows else 'as ZeRO parameters'}",
+    where_tables = {"zero": "tables as ZeRO parameters", ROW_SHARDED: "tables row-sharded outside ZeRO",
+                    "replicated": "tables whole outside ZeRO"}[tables_mode]
+    if outside_zero:
+        where_tables += "; " + describe_tables(cfg, True)
+    begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, {where_tables}",
           world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
     return run
 

@@ -1,23 +1,30 @@
-"""``parallel.table_sharding: rows`` under DeepSpeed: the tables stay outside ZeRO.
+"""The DeepSpeed engine's tables outside ZeRO (`StoredTables`).
 
-The branches are built with their rows sharded over the data-parallel group
-(`fe_megatron.memory.row_exchange`; lookups and gradients travel by all-to-all), so each rank
-already holds only ``1/N`` of every table.  ZeRO must not partition those shards again (ZeRO-3
-would all-gather them for every forward) nor average their gradients (the row exchange already
-delivered every rank's gradient to the row's owner).  `RowShardedTables` therefore takes the
-tables out of the module tree that DeepSpeed sees and gives them their own AdamW over the local
-rows (`fe_megatron.memory.table_optimizer.TableAdamW`), with the learning-rate and weight-decay
-multipliers of the optimizer section.
+``parallel.table_sharding: rows``: the branches are built with their rows sharded over the
+data-parallel group (`fe_megatron.memory.row_exchange`; lookups and gradients travel by
+all-to-all), so each rank already holds only ``1/N`` of every table.  ZeRO must not partition
+those shards again (ZeRO-3 would all-gather them for every forward) nor average their gradients
+(the row exchange already delivered every rank's gradient to the row's owner).
 
-bf16 tables (``memory.table_dtype: bf16``) are trained here: the row exchange adds their
-gradients into an fp32 ``main_grad`` beside each shard (autograd sees none), and TableAdamW
-writes the updated rows back with stochastic rounding.  Per table parameter a rank then holds 2
-bytes of weight, 4 of gradient and 8 of Adam moments (14, against 16 for fp32 tables).
+``parallel.table_sharding: replicated`` with table stores (bf16 tables, ``table_placement: host``
+or ``optimizer.table_state_dtype: bf16``; `fe_megatron.memory.managed_tables.uses_table_stores`):
+every rank holds whole tables, whose gradients are all-reduced over the ranks.  (With fp32 tables
+on the device and fp32 state, ``replicated`` keeps meaning what it always did under this engine:
+the tables are ZeRO's parameters, as with ``zero``.)
+
+Either way `StoredTables` takes the tables out of the module tree that DeepSpeed sees and trains
+them with `fe_megatron.memory.managed_tables.ManagedTables`: in stores on the device or on the host,
+their gradients averaged as DeepSpeed averages its own, with `TableAdamW` and the optimizer
+section's learning-rate and weight-decay multipliers.
 
 Gradient clipping: DeepSpeed clips its parameters by their own global norm; the tables are clipped
 by theirs (summed over the group), each against ``optimizer.clip_grad``.  Megatron's engine clips
 everything by one norm, so the two engines agree exactly only while no clipping happens
 (docs/deepspeed.md).
+
+Checkpoints: ``tables_rank_NNNNN.pt`` per rank beside DeepSpeed's files (whole tables: rank 0's
+only), holding the rows and their `TableAdamW` state; `StoredTables.load` reads them at any
+data-parallel size.
 """
 
 from __future__ import annotations
@@ -27,102 +34,88 @@ import os
 import torch
 import torch.distributed as dist
 
-from fe_megatron.memory import MemoryBranch
-from fe_megatron.memory.table_optimizer import TableAdamW
+from fe_megatron.memory.managed_tables import ManagedTables, memory_branches
 
 
 def tables_file(folder: str, rank: int) -> str:
     return os.path.join(folder, f"tables_rank_{rank:05d}.pt")
 
 
-class RowShardedTables:
-    """The row-sharded tables of ``model`` (``{name: weight}``, Hugging Face names), detached from
-    its module tree, with a TableAdamW over this rank's rows (its rounding seeded by ``seed`` and
-    the rank)."""
+class StoredTables:
+    """The tables of ``model`` (Hugging Face names), detached from its module tree and trained in
+    stores (on ``device``, or the host per ``memory.table_placement``); ``group``: the data-parallel
+    ranks (default: all)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer_args, group=None, seed: int = 0):
+    def __init__(self, model: torch.nn.Module, optimizer_args, state_dtype: str = "fp32", device=None,
+                 group=None, seed: int = 0):
         self.group = group
-        self.weights, self.partitions = {}, {}
-        for name, module in list(model.named_modules()):
-            if isinstance(module, MemoryBranch) and module.row_partition is not None:
-                tables = module._modules.pop("tables")
-                # still `branch.tables` for the lookup, but no longer a submodule: not a ZeRO parameter
-                module.__dict__["tables"] = tables
-                self.weights[f"{name}.tables.weight"] = tables.weight
-                self.partitions[f"{name}.tables.weight"] = module.row_partition
-        if not self.weights:
-            raise ValueError("parallel.table_sharding=rows but the model has no row-sharded memory branch")
-        o = optimizer_args
-        self.trainable = [w for w in self.weights.values() if w.requires_grad]
-        for weight in self.trainable:
-            if weight.dtype == torch.bfloat16:  # gradients accumulate in fp32 (`fe_megatron.ops.table_weight_gradient`)
-                weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-                weight.main_grad_only = True
-        self.optimizer = TableAdamW(
-            [{"params": self.trainable, "lr_mult": o.table_lr_mult, "wd_mult": o.table_weight_decay_mult}],
-            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay * o.table_weight_decay_mult,
-            seed=seed * 65536 + dist.get_rank(group))
-        self.clip_grad = o.clip_grad
+        branches = memory_branches(model)
+        if not branches:
+            raise ValueError("the model has no memory branch whose tables could be kept outside ZeRO")
+        for branch in branches.values():
+            tables = branch._modules.pop("tables")
+            branch.__dict__["tables"] = tables  # still `branch.tables` for the lookup, but no ZeRO parameter
+        self.row_sharded = any(branch.row_partition is not None for branch in branches.values())
+        ranks = group if group is not None else dist.group.WORLD
+        # whole tables: the ranks are replicas, their gradients summed; row shards: each rank's rows are its own
+        self.tables = ManagedTables(branches, optimizer_args, state_dtype, device,
+                                    replica_group=None if self.row_sharded else ranks,
+                                    norm_groups=[ranks] if self.row_sharded else [],
+                                    gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed)
+        self.optimizer = self.tables.optimizer
+        self.clip_grad = optimizer_args.clip_grad
 
     def numel(self) -> int:
         """Table parameters of the whole model (every rank's rows)."""
-        return sum(sum(p.branch_rows) * self.weights[name].shape[1] for name, p in self.partitions.items())
+        return self.tables.numel()
 
     def step(self) -> float:
         """Average the gradients over the data-parallel ranks (as DeepSpeed averages its own), clip
         them by their global norm, update, and zero them.  Returns that norm (before clipping)."""
-        world = dist.get_world_size(self.group)
-        squares = torch.zeros((), dtype=torch.float64, device=self.trainable[0].device)
-        grads = []
-        for weight in self.trainable:
-            if TableAdamW.gradient(weight) is None:
-                weight.grad = torch.zeros_like(weight)
-            grad = TableAdamW.gradient(weight)
-            grad.div_(world)
-            squares += grad.double().pow(2).sum()
-            grads.append(grad)
-        dist.all_reduce(squares, group=self.group)  # each rank holds different rows
-        norm = float(squares.sqrt())
+        norm = self.tables.grad_norm()
         if self.clip_grad > 0:
-            coefficient = self.clip_grad / (norm + 1e-6)
-            if coefficient < 1.0:
-                for grad in grads:
-                    grad.mul_(coefficient)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for weight in self.trainable:
-            if getattr(weight, "main_grad", None) is not None:
-                weight.main_grad.zero_()
+            self.tables.clip(self.clip_grad / (norm + 1e-6))
+        self.tables.step()
+        self.tables.zero_grad()
         return norm
 
     def save(self, folder: str) -> None:
-        """This rank's rows and their optimizer state, in ``folder`` (written to a temporary file
-        and renamed, so a crash leaves no half file)."""
+        """This rank's rows (whole tables: rank 0's) and their optimizer state, in ``folder``
+        (written to a temporary file and renamed, so a crash leaves no half file)."""
         rank = dist.get_rank(self.group)
-        state = {"world_size": dist.get_world_size(self.group), "rank": rank,
-                 "tables": {name: weight.detach().cpu() for name, weight in self.weights.items()},
+        if not self.row_sharded and rank != 0:
+            return
+        state = {"world_size": dist.get_world_size(self.group) if self.row_sharded else 1, "rank": rank,
+                 "row_sharded": self.row_sharded,
+                 "tables": {name: store.weight.detach().cpu() for name, store in self.tables.stores.items()},
                  "optimizer": self.optimizer.state_dict()}
         path = tables_file(folder, rank)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
 
     def load(self, folder: str) -> None:
-        """This rank's rows and their AdamW moments from the ``tables_rank_*.pt`` files of
-        ``folder``, saved at any number of ranks: the files are memory-mapped and only the rows this
-        rank owns under its partition are read (`RowPartition.gather_from`), so a run restarted on
-        fewer (or more) nodes continues with the same tables and optimizer state."""
+        """The rows and their moments from the ``tables_rank_*.pt`` files of ``folder``, saved at any
+        number of ranks: the files are memory-mapped and only the rows this rank owns under its
+        partition are read (`RowPartition.gather_from`), so a run restarted on fewer (or more)
+        nodes continues with the same tables and optimizer state."""
         saved = _read_saved_shards(folder)
+        if bool(saved[0].get("row_sharded", True)) != self.row_sharded:
+            raise ValueError(f"{folder} holds {'row-sharded' if self.row_sharded else 'whole'} tables' files "
+                             f"written for the other table sharding; resume with the sharding it was saved with")
+
+        def mine(name: str, tensors: list) -> torch.Tensor:
+            partition = self.tables.partitions[name]
+            return partition.gather_from(tensors) if partition is not None else tensors[0]
+
         with torch.no_grad():
-            for name, weight in self.weights.items():
-                weight.copy_(self.partitions[name].gather_from([shard["tables"][name] for shard in saved]))
-        names = [name for name, weight in self.weights.items() if weight.requires_grad]
+            for name, store in self.tables.stores.items():
+                store.weight.copy_(mine(name, [shard["tables"][name] for shard in saved]))
         state = {}
-        for index, name in enumerate(names):
+        for index, name in enumerate(self.tables.stores):
             entries = [shard["optimizer"]["state"].get(index) for shard in saved]
             if any(entry is None for entry in entries):
                 continue  # saved before the tables' first update
-            state[index] = {key: (self.partitions[name].gather_from([entry[key] for entry in entries])
-                                  if value.dim() > 0 else value.clone())
+            state[index] = {key: (mine(name, [entry[key] for entry in entries]) if value.dim() > 0 else value.clone())
                             for key, value in entries[0].items()}  # step: the same scalar on every rank
         self.optimizer.load_state_dict({"state": state, "param_groups": saved[0]["optimizer"]["param_groups"]})
 
@@ -131,8 +124,8 @@ def _read_saved_shards(folder: str) -> list:
     """Every saved rank's ``tables_rank_*.pt`` of ``folder``, memory-mapped, in rank order."""
     first = tables_file(folder, 0)
     if not os.path.isfile(first):
-        raise FileNotFoundError(f"{first} is missing: {folder} was not saved with parallel.table_sharding=rows "
-                                "(resume with the table sharding it was saved with)")
+        raise FileNotFoundError(f"{first} is missing: {folder} was saved with the tables as ZeRO parameters "
+                                "(parallel.table_sharding zero); resume with the table sharding it was saved with")
     shards = [torch.load(first, map_location="cpu", mmap=True, weights_only=True)]
     saved_world = int(shards[0]["world_size"])
     for rank in range(1, saved_world):

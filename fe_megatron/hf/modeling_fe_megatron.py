@@ -106,8 +106,11 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         for module in self.memory.modules():
             module._fe_memory_part = True
 
-    def _memory(self, hidden_states, token_ids, decoding, sparsity_terms: list):
-        memory_out, l1 = self.memory(hidden_states, token_ids, decoding=decoding)
+    def _memory(self, hidden_states, token_ids, decoding, sparsity_terms: list, lookup=None):
+        if lookup is not None:  # started ahead (the host tier): the lookup brings the rows
+            memory_out, l1 = self.memory(hidden_states, indices=lookup)
+        else:
+            memory_out, l1 = self.memory(hidden_states, token_ids, decoding=decoding)
         if decoding is not None and decoding.valid is not None:
             l1 = l1[decoding.valid]  # padding is not text
         sparsity_terms.append(layer_sparsity(l1, len(self.memory.config.layers)))  # Eq. 12
@@ -115,13 +118,16 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, *, cache=None, memory_token_ids=None, memory_decoding=None,
-                sparsity_terms=None, **kwargs):
+                sparsity_terms=None, memory_lookup=None, **kwargs):
         cache = _one_cache(cache, past_key_values)
         placement = self.memory.config.placement
         sparsity_terms = [] if sparsity_terms is None else sparsity_terms
+        if memory_lookup is not None and memory_decoding is not None:
+            raise ValueError("memory_lookups (lookups started ahead, for training) cannot be used with padding or a "
+                             "cache; generate without them")
         if placement == "before_attn":
             hidden_states = hidden_states + self._memory(hidden_states, memory_token_ids, memory_decoding,
-                                                         sparsity_terms)
+                                                         sparsity_terms, memory_lookup)
         residual = hidden_states
         attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                                           attention_mask=attention_mask, position_ids=position_ids,
@@ -130,11 +136,11 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         hidden_states = residual + attention_out
         if placement == "before_ffn":
             hidden_states = hidden_states + self._memory(hidden_states, memory_token_ids, memory_decoding,
-                                                         sparsity_terms)
+                                                         sparsity_terms, memory_lookup)
         residual = hidden_states
         normed = self.post_attention_layernorm(hidden_states)
         if placement == "inside_ffn":
-            up_addend = self._memory(hidden_states, memory_token_ids, memory_decoding, sparsity_terms)
+            up_addend = self._memory(hidden_states, memory_token_ids, memory_decoding, sparsity_terms, memory_lookup)
             mlp = self.mlp
             return residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * (mlp.up_proj(normed) + up_addend))
         return residual + self.mlp(normed)
@@ -227,7 +233,9 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
                 inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None, cache=None,
-                **kwargs):
+                memory_lookups: Optional[dict] = None, **kwargs):
+        """``memory_lookups``: ``{layer_index: lookup}`` started ahead by `start_memory_lookups` for these
+        ``input_ids`` (the host tier's prefetch; training only)."""
         cache = _one_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if (input_ids is None) == (inputs_embeds is None):
@@ -254,7 +262,8 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
             memory_kwargs = {}
             if isinstance(decoder_layer, FactorEngramDecoderLayer):
                 memory_kwargs = dict(memory_token_ids=input_ids, sparsity_terms=sparsity_terms,
-                                     memory_decoding=decodings.get(decoder_layer.layer_index))
+                                     memory_decoding=decodings.get(decoder_layer.layer_index),
+                                     memory_lookup=(memory_lookups or {}).get(decoder_layer.layer_index))
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=position_ids,
                                           use_cache=use_cache, **{CACHE_KEYWORD: cache}, **memory_kwargs,
@@ -263,6 +272,13 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         sparsity = torch.stack(sparsity_terms).sum() if sparsity_terms else None
         return FactorEngramModelOutput(last_hidden_state=hidden_states, sparsity_loss=sparsity,
                                        **{CACHE_KEYWORD: cache if use_cache else None})
+
+    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
+        """``{layer_index: started lookup}`` of every memory layer for ``input_ids`` ([b, s]), hashed where
+        the ids are (the host tier hashes on the host) with the rows bound for ``device``; pass the
+        result to ``forward`` as ``memory_lookups``."""
+        return {index: self.layers[index].memory.start_lookup(self.layers[index].memory.hasher.indices(input_ids),
+                                                              device) for index in self.memory_layers}
 
     def _decodings(self, input_ids, attention_mask, cache) -> dict:
         """``{layer_index: Decoding}``: the padding of the new positions and, with a cache, each
@@ -306,10 +322,11 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, **kwargs):
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, memory_lookups=None,
+                **kwargs):
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=_one_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
-                             use_cache=use_cache, **kwargs)
+                             use_cache=use_cache, memory_lookups=memory_lookups, **kwargs)
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
@@ -321,6 +338,10 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
                 loss = loss + weighted_sparsity(outputs.sparsity_loss, memory["sparsity_lambda"])  # Eq. 13
         return FactorEngramCausalLMOutput(loss=loss, logits=logits, sparsity_loss=outputs.sparsity_loss,
                                           **{CACHE_KEYWORD: getattr(outputs, CACHE_KEYWORD)})
+
+    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
+        """`FactorEngramModel.start_memory_lookups`: pass the result to ``forward`` as ``memory_lookups``."""
+        return self.model.start_memory_lookups(input_ids, device)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() makes a `DynamicCache`; make it a `FactorEngramCache` (the memory's state too)."""

@@ -15,6 +15,7 @@ from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
 from fe_megatron.megatron.layer_specs import get_block_spec, get_gpt_layer_with_factorengram_spec, get_local_layer_spec
+from fe_megatron.megatron.table_optimizer import TableChainedOptimizer, TableOptimizer
 
 
 def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: int,
@@ -54,12 +55,13 @@ def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,
 
 
 def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table_lr_mult: float = 1.0,
-                    table_weight_decay_mult: float = 1.0):
+                    table_weight_decay_mult: float = 1.0, tables=None):
     """Megatron's optimizer with the usual groups (no weight decay on norms and biases) plus one for
     the memory tables: learning-rate multiplier ``table_lr_mult``, weight decay multiplier
     ``table_weight_decay_mult`` (1 by default, as the paper trains: decay 0.01 on every weight;
     0 is Engram's exemption, which keeps decay from pulling rarely-seen rows towards zero between
-    visits).
+    visits).  With ``tables`` (`fe_megatron.megatron.table_optimizer.manage_tables`: tables in
+    stores) the tables' member of the chain is a `TableOptimizer` over them.
 
     The table learning rate is the group's ``max_lr`` / ``min_lr``; the group also carries
     ``lr_mult`` because Megatron's checkpoint loader tells groups apart by ``(wd_mult, lr_mult,
@@ -78,6 +80,9 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
     if table_override:
         overrides[ParamKey(attr="is_memory_table")] = table_override
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)
+    if tables is not None:
+        optimizer = TableChainedOptimizer(list(getattr(optimizer, "chained_optimizers", [optimizer])) + [
+            TableOptimizer(tables, optimizer.config, table_lr_mult, table_weight_decay_mult)])
     keys = [tuple(group.get(key) for key in param_group_identifier_keys) for group in optimizer.param_groups]
     if len(set(keys)) != len(keys):
         raise ValueError(f"optimizer parameter groups {keys} share identifiers {param_group_identifier_keys}; "

@@ -54,12 +54,17 @@ def count_parameters(model) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+    from fe_megatron.memory.managed_tables import memory_branches
+
     local = torch.zeros(2, dtype=torch.float64, device=current_device())  # [whole on this stage, row-sharded]
     for name, param in model.named_parameters():
         if name.endswith("output_layer.weight") and getattr(model, "share_embeddings_and_output_weights", False):
             continue  # the last stage's copy of the tied embedding
         if param_is_not_tensor_parallel_duplicate(param):
             local[1 if getattr(param, "row_sharded", False) else 0] += param.numel()
+    for branch in memory_branches(model).values():  # tables in stores are buffers (table_optimizer.py)
+        if branch.tables.store is not None:
+            local[0 if branch.row_partition is None else 1] += branch.tables.weight.numel()
     torch.distributed.all_reduce(local[1:], group=parallel_state.get_expert_model_parallel_group())
     torch.distributed.all_reduce(local, group=parallel_state.get_model_parallel_group())
     return int(local.sum())
@@ -130,6 +135,8 @@ def set_up(cfg) -> MegatronRun:
     from fe_megatron.megatron.checkpointing import holds_weights_only, load_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask
+    from fe_megatron.megatron.table_optimizer import manage_tables, tables_in_stores
+    from fe_megatron.training.run import describe_tables
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding)
@@ -152,6 +159,13 @@ def set_up(cfg) -> MegatronRun:
     model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory, backend=t.transformer_impl,
                             share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
                             table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
+    tables = None
+    if tables_in_stores(cfg, tconfig.bf16):  # before .cuda(): host tables never reach the GPU
+        tables = manage_tables(model, o, o.table_state_dtype, p.table_sharding, current_device(), t.seed)
+    if tconfig.bf16:
+        # every parameter in bf16, as Megatron-LM's Float16Module makes them (its mixed-precision optimizer keeps
+        # the fp32 copies and cannot checkpoint fp32 parameters beside bf16 ones); tables in stores keep their dtype
+        model.to(torch.bfloat16)
     if on_gpu:
         model.cuda()
     if t.freeze_backbone:
@@ -161,7 +175,7 @@ def set_up(cfg) -> MegatronRun:
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
         adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=tconfig.bf16,
         params_dtype=tconfig.params_dtype, use_distributed_optimizer=p.distributed_optimizer),
-        table_lr_mult=o.table_lr_mult, table_weight_decay_mult=o.table_weight_decay_mult)
+        table_lr_mult=o.table_lr_mult, table_weight_decay_mult=o.table_weight_decay_mult, tables=tables)
     connect_schedule_hooks(tconfig, [ddp], optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
@@ -184,8 +198,9 @@ def set_up(cfg) -> MegatronRun:
                       attention_mask=causal_mask(m.seq_length, current_device()),
                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
                       parameters=count_parameters(model))
-    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}", world_size=torch.distributed.get_world_size(), dp=dp,
-          tp=p.tensor, pp=p.pipeline)
+    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f", {describe_tables(cfg, tables is not None)}"
+                                                            if cfg.memory is not None else ""),
+          world_size=torch.distributed.get_world_size(), dp=dp, tp=p.tensor, pp=p.pipeline)
     return run
 
 

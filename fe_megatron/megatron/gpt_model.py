@@ -63,6 +63,9 @@ class FactorEngramGPTModel(GPTModel):
                 raise ValueError("FactorEngramGPTModel carries the memory indices in the decoder's context argument; "
                                  "extra_block_kwargs['context'] must not be set")
             if self.config.recompute_granularity == "full" and self.training:
+                if not all(isinstance(value, torch.Tensor) for value in memory_indices.values()):
+                    raise ValueError("under full recompute the memory indices must be tensors (the checkpointed "
+                                     "layers take them as inputs), not lookups started ahead")
                 # the checkpointed layers take their inputs as tensors: one tensor, each layer its columns
                 extra_block_kwargs["context"] = torch.cat(
                     [memory_indices[layer.layer_index] for layer in self.stage_memory_layers], dim=-1)
@@ -74,17 +77,28 @@ class FactorEngramGPTModel(GPTModel):
                                **kwargs)
 
     def _start_lookups(self, memory_indices: dict) -> dict:
-        """With row-sharded tables, send every memory layer's row requests now (prefetch): the rows
-        come back while the layers before them compute, and each layer waits only for its own.
-        (Not under full recompute, whose checkpointed chunks take the indices as tensor inputs: the
-        exchange then runs inside the layer, and again in the recomputation.)"""
+        """Start every memory layer's lookup now (prefetch) where there is one to start: row-sharded
+        tables send their row requests, tables in stores gather their rows, which then arrive while
+        the layers before them compute; each layer waits only for its own.  Lookups started earlier
+        (`start_memory_lookups`, the host tier's one-microbatch lookahead) are kept.  (Not under full
+        recompute, whose checkpointed chunks take the indices as tensor inputs: the lookup then runs
+        inside the layer, and again in the recomputation.)"""
         if not self.prefetch_table_rows:
             return memory_indices
         started = dict(memory_indices)
         for layer in self.stage_memory_layers:
-            if layer.memory.row_partition is not None and layer.layer_index in started:
+            if layer.layer_index in started and isinstance(started[layer.layer_index], torch.Tensor):
                 started[layer.layer_index] = layer.memory.start_lookup(started[layer.layer_index])
         return started
+
+    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
+        """``{layer_index: started lookup}`` of this stage's memory layers for ``input_ids`` ([b, s]),
+        hashed where the ids are (the host tier hashes on the host, so starting needs no device
+        synchronization) with the rows bound for ``device``; pass the result to ``forward`` as
+        ``memory_indices``."""
+        layers = {layer.layer_index: layer for layer in self.stage_memory_layers}
+        return {index: layers[index].memory.start_lookup(indices, device)
+                for index, indices in self.hasher(input_ids).items()}
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the

@@ -18,7 +18,9 @@ updates them in its expert optimizer, whose gradient norm sums over the expert-p
   once in the clipped global norm.
 
 Either way the optimizer is the same chain (the backbone, then the tables), which is why a
-checkpoint of one loads into the other.
+checkpoint of one loads into the other.  Tables in stores (bf16 tables, the host tier, bf16
+optimizer state) are not parameters at all: `fe_megatron.megatron.table_optimizer` trains them
+as the chain's table member, saved under the same names.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, 
     """The branch of insertion layer ``layer_index`` for this rank, with its Megatron attributes."""
     if table_sharding not in MEGATRON_TABLE_SHARDINGS:
         raise ValueError(f"table_sharding={table_sharding!r} is not one of {MEGATRON_TABLE_SHARDINGS}")
-    if memory_config.table_dtype != "fp32":
-        raise ValueError(f"memory table_dtype={memory_config.table_dtype!r} is a serving format (fe-convert "
-                         "--table-dtype, the Hugging Face model); the Megatron layers train fp32 tables")
+    if memory_config.table_dtype == "fp8":
+        raise ValueError("memory table_dtype='fp8' is a serving format (fe-convert --table-dtype, the Hugging Face "
+                         "model); the Megatron layers train fp32 or bf16 tables")
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
     # Megatron's expert-parallel group serves as the memory-parallel group (fe_megatron.megatron.parallel)

@@ -10,6 +10,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
+from fe_megatron.memory.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.training.distributed import current_device
 from fe_megatron.training.run import StepResult
 
@@ -30,9 +31,15 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """Batches are dicts with ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, ``attention_mask``
-    (all ``[b, s]`` but the mask). Every pipeline stage receives the tokens: memory layers need them."""
+    (all ``[b, s]`` but the mask). Every pipeline stage receives the tokens: memory layers need them.
+    With the host tier the iterator is a `MicrobatchLookups`: each batch brings its lookups, and
+    the next microbatch's start once this forward is issued."""
     batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    lookups = batch.get(MEMORY_LOOKUPS)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
+                   **({"memory_indices": lookups} if lookups is not None else {}))
+    if isinstance(data_iterator, MicrobatchLookups):
+        data_iterator.start_next()
     return output, partial(lm_loss, batch["loss_mask"])
 
 
@@ -69,12 +76,23 @@ def mean_lm_loss(losses: list) -> float:
     return float(value[0] / value[1].clamp_min(1))
 
 
+def microbatch_feed(model_chunks: list, batches: list):
+    """The schedule's data iterator: with the host tier (batches carrying ``host_tokens``) a
+    `MicrobatchLookups` that starts each microbatch's lookups one microbatch ahead, except under
+    full recompute, whose checkpointed layers look their rows up themselves."""
+    model = _unwrap(model_chunks[0])
+    if not batches or HOST_TOKENS not in batches[0] or not hasattr(model, "start_memory_lookups") \
+            or model.config.recompute_granularity == "full":
+        return iter(batches)
+    return MicrobatchLookups(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
+
+
 def run_microbatches(model_chunks: list, batches: list, seq_length: int, micro_batch_size: int,
                      forward_only: bool) -> list:
     # Megatron's schedules divide each microbatch's LM loss by their count and scale it by CP: so must the aux loss.
     SparsityLossAutoScaler.set_loss_scale(parallel_state.get_context_parallel_world_size() / len(batches))
     return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(batches), model=model_chunks,
+        forward_step_func=forward_step, data_iterator=microbatch_feed(model_chunks, batches), model=model_chunks,
         num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=micro_batch_size,
         decoder_seq_length=seq_length, forward_only=forward_only)
 

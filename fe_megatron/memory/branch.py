@@ -17,8 +17,12 @@ from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
 from fe_megatron.memory.row_exchange import RowLookup, RowPartition
 from fe_megatron.memory.sharding import local_shape, param_sharding
 from fe_megatron.memory.short_conv import ShortConv
+from fe_megatron.memory.table_store import StoreLookup
 from fe_megatron.memory.tables import NgramTables
 from fe_megatron.ngram import NgramHasher
+
+
+STARTED_LOOKUPS = (RowLookup, StoreLookup)  # what `MemoryBranch.start_lookup` returns for tables to fetch from
 
 
 @dataclass(frozen=True)
@@ -69,13 +73,19 @@ class MemoryBranch(nn.Module):
         """This rank's shape of parameter ``name``, per the sharding plan."""
         return local_shape(self.kind, name, global_shape, self.parallel.tensor_parallel_size, self.row_partition)
 
+    def local_tensor(self, name: str) -> torch.Tensor:
+        """This rank's values of parameter ``name`` (a parameter, or a table's buffer once its rows are
+        in a `TableStore`)."""
+        module, _, attribute = name.rpartition(".")
+        return getattr(self.get_submodule(module), attribute)
+
     def initial_values(self) -> dict:
         """``{parameter name: Normal(std) or a constant}``, as documented in docs/method.md."""
         raise NotImplementedError
 
     def global_shape(self, name: str) -> tuple:
         """A parameter's shape in a single process (and in every checkpoint), from its local shape."""
-        shape = list(self.get_parameter(name).shape)
+        shape = list(self.local_tensor(name).shape)
         sharding = param_sharding(self.kind, name)
         if sharding.tensor_parallel_dim is not None:
             shape[sharding.tensor_parallel_dim] *= self.parallel.tensor_parallel_size
@@ -88,7 +98,7 @@ class MemoryBranch(nn.Module):
         unless its rows are sharded."""
         if param_sharding(self.kind, name).row_parallel and self.row_partition is not None:
             return self.row_partition.slices()
-        return [(0, self.get_parameter(name).shape[0], 0)]
+        return [(0, self.local_tensor(name).shape[0], 0)]
 
     @torch.no_grad()
     def reset_parameters(self, seed: Optional[int] = None) -> None:
@@ -97,16 +107,18 @@ class MemoryBranch(nn.Module):
         exactly its slice of what a single process would hold."""
         seed = draw_seed() if seed is None else seed
         initial = self.initial_values()
-        held = isinstance(self.tables.weight, nn.Parameter)  # released tables get mapped, not drawn
-        stored = held and self.tables.table_dtype != "fp32"  # bf16 / fp8 tables: drawn in fp32, then stored
+        tables = self.tables
         for name, param in self.named_parameters():
-            if name.startswith("tables.") and (stored or not held):
-                continue
-            self._draw(name, param, initial[name], seed)
-        if stored:
-            values = torch.empty(self.tables.weight.shape, device=self.tables.weight.device)
+            if not name.startswith("tables."):
+                self._draw(name, param, initial[name], seed)
+        if tables.weight.is_meta:  # released tables get mapped, not drawn
+            return
+        if tables.table_dtype == "fp8":  # drawn in fp32, then stored with each row's scale
+            values = torch.empty(tables.weight.shape, device=tables.weight.device)
             self._draw("tables.weight", values, initial["tables.weight"], seed)
-            self.tables.store_(values)
+            tables.store_(values)
+        else:  # fp32, or bf16 rounded to nearest block by block (no fp32 copy of the table)
+            self._draw("tables.weight", tables.weight, initial["tables.weight"], seed)
 
     def _draw(self, name: str, target: torch.Tensor, value, seed: int) -> None:
         """Fill ``target`` (parameter ``name``'s local values) with a constant or its slices of a
@@ -121,19 +133,29 @@ class MemoryBranch(nn.Module):
                                    split_size=self.parallel.tensor_parallel_size, row_offset=first)
 
     # ----------------------------------------------------------------- forward pieces
-    def start_lookup(self, indices: torch.Tensor) -> RowLookup:
-        """With row-sharded tables: send this microbatch's requests now and let the rows come back
-        while other work runs (prefetch); pass the result to ``forward`` as ``indices``."""
-        if self.row_partition is None:
-            raise ValueError("start_lookup needs row-sharded tables (ParallelHooks.memory_parallel_group)")
-        return RowLookup(self.tables.weight, indices, self.row_partition, self.parallel.memory_parallel_group)
+    def start_lookup(self, indices: torch.Tensor, device=None):
+        """Start this microbatch's lookup ahead of use and pass the result to ``forward`` as
+        ``indices``: with row-sharded tables the row exchange (requests sent, rows on their way
+        back), with tables in a `TableStore` the gather (and, from host memory, the copy to
+        ``device``, by default the indices' device) of their rows.  Tables held as a parameter of
+        the module have nothing to start: ``indices`` come back as they are."""
+        device = indices.device if device is None else torch.device(device)
+        store = self.tables.store
+        if self.row_partition is not None:
+            return RowLookup(store if store is not None else self.tables.weight, indices.to(device),
+                             self.row_partition, self.parallel.memory_parallel_group)
+        if store is not None:
+            return StoreLookup(store, indices, device)
+        return indices
 
     def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],
                indices, decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 1 and 6: the concatenated table rows of every position (this rank's columns under
-        tensor parallelism), in the hidden states' dtype.  ``indices`` may be a started `RowLookup`;
-        ``decoding`` (padding, incremental state) addresses ``token_ids`` after earlier calls'."""
-        self._check_inputs(hidden_states, token_ids, indices.indices if isinstance(indices, RowLookup) else indices)
+        tensor parallelism), in the hidden states' dtype.  ``indices`` may be a started lookup
+        (`start_lookup`); ``decoding`` (padding, incremental state) addresses ``token_ids`` after
+        earlier calls'."""
+        started = isinstance(indices, STARTED_LOOKUPS)
+        self._check_inputs(hidden_states, token_ids, indices.indices if started else indices)
         if decoding is not None:
             if token_ids is None or self.parallel is not SINGLE_PROCESS:
                 raise ValueError("decoding (padding masks, incremental state) needs token_ids and a single-process "
@@ -143,10 +165,11 @@ class MemoryBranch(nn.Module):
             indices = self.hasher.indices(token_ids)
             if self.parallel.sequence_dim == 0:
                 indices = indices.transpose(0, 1)
-        if self.row_partition is None:
+        if not isinstance(indices, STARTED_LOOKUPS):
+            indices = self.start_lookup(indices, hidden_states.device)
+        if not isinstance(indices, STARTED_LOOKUPS):
             return self.tables(indices).to(hidden_states.dtype)
-        lookup = indices if isinstance(indices, RowLookup) else self.start_lookup(indices)
-        return lookup.rows().flatten(-2).to(hidden_states.dtype)
+        return indices.rows().flatten(-2).to(hidden_states.dtype)
 
     def refine(self, values: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""

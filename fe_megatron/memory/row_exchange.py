@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron import ops
+from fe_megatron.memory.table_store import TableStore
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,17 @@ class RowPartition:
 class RowLookup:
     """One layer's row lookup for one microbatch: requests sent, the rows on their way back.
 
-    Creating it runs steps 1-3 of the module docstring and starts step 4; `rows` waits for the
-    rows and expands them to ``[*indices.shape, width]``.
+    ``source`` is this rank's shard: the table's weight parameter, or a `TableStore` (a table
+    trained by fe_megatron's own optimizer, in device or host memory), which serves the requested
+    rows and receives their gradients.  Creating the lookup runs steps 1-3 of the module docstring
+    and starts step 4; `rows` waits for the rows and expands them to ``[*indices.shape, width]``.
     """
 
-    def __init__(self, weight: torch.Tensor, indices: torch.Tensor, partition: RowPartition,
-                 group: dist.ProcessGroup):
-        self.weight, self.indices, self.partition, self.group = weight, indices, partition, group
+    def __init__(self, source, indices: torch.Tensor, partition: RowPartition, group: dist.ProcessGroup):
+        self.store = source if isinstance(source, TableStore) else None
+        weight = source.weight if self.store is not None else source
+        self.anchor = self.store.anchor if self.store is not None else source  # what autograd differentiates
+        self.width, self.indices, self.partition, self.group = weight.shape[1], indices, partition, group
         flat = indices.reshape(-1)
         unique, self.inverse = torch.unique(flat, sorted=True, return_inverse=True)
         owner, local = partition.locate(unique)
@@ -134,10 +139,13 @@ class RowLookup:
         self.requested = torch.empty(sum(recv_list), dtype=torch.int64, device=flat.device)
         dist.all_to_all_single(self.requested, local[self.order].contiguous(), recv_list, send_list, group=group)
         # the backward runs on autograd's thread, where ops.use_backend is not in force: keep the choice
-        self.backend = ops.current_backend(weight.device, weight.dtype)
+        self.backend = ops.current_backend(flat.device, weight.dtype)
         with torch.no_grad():  # the rows this rank owns and was asked for
-            self._served = ops.gather_rows_forward(weight.detach(), self.requested, self.backend)
-        self._received = self._served.new_empty((unique.numel(), weight.shape[1]))
+            if self.store is not None:
+                self._served = self.store.fetch(self.requested, flat.device).wait()
+            else:
+                self._served = ops.gather_rows_forward(weight.detach(), self.requested, self.backend)
+        self._received = self._served.new_empty((unique.numel(), self.width))
         self._work = dist.all_to_all_single(self._received, self._served, send_list, recv_list, group=group,
                                             async_op=True)
         self.stats = {"positions": flat.numel(), "unique": unique.numel(),
@@ -145,8 +153,8 @@ class RowLookup:
                       "served_rows": sum(recv_list) - recv_list[partition.rank]}
 
     def rows(self) -> torch.Tensor:
-        """The looked-up rows, ``[*indices.shape, width]``, differentiable in ``weight``."""
-        return _RowShardedGather.apply(self.weight, self)
+        """The looked-up rows, ``[*indices.shape, width]`` in fp32, differentiable in the table."""
+        return _RowShardedGather.apply(self.anchor, self)
 
     def wait_unique_rows(self) -> torch.Tensor:
         """``[unique, width]`` in the order of the sorted unique ids (blocks until they arrived)."""
@@ -158,37 +166,43 @@ class RowLookup:
             self._received = unique_rows
         return self._received
 
-    def send_gradients(self, grad_rows: torch.Tensor, out: torch.Tensor, deterministic: bool) -> None:
-        """Backward: sum ``grad_rows`` ([positions, width]) per unique row, send the sums to their
-        owners, and add what this rank receives into ``out`` (its shard's gradient)."""
+    def exchange_gradients(self, grad_rows: torch.Tensor, deterministic: bool) -> torch.Tensor:
+        """Backward: sum ``grad_rows`` ([positions, width]) per unique row and send the sums to their
+        owners; returns what this rank receives for its rows ``requested`` ([requested, width], fp32)."""
         unique_grad = torch.zeros(self.order.numel(), grad_rows.shape[1], dtype=torch.float32, device=grad_rows.device)
         ops.gather_rows_backward(grad_rows, self.inverse, unique_grad, deterministic, self.backend)
         received = torch.empty(self.requested.numel(), grad_rows.shape[1], dtype=torch.float32,
                                device=grad_rows.device)
         dist.all_to_all_single(received, unique_grad[self.order].contiguous(), self.recv_counts.tolist(),
                                self.send_counts.tolist(), group=self.group)
-        ops.gather_rows_backward(received, self.requested, out, deterministic, self.backend)
+        return received
 
 
 class _RowShardedGather(torch.autograd.Function):
     """``rows = lookup.rows()``, whose backward sends the row gradients to their owners.
 
-    As `fe_megatron.ops.gather_rows`, the backward adds straight into ``main_grad`` under
-    Megatron's DDP (`fe_megatron.ops.table_weight_gradient`); elsewhere it returns the dense
-    gradient of the local shard (1/N of the table).
+    The owner adds them into its shard's gradient: into its `TableStore`'s ``main_grad``, or, for a
+    weight parameter, as `fe_megatron.ops.gather_rows` does (straight into ``main_grad`` under
+    Megatron's DDP, `fe_megatron.ops.table_weight_gradient`; elsewhere the dense gradient of the
+    local shard, 1/N of the table).
     """
 
     @staticmethod
-    def forward(ctx, weight, lookup: RowLookup):
+    def forward(ctx, anchor, lookup: RowLookup):
         ctx.lookup = lookup
-        ctx.save_for_backward(weight)
-        rows = lookup.wait_unique_rows().index_select(0, lookup.inverse).view(*lookup.indices.shape, weight.shape[1])
-        return rows.float()  # a bf16 table's rows: exact in fp32, and their gradients come back in fp32
+        rows = lookup.wait_unique_rows().index_select(0, lookup.inverse).view(*lookup.indices.shape, lookup.width)
+        return rows.float()  # a bf16 table's rows travel in bf16 and are exact in fp32
 
     @staticmethod
     def backward(ctx, grad_output):
-        lookup, (weight,) = ctx.lookup, ctx.saved_tensors
-        grad_rows = grad_output.reshape(-1, weight.shape[1]).contiguous()
+        lookup = ctx.lookup
+        grad_rows = grad_output.reshape(-1, lookup.width).float().contiguous()
         deterministic = ops.deterministic_backward()
-        return ops.table_weight_gradient(weight, lambda out: lookup.send_gradients(grad_rows, out, deterministic),
-                                         dense_dtype=torch.float32), None
+        received = lookup.exchange_gradients(grad_rows, deterministic)
+        if lookup.store is not None:
+            lookup.store.accumulate(lookup.requested, received, deterministic, lookup.backend)
+            return None, None
+        return ops.table_weight_gradient(
+            lookup.anchor, lambda out: ops.gather_rows_backward(received, lookup.requested, out, deterministic,
+                                                                lookup.backend),
+            dense_dtype=torch.float32), None

@@ -1,84 +1,140 @@
-"""TableAdamW: AdamW for n-gram tables stored in fp32 or bf16 (``memory.table_dtype``).
+"""TableAdamW: AdamW for n-gram tables and optimizer state stored in fp32 or bf16.
 
-The update is torch's AdamW (decoupled weight decay, bias-corrected moments), computed in fp32
-from the stored rows.  fp32 tables take it as torch's AdamW does, to the bit.  bf16 tables hold
-only the bf16 rows: each step reads a block of rows as fp32, updates it, and writes it back with
-stochastic rounding (`fe_megatron.memory.table_storage.stochastic_round_to_bf16`), so updates far
-below a bf16 step still move the rows in expectation.  Rounding to nearest would drop them.
+The update is torch's AdamW (decoupled weight decay, bias-corrected moments), computed in fp32.
+An fp32 table with fp32 moments takes it as torch's single-tensor AdamW does, to the bit.
+Otherwise each step reads a block of rows (and their moments) as fp32, updates them, and writes
+back what is stored in bf16 with stochastic rounding (`fe_megatron.memory.table_storage`), so
+updates far below a bf16 step still move the rows in expectation; rounding to nearest would
+drop them.
 
-Optimizer state precision (the documented choice): the two moments stay fp32, 8 bytes per table
-parameter, as FBGEMM's and TorchRec's low-precision tables keep full-precision optimizer state
-by default.  The gradient is read from ``main_grad`` (an fp32 accumulator the row exchange adds
-into) when the parameter has one, else from ``grad``.
+Optimizer state precision (``state_dtype``, ``optimizer.table_state_dtype``): fp32 moments, as
+FBGEMM's and TorchRec's low-precision tables keep by default (8 bytes per table parameter), or
+bf16 moments (4 bytes), stochastically rounded like the rows.  The gradient is read from
+``main_grad`` (the accumulator of `fe_megatron.memory.table_store.TableStore`) when the
+parameter has one, else from ``grad``; it may be fp32 or bf16.
 
-The random bits of a step are a function of ``(seed, parameter index, step)``, so a resumed run
-rounds exactly as the uninterrupted one did, with no generator state to checkpoint.  The state
-dict has torch AdamW's layout (``step``, ``exp_avg``, ``exp_avg_sq``).
+The rounding's random bits are a counter-based function of the training seed, the table, the
+step, and each element's global coordinates (`TableLayout`): a table is rounded the same at every
+data-, tensor- and row-parallel layout, and a resumed run rounds as the uninterrupted one did,
+with no generator state to checkpoint.  The state dict has torch AdamW's layout (``step``,
+``exp_avg``, ``exp_avg_sq``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
-from fe_megatron.memory.table_storage import stochastic_round_to_bf16
+from fe_megatron.memory.table_storage import rounding_noise, stochastic_round_to_bf16
 
-ROWS_PER_BLOCK = 1 << 16  # rows updated at a time in a bf16 table: bounds the fp32 scratch
+ELEMENTS_PER_BLOCK = 1 << 20  # table elements updated at a time when something is stored in bf16: bounds the scratch
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TableLayout:
+    """Where a (local) table's rows and columns sit in the whole table: what the rounding of each
+    element is keyed by.  ``row_slices``: ``[(global_first_row, rows, local_first_row)]``."""
+
+    table: int  # the table's identity, the same at every layout (its layer index)
+    row_slices: tuple
+    column_offset: int
+    global_width: int
+
+    @classmethod
+    def whole(cls, table: int, weight: torch.Tensor) -> "TableLayout":
+        return cls(table, ((0, weight.shape[0], 0),), 0, weight.shape[1])
+
+    def global_rows(self) -> torch.Tensor:
+        """The global row of every local row ([local rows] int64)."""
+        return torch.cat([torch.arange(first, first + rows, dtype=torch.int64) for first, rows, _ in
+                          sorted(self.row_slices, key=lambda entry: entry[2])])
 
 
 class TableAdamW(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 seed: int = 0):
+                 state_dtype: str = "fp32", seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.seed = seed
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.dtype not in (torch.float32, torch.bfloat16):
-                    raise TypeError(f"TableAdamW updates fp32 or bf16 tables; got a {param.dtype} parameter of shape "
-                                    f"{tuple(param.shape)}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype {state_dtype!r} is not one of {tuple(STATE_DTYPES)}")
+        self.state_dtype, self.seed = STATE_DTYPES[state_dtype], seed
+        self._global_rows = {}
+        for index, param in enumerate(self._params()):
+            if param.dtype not in (torch.float32, torch.bfloat16) or param.dim() != 2:
+                raise TypeError(f"TableAdamW updates fp32 or bf16 tables [rows, width]; got a {param.dtype} parameter "
+                                f"of shape {tuple(param.shape)}")
+            if getattr(param, "table_layout", None) is None:
+                param.table_layout = TableLayout.whole(index, param)
+
+    def _params(self) -> list:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    def initialize_state(self, params=None) -> None:
+        """Zero moments and step 0 for every table (of ``params``) that has none: what a checkpoint
+        is loaded into, and a table's state before its first update."""
+        for param in self._params() if params is None else params:
+            state = self.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros(param.shape, dtype=self.state_dtype, device=param.device)
+                state["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.state_dtype, device=param.device)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that the moments stay fp32 (torch casts them to a bf16 table's dtype)."""
+        """torch's, except that the moments keep ``state_dtype`` (torch casts them to the table's)."""
         super().load_state_dict(state_dict)
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        params = [param for group in self.param_groups for param in group["params"]]
-        for pid, param in zip(saved_ids, params):
+        for pid, param in zip(saved_ids, self._params()):
             saved = state_dict["state"].get(pid)
             if saved is not None:
                 for key in ("exp_avg", "exp_avg_sq"):
-                    self.state[param][key] = saved[key].to(device=param.device, dtype=torch.float32)
+                    self.state[param][key] = saved[key].to(device=param.device, dtype=self.state_dtype)
 
     @staticmethod
-    def gradient(param: torch.Tensor):
+    def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
         main_grad = getattr(param, "main_grad", None)
         return main_grad if main_grad is not None else param.grad
 
     @torch.no_grad()
     def step(self, closure=None):
-        index = 0
         for group in self.param_groups:
             for param in group["params"]:
-                index += 1
                 grad = self.gradient(param)
                 if grad is None:
                     continue
+                self.initialize_state([param])
                 state = self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
-                    state["exp_avg_sq"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
                 state["step"] += 1
                 step = int(state["step"].item())
-                if param.dtype == torch.float32:
-                    _adamw(param, grad, state["exp_avg"], state["exp_avg_sq"], step, group)
-                    continue
-                generator = torch.Generator(device=param.device)
-                generator.manual_seed(hash((self.seed, index, step)) & ((1 << 63) - 1))
-                for first in range(0, param.shape[0], ROWS_PER_BLOCK):
-                    block = slice(first, first + ROWS_PER_BLOCK)
-                    rows = param[block].float()
-                    _adamw(rows, grad[block], state["exp_avg"][block], state["exp_avg_sq"][block], step, group)
-                    param[block] = stochastic_round_to_bf16(rows, generator)
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                if param.dtype == torch.float32 and self.state_dtype == torch.float32:
+                    _adamw(param, grad, exp_avg, exp_avg_sq, step, group)
+                else:
+                    self._step_in_blocks(param, grad, exp_avg, exp_avg_sq, step, group)
         return None
+
+    def _step_in_blocks(self, param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> None:
+        """The update of a table with something stored in bf16, a block of rows at a time, each bf16
+        tensor written back with stochastic rounding keyed by its elements' global ids."""
+        layout = param.table_layout
+        global_rows = self._global_rows.get(id(param))
+        if global_rows is None:
+            global_rows = self._global_rows[id(param)] = layout.global_rows().to(param.device)
+        width = param.shape[1]
+        columns = torch.arange(layout.column_offset, layout.column_offset + width, dtype=torch.int64,
+                               device=param.device)
+        rows_per_block = max(1, ELEMENTS_PER_BLOCK // width)
+        for first in range(0, param.shape[0], rows_per_block):
+            block = slice(first, first + rows_per_block)
+            element_ids = global_rows[block, None] * layout.global_width + columns
+            values = [tensor[block] if tensor.dtype == torch.float32 else tensor[block].float()
+                      for tensor in (param, exp_avg, exp_avg_sq)]
+            _adamw(*values[:1], grad[block], *values[1:], step, group)
+            for which, (tensor, updated) in enumerate(zip((param, exp_avg, exp_avg_sq), values)):
+                if tensor.dtype == torch.bfloat16:  # fp32 ones were updated in place
+                    noise = rounding_noise((self.seed, layout.table, step, which), element_ids)
+                    tensor[block] = stochastic_round_to_bf16(updated, noise)
 
 
 def _adamw(param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> None:

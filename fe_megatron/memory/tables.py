@@ -2,15 +2,19 @@
 
 The rows are FactorEngram's coefficients z or Engram's dense embeddings; both are addressed
 the same way, by n-gram (`fe_megatron.ngram`).  They are stored as ``MemoryConfig.table_dtype``
-says (`fe_megatron.memory.table_storage`): fp32, bf16 (trained, or for serving) or fp8 (for
-serving), where only the gathered rows are dequantized.
+says (`fe_megatron.memory.table_storage`): fp32, bf16 or fp8 (for serving, where only the gathered
+rows are dequantized).  A table trained by fe_megatron's own optimizer lives in a `TableStore`
+(`manage`): device or host memory, outside the module's parameters.
 """
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
 from fe_megatron import ops
 from fe_megatron.memory.table_storage import ROW_SCALE, STORAGE, dequantize_rows, has_row_scale, quantize_table
+from fe_megatron.memory.table_store import StoreLookup, TableStore
 
 
 class NgramTables(nn.Module):
@@ -20,32 +24,63 @@ class NgramTables(nn.Module):
     ``forward(indices)`` gathers all branches in one kernel call and concatenates them in the
     fixed branch order: [..., branches] -> [..., branches * width] (``z_t`` of Eq. 6), in fp32.
     Under tensor parallelism ``width`` is this rank's column slice of ``s_b``, and the result is
-    its slice of every branch, branch-major.  fp8 tables are not trained: their parameters do not
-    require gradients.  bf16 tables are differentiable here too (a bf16 gradient); fe-pretrain
-    trains them row-sharded, with fp32 gradients and stochastic rounding (`TableAdamW`).
+    its slice of every branch, branch-major.
+
+    ``weight`` is a parameter (fp32 tables trained by the engine's optimizer; bf16 and fp8
+    serving tables, which do not require gradients) until `manage` moves it into a `TableStore`;
+    it is then a buffer over the store's rows, still in the state dict under the same name, but
+    no parameter: no framework wraps, moves, casts or updates it.
     """
 
     def __init__(self, total_rows: int, width: int, table_dtype: str = "fp32"):
         super().__init__()
         self.table_dtype = table_dtype
-        # fp32 tables take the module's dtype, as every other weight; bf16 ones are trainable too (by
-        # `fe_megatron.memory.table_optimizer.TableAdamW`); fp8 ones are for serving only
-        self.weight = nn.Parameter(torch.empty(total_rows, width,
-                                               dtype=None if table_dtype == "fp32" else STORAGE[table_dtype]),
-                                   requires_grad=table_dtype != "fp8")
+        trained = table_dtype == "fp32"  # trained tables take the module's dtype, as every other weight
+        self.weight = nn.Parameter(torch.empty(total_rows, width, dtype=None if trained else STORAGE[table_dtype]),
+                                   requires_grad=trained)
         if has_row_scale(table_dtype):
             self.row_scale = nn.Parameter(torch.ones(total_rows), requires_grad=False)
+        self.store: Optional[TableStore] = None
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if self.weight.is_meta:
             raise RuntimeError("this table's rows are neither in memory nor mapped: table_storage='mmap' maps them "
                                "from a checkpoint directory in from_pretrained (fe_megatron.hf.mmap_tables)")
-        if self.weight.requires_grad:  # fp32, or bf16 rows in fp32 (their gradient is bf16, as the weight)
-            return ops.gather_rows(self.weight, indices).flatten(-2).float()  # [..., nb, w] -> [..., nb * w]
+        if self.store is not None:
+            return StoreLookup(self.store, indices, indices.device).rows().flatten(-2)
+        if self.table_dtype == "fp32":  # by format, not requires_grad: transformers' loading sets it on every parameter
+            return ops.gather_rows(self.weight, indices).flatten(-2)  # [..., nb, w] -> [..., nb * w]
         flat = indices.reshape(-1)
         rows = ops.gather_rows_forward(self.weight, flat)
         scales = self.row_scale.index_select(0, flat) if has_row_scale(self.table_dtype) else None
         return dequantize_rows(rows, scales).reshape(*indices.shape[:-1], -1)
+
+    def manage(self, placement: str, device=None) -> TableStore:
+        """Move the rows into a `TableStore` in ``placement`` ("device": on ``device``, default where
+        they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16).  Idempotent."""
+        if self.store is not None:
+            return self.store
+        if self.table_dtype not in ("fp32", "bf16") or self.weight.is_meta:
+            raise ValueError(f"only fp32 and bf16 tables held in memory can be trained from a store; this one is "
+                             f"{'mapped from a file' if self.weight.is_meta else self.table_dtype}")
+        weight = self.weight.detach().to(STORAGE[self.table_dtype])
+        if placement == "device" and device is not None:
+            weight = weight.to(device)
+        store = TableStore(weight, placement)
+        del self.weight
+        self.register_buffer("weight", store.weight)
+        self.store = store
+        return store
+
+    def _apply(self, fn, recurse=True):
+        """``module.to(...)``, ``.cuda()``, ``.bfloat16()``: a store's rows stay where and as they are."""
+        if self.store is None:
+            return super()._apply(fn, recurse)
+        weight = self._buffers.pop("weight")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._buffers["weight"] = weight
 
     def release_for_mapping(self) -> None:
         """Hold no rows: ``weight`` becomes an unset, non-persistent buffer of the same shape and

@@ -144,6 +144,14 @@ def current_backend(device: torch.device, dtype: torch.dtype = None) -> str:
             raise TypeError(f"backend {forced!r} (forced by use_backend) does not take {dtype} tables; "
                             f"it accepts {backend.dtypes}")
         return forced
+    return fastest_backend(device, dtype)
+
+
+def fastest_backend(device: torch.device, dtype: torch.dtype = None) -> str:
+    """The fastest built backend for tensors on ``device`` (with tables of ``dtype``), whatever
+    `use_backend` forces: for work on another device than the forced backend's (the host tier's
+    gathers and gradient additions in host memory)."""
+    _discover()
     for name in _PREFERENCE.get(device.type, ("torch",)):
         backend = _backends.get(name)
         if backend and device.type in backend.devices and (dtype is None or dtype in backend.dtypes):
@@ -213,13 +221,8 @@ def table_weight_gradient(weight: torch.Tensor, add_row_gradients, dense_dtype: 
     Under Megatron's DDP (parameters with ``main_grad`` and ``grad_added_to_main_grad``) the rows
     go straight into ``main_grad`` and autograd gets an unfilled placeholder, as Megatron's fused
     weight-gradient accumulation does (DDP adds the placeholder to ``main_grad`` only when
-    ``zero_out_wgrad`` is set: then it is zeros).  A weight marked ``main_grad_only`` (the
-    DeepSpeed engine's bf16 tables, whose optimizer reads ``main_grad``) gets no placeholder: autograd
-    receives no gradient at all.  Elsewhere a dense gradient, accumulated in ``dense_dtype``
-    (default: the weight's) and returned in the weight's dtype."""
-    if getattr(weight, "main_grad_only", False):
-        add_row_gradients(weight.main_grad)
-        return None
+    ``zero_out_wgrad`` is set: then it is zeros).  Elsewhere a dense gradient, accumulated in
+    ``dense_dtype`` (default: the weight's) and returned in the weight's dtype."""
     if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
         add_row_gradients(weight.main_grad)
         weight.grad_added_to_main_grad = True

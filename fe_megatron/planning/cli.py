@@ -6,7 +6,7 @@ import sys
 from fe_megatron.config import ConfigError, MemoryConfig
 from fe_megatron.planning.budget import format_budget
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
-from fe_megatron.planning.rank_memory import format_rank_memory, format_table_storage_choices
+from fe_megatron.planning.rank_memory import TableStorage, format_rank_memory, format_table_storage_choices
 
 DESCRIPTION = ("Print the parameter budget of a memory preset or a YAML config: the backbone, the tables per "
                "n-gram order and layer, the dictionary and projections, and the total (last line: total_params=N). "
@@ -40,6 +40,16 @@ def main(argv=None) -> int:
     layout.add_argument("--global-batch-size", type=positive_int, default=64, help="sequences per step (default 64)")
     layout.add_argument("--device-memory", type=float, default=80.0,
                         help="GiB per accelerator, for the storage choices' 'fits' column (default 80)")
+    layout.add_argument("--host-memory", type=float, default=1024.0,
+                        help="GiB of host memory per node, for the host tier's 'fits' (default 1024)")
+    layout.add_argument("--ranks-per-node", type=positive_int, default=8,
+                        help="ranks sharing a node's host memory (default 8)")
+    storage = parser.add_argument_group("table storage (the per-rank summary; the choices table shows them all)")
+    storage.add_argument("--table-dtype", choices=("fp32", "bf16"), default="fp32", help="memory.table_dtype")
+    storage.add_argument("--table-state-dtype", choices=("fp32", "bf16"), default="fp32",
+                         help="optimizer.table_state_dtype: the tables' gradient and Adam moments")
+    storage.add_argument("--table-placement", choices=("device", "host"), default="device",
+                         help="memory.table_placement")
     args = parser.parse_args(argv)
     try:
         if args.preset:
@@ -51,10 +61,12 @@ def main(argv=None) -> int:
             if args.global_batch_size % (args.micro_batch_size * dp):
                 raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                                  f"--micro-batch-size x --dp = {args.micro_batch_size} x {dp}")
+            storage = TableStorage(args.table_dtype, args.table_state_dtype, args.table_placement)
             print(format_rank_memory(config, tp, pp, dp, args.table_sharding or "replicated",
                                      args.distributed_optimizer, args.precision, args.micro_batch_size,
-                                     args.seq_length or config.backbone.seq_length, args.global_batch_size))
-            print(format_table_storage_choices(config, tp, pp, dp, args.precision, args.device_memory))
+                                     args.seq_length or config.backbone.seq_length, args.global_batch_size, storage))
+            print(format_table_storage_choices(config, tp, pp, dp, args.precision, args.device_memory,
+                                               args.distributed_optimizer, args.host_memory, args.ranks_per_node))
     except (ConfigError, ValueError) as err:
         print(f"fe-plan: error: {err}", file=sys.stderr)
         return 2

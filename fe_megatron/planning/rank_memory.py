@@ -2,13 +2,17 @@
 
 What a rank holds (the pipeline stage that holds the most is reported):
 
-* weights: the tables in fp32 (4 bytes per parameter, at every precision); the rest in fp32,
-  or bf16 (2 bytes) with ``precision="bf16"``;
-* gradients: fp32 (4 bytes), the size of the rank's weights (Megatron's DDP buffers are full
-  size, also with the distributed optimizer);
-* optimizer: Adam's two fp32 moments (8 bytes), plus an fp32 master copy (4 bytes) of bf16
-  weights.  The distributed optimizer splits these over the data-parallel ranks; row-sharded
-  tables are split already.
+* the tables: weights, gradients and Adam's two moments.  Held by the engine's optimizer (fp32
+  tables and state, device memory, fp32 precision) that is 4 + 4 + 8 = 16 bytes per parameter,
+  with the moments split over the data-parallel ranks by the distributed optimizer.  In table
+  stores (`fe_megatron.memory.managed_tables`: bf16 tables, bf16 state, the host tier, and every
+  bf16 run) it is the table dtype's bytes + the state dtype's for the gradient and each moment:
+  16 (fp32, fp32 state), 14 (bf16 tables), 8 (bf16 tables and bf16 state); with the host tier
+  all of it is in host memory, none on the device;
+* the rest: weights in fp32, or bf16 (2 bytes) with ``precision="bf16"``; fp32 gradients
+  (4 bytes: Megatron's DDP buffers are full size, also with the distributed optimizer); Adam's two
+  fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) of bf16 weights, split over the
+  data-parallel ranks by the distributed optimizer.
 
 Tensor parallelism splits the tables' columns, the dictionary and the backbone's matrices;
 row sharding (``table_sharding="rows"``) splits the tables' rows over the ``dp`` data-parallel
@@ -16,8 +20,8 @@ ranks (times the context-parallel ranks, not modelled here).
 
 Row exchange per step (``table_sharding="rows"``): every memory layer sends, per microbatch,
 the ids of the rows its positions need (8 bytes each) to their owners and receives the rows
-(``s_b / tp`` fp32 values), and in backward sends the rows' fp32 gradients back.  A fraction
-``(dp - 1) / dp`` of the rows lives on other ranks.  The figure here is the bound without
+(``s_b / tp`` values of the table dtype), and in backward sends the rows' fp32 gradients back.  A
+fraction ``(dp - 1) / dp`` of the rows lives on other ranks.  The figure here is the bound without
 deduplication; deduplicating a microbatch's rows first divides it by the duplicate factor
 measured on real text (`benchmarks/bench_row_exchange.py`, recorded in benchmarks/RESULTS.md).
 """
@@ -30,11 +34,13 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDED
 from fe_megatron.planning.budget import layer_params, memory_layer_budget
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass
 class RankMemory:
-    """Bytes on one rank of the heaviest pipeline stage."""
+    """Bytes on one rank of the heaviest pipeline stage (``table_*`` wherever the tables are:
+    ``tables_on_host`` says where)."""
 
     table_weights: float
     table_grads: float
@@ -42,6 +48,7 @@ class RankMemory:
     rest_weights: float
     rest_grads: float
     rest_optimizer: float
+    tables_on_host: bool = False
 
     @property
     def tables(self) -> float:
@@ -50,6 +57,30 @@ class RankMemory:
     @property
     def rest(self) -> float:
         return self.rest_weights + self.rest_grads + self.rest_optimizer
+
+    @property
+    def device(self) -> float:
+        return self.rest + (0 if self.tables_on_host else self.tables)
+
+    @property
+    def host(self) -> float:
+        return self.tables if self.tables_on_host else 0
+
+
+@dataclass(frozen=True)
+class TableStorage:
+    """How the tables are kept while training (docs/tables.md)."""
+
+    table_dtype: str = "fp32"
+    state_dtype: str = "fp32"  # optimizer.table_state_dtype: the gradient and the two moments
+    placement: str = "device"
+
+    def in_stores(self, precision: str) -> bool:
+        """Trained by fe_megatron's table optimizer (`fe_megatron.megatron.table_optimizer.tables_in_stores`)."""
+        return precision == "bf16" or self != TableStorage()
+
+    def bytes_per_parameter(self) -> int:
+        return DTYPE_BYTES[self.table_dtype] + 3 * DTYPE_BYTES[self.state_dtype]
 
 
 def _stage_params(config: MemoryConfig, pp: int, stage: int) -> tuple:
@@ -72,7 +103,8 @@ def _stage_params(config: MemoryConfig, pp: int, stage: int) -> tuple:
 
 
 def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, table_sharding: str = "replicated",
-                distributed_optimizer: bool = False, precision: str = "bf16") -> RankMemory:
+                distributed_optimizer: bool = False, precision: str = "bf16",
+                storage: TableStorage = TableStorage()) -> RankMemory:
     if table_sharding not in MEGATRON_TABLE_SHARDINGS:
         raise ValueError(f"table_sharding {table_sharding!r} is not one of {MEGATRON_TABLE_SHARDINGS}")
     if precision not in ("fp32", "bf16"):
@@ -85,51 +117,80 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
     rest /= tp
     rest_bytes = 2 if precision == "bf16" else 4
     rest_optimizer = rest * (8 + (4 if precision == "bf16" else 0))
-    table_optimizer = tables * 8
+    state = DTYPE_BYTES[storage.state_dtype]
+    table_optimizer = tables * 2 * state
     if distributed_optimizer:
         rest_optimizer /= dp
-        if table_sharding == "replicated":
+        if table_sharding == "replicated" and not storage.in_stores(precision):
             table_optimizer /= dp
-    return RankMemory(table_weights=tables * 4, table_grads=tables * 4, table_optimizer=table_optimizer,
-                      rest_weights=rest * rest_bytes, rest_grads=rest * 4, rest_optimizer=rest_optimizer)
+    return RankMemory(table_weights=tables * DTYPE_BYTES[storage.table_dtype], table_grads=tables * state,
+                      table_optimizer=table_optimizer, rest_weights=rest * rest_bytes, rest_grads=rest * 4,
+                      rest_optimizer=rest_optimizer, tables_on_host=storage.placement == "host")
 
 
-def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, precision: str) -> list:
-    """``[(choice, table bytes per rank, rank total)]`` of the heaviest pipeline stage at this
-    layout, for every way the tables can be kept: training (fp32 weights, gradients and Adam
-    moments) replicated, replicated with the distributed optimizer, or row-sharded over ``dp``;
-    bf16 tables row-sharded (the DeepSpeed engine: bf16 weights, fp32 gradients and moments);
-    serving (weights only, whole: the Hugging Face model) in fp32, bf16 or fp8 (plus its fp32
-    scale per row).  The rest of the model is counted as `rank_memory` counts it: for training with
-    the distributed optimizer where the choice has it, for serving its weights alone."""
+TRAINING_STORAGES = (TableStorage(), TableStorage("bf16"), TableStorage("bf16", "bf16"),
+                     TableStorage(placement="host"), TableStorage("bf16", "bf16", "host"))
+
+
+@dataclass(frozen=True)
+class StorageChoice:
+    """One way of keeping the tables, and what it costs one rank (bytes)."""
+
+    use: str  # train | serve
+    table_dtype: str
+    state_dtype: str  # the gradient and Adam's moments ("-" when serving)
+    placement: str
+    sharding: str  # whole | rows
+    bytes_per_parameter: float
+    tables: float
+    device: float  # tables on the device plus the rest of the model
+    host: float
+
+
+def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, precision: str,
+                          distributed_optimizer: bool = False) -> list:
+    """`StorageChoice` s of the heaviest pipeline stage at this layout, for every way the tables can
+    be kept: training (`TRAINING_STORAGES`, whole or row-sharded over ``dp``) and serving (weights
+    only, whole: the Hugging Face model) in fp32, bf16 or fp8 (plus its fp32 scale per row).  The
+    rest of the model is counted on the device as `rank_memory` counts it, for serving its weights alone."""
     choices = []
-    for name, sharding, distributed in (("train, replicated", "replicated", False),
-                                        ("train, replicated, distributed optimizer", "replicated", True),
-                                        (f"train, rows over {dp} ranks", ROW_SHARDED, False)):
-        m = rank_memory(config, tp, pp, dp, sharding, distributed, precision)
-        choices.append((name, m.tables, m.tables + m.rest))
-    # bf16 tables (DeepSpeed engine, rows): 2 bytes of weight, 4 of fp32 gradient, 8 of fp32 moments
-    bf16 = m.tables * (2 + 4 + 8) / (4 + 4 + 8)
-    choices.append((f"train bf16 tables, rows over {dp} ranks", bf16, bf16 + m.rest))
+    for sharding in ("replicated", ROW_SHARDED):
+        for storage in TRAINING_STORAGES:
+            m = rank_memory(config, tp, pp, dp, sharding, distributed_optimizer, precision, storage)
+            choices.append(StorageChoice("train", storage.table_dtype, storage.state_dtype, storage.placement,
+                                         "whole" if sharding == "replicated" else "rows",
+                                         m.tables / (m.table_weights / DTYPE_BYTES[storage.table_dtype]), m.tables,
+                                         m.device, m.host))
     whole = rank_memory(config, tp, pp, 1, "replicated", False, precision)
     table_params = whole.table_weights / 4  # this stage's tables, split by tensor parallelism
     rows = table_params / (config.branch_width / tp)
     for dtype, per_param, per_row in (("fp32", 4, 0), ("bf16", 2, 0), ("fp8", 1, 4)):
         table_bytes = table_params * per_param + rows * per_row
-        choices.append((f"serve {dtype} (Hugging Face model)", table_bytes, table_bytes + whole.rest_weights))
+        choices.append(StorageChoice("serve", dtype, "-", "device", "whole", table_bytes / table_params, table_bytes,
+                                     table_bytes + whole.rest_weights, 0.0))
     return choices
 
 
 def format_table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, precision: str,
-                                 device_gib: float) -> str:
+                                 device_gib: float, distributed_optimizer: bool = False, host_gib: float = 1024.0,
+                                 ranks_per_node: int = 8) -> str:
     gib = 2 ** 30
-    lines = [f"# the tables' storage choices at TP={tp} PP={pp} DP={dp} (per rank, GiB; 'rank' adds the rest of the "
-             f"model, {precision}; fits: within {device_gib:g} GiB, before activations)",
-             f"{'':<44}{'tables':>10}{'rank':>10}  fits"]
-    for name, tables, total in table_storage_choices(config, tp, pp, dp, precision):
-        lines.append(f"{name:<44}{tables / gib:>10.2f}{total / gib:>10.2f}  {'yes' if total <= device_gib * gib else 'no'}")
-    lines.append("(bf16 training tables: training.engine=deepspeed with table_sharding rows; tables live in device "
-                 "memory: a host tier is not offered yet)")
+    lines = [f"# the tables' storage choices at TP={tp} PP={pp} DP={dp}, the rest of the model {precision} (per "
+             "rank, GiB, the heaviest pipeline stage).  dtype: the tables' (memory.table_dtype); state: their "
+             "gradient and Adam's two moments (optimizer.table_state_dtype); B/p: bytes per table parameter; "
+             "'device' adds the rest of the model; 'host': the host tier's share of one rank; fits: the device "
+             f"within {device_gib:g} GiB (before activations) and {ranks_per_node} ranks' host shares within a node's "
+             f"{host_gib:g} GiB",
+             f"{'':<6}{'dtype':<6}{'state':<6}{'placement':<10}{'sharding':<10}{'B/p':>5}{'tables':>9}{'device':>9}"
+             f"{'host':>9}  fits"]
+    for c in table_storage_choices(config, tp, pp, dp, precision, distributed_optimizer):
+        sharding = c.sharding if c.sharding == "whole" else f"rows/{dp}"
+        fits = c.device <= device_gib * gib and c.host * ranks_per_node <= host_gib * gib
+        lines.append(f"{c.use:<6}{c.table_dtype:<6}{c.state_dtype:<6}{c.placement:<10}{sharding:<10}"
+                     f"{c.bytes_per_parameter:>5.1f}{c.tables / gib:>9.2f}{c.device / gib:>9.2f}{c.host / gib:>9.2f}  "
+                     f"{'yes' if fits else 'no'}")
+    lines.append("(train with memory.table_dtype, optimizer.table_state_dtype, memory.table_placement and "
+                 "parallel.table_sharding; serve with fe-convert --table-dtype; docs/tables.md)")
     return "\n".join(lines)
 
 
@@ -144,26 +205,26 @@ def exchange_bytes_per_step(config: MemoryConfig, tp: int, pp: int, dp: int, mic
                  for stage in range(pp))
     positions = micro_batch_size * seq_length * config.num_branches
     width = config.branch_width // tp
-    per_position = 8 + 4 * width + 4 * width  # id out, row back, gradient out
+    per_position = 8 + DTYPE_BYTES[config.table_dtype] * width + 4 * width  # id out, row back, gradient out
     return microbatches * layers * positions * (dp - 1) / dp * per_position
 
 
 def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sharding: str,
                        distributed_optimizer: bool, precision: str, micro_batch_size: int, seq_length: int,
-                       global_batch_size: int) -> str:
-    m = rank_memory(config, tp, pp, dp, table_sharding, distributed_optimizer, precision)
+                       global_batch_size: int, storage: TableStorage = TableStorage()) -> str:
+    m = rank_memory(config, tp, pp, dp, table_sharding, distributed_optimizer, precision, storage)
     gib = 2 ** 30
     rest_dtype = "bf16 weights, fp32 gradients and Adam state" if precision == "bf16" else "fp32"
     lines = [f"# per rank: TP={tp} PP={pp} DP={dp}, tables {table_sharding}, {precision}"
              f"{', distributed optimizer' if distributed_optimizer else ''} (the heaviest pipeline stage)",
-             f"# counted in: tables fp32 (weights, gradients, Adam's two moments: 16 bytes per parameter); "
-             f"rest {rest_dtype}",
+             f"# counted in: tables {storage.table_dtype} weights, {storage.state_dtype} gradients and Adam moments "
+             f"({storage.bytes_per_parameter()} bytes per parameter), in {storage.placement} memory; rest {rest_dtype}",
              f"{'':<8}{'weights':>10}{'grads':>10}{'optimizer':>11}{'total':>10}  (GiB)",
              f"{'tables':<8}{m.table_weights / gib:>10.2f}{m.table_grads / gib:>10.2f}{m.table_optimizer / gib:>11.2f}"
-             f"{m.tables / gib:>10.2f}",
+             f"{m.tables / gib:>10.2f}{'  (host)' if m.tables_on_host else ''}",
              f"{'rest':<8}{m.rest_weights / gib:>10.2f}{m.rest_grads / gib:>10.2f}{m.rest_optimizer / gib:>11.2f}"
              f"{m.rest / gib:>10.2f}",
-             f"rank_bytes={int(m.tables + m.rest)}"]
+             f"rank_bytes={int(m.tables + m.rest)} (device {int(m.device)}, host {int(m.host)})"]
     if table_sharding == ROW_SHARDED:
         exchange = exchange_bytes_per_step(config, tp, pp, dp, micro_batch_size, seq_length, global_batch_size)
         lines.append(f"row exchange per step and rank: at most {exchange / gib:.2f} GiB (micro-batch "

@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, load_yaml, read_yaml_mapping
+from fe_megatron.memory.managed_tables import uses_table_stores
 from fe_megatron.memory.sharding import TABLE_SHARDINGS
+from fe_megatron.memory.table_optimizer import STATE_DTYPES
 from fe_megatron.ops import BACKEND_NAMES
 
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
 TRANSFORMER_IMPLS = ("local", "te")
 ENGINES = ("megatron", "deepspeed")
+TABLE_STATE_DTYPES = tuple(STATE_DTYPES)
 
 
 @dataclass
@@ -49,6 +52,7 @@ class OptimizerArgs:
     warmup_steps: int = 1024
     table_lr_mult: float = 1.0
     table_weight_decay_mult: float = 1.0  # the paper's: decay the tables like every weight; 0 = Engram-style exemption
+    table_state_dtype: str = "fp32"  # fp32 | bf16: the tables' gradient accumulators and Adam moments (docs/tables.md)
 
 
 @dataclass
@@ -132,14 +136,7 @@ class TrainConfig:
             fail("training", "freeze_backbone", f"{t.freeze_backbone!r} must be true or false")
         if t.freeze_backbone and self.memory is None:
             fail("training", "freeze_backbone", "is true but memory is null: there would be nothing to train")
-        if self.memory is not None and self.memory.table_dtype != "fp32":
-            trains_bf16 = t.engine == "deepspeed" and self.parallel.table_sharding == "rows"
-            if self.memory.table_dtype != "bf16" or not trains_bf16:
-                fail("memory", "table_dtype", f"{self.memory.table_dtype!r}: fe-pretrain trains fp32 tables, and bf16 "
-                                              "tables under training.engine=deepspeed with parallel.table_sharding="
-                                              "rows (their own optimizer rounds the updates stochastically; "
-                                              "docs/tables.md); fp8 is a serving format (fe-convert --table-dtype). "
-                                              "Set memory.table_dtype=fp32, or use that engine and sharding")
+        self._validate_table_storage(fail)
         self._validate_engine(fail)
         if t.kernel_backend not in KERNEL_BACKENDS:
             fail("training", "kernel_backend", f"{t.kernel_backend!r} is not one of {KERNEL_BACKENDS}")
@@ -148,6 +145,26 @@ class TrainConfig:
                                             "tokenizer directory")
         if not self.data.train_data:
             fail("data", "train_data", "is empty; give an indexed-dataset prefix (PREFIX.bin/.idx)")
+
+    def _validate_table_storage(self, fail) -> None:
+        """The tables' storage (docs/tables.md): what trains, and what each engine can hold."""
+        o, memory = self.optimizer, self.memory
+        if o.table_state_dtype not in TABLE_STATE_DTYPES:
+            fail("optimizer", "table_state_dtype", f"{o.table_state_dtype!r} is not one of {TABLE_STATE_DTYPES}")
+        if memory is None:
+            return
+        if memory.table_dtype == "fp8":
+            fail("memory", "table_dtype", "'fp8' is a serving format (fe-convert --table-dtype fp8); fe-pretrain "
+                                          "trains fp32 or bf16 tables: set memory.table_dtype=fp32 or bf16")
+        if self.training.engine == "deepspeed" and self.parallel.table_sharding == "zero" \
+                and uses_table_stores(memory, o.table_state_dtype):
+            field, value = next((f, v) for f, v in (("memory.table_dtype", memory.table_dtype),
+                                                     ("memory.table_placement", memory.table_placement),
+                                                     ("optimizer.table_state_dtype", o.table_state_dtype))
+                                if v not in ("fp32", "device"))
+            fail("parallel", "table_sharding", f"'zero' keeps the tables as ZeRO's parameters, which cannot hold "
+                                               f"{field}={value}; use table_sharding rows (or replicated: whole "
+                                               "tables outside ZeRO) for bf16 tables, the host tier or bf16 state")
 
     def _validate_engine(self, fail) -> None:
         t, p = self.training, self.parallel

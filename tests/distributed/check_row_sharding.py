@@ -1,15 +1,19 @@
-"""Row-sharded tables against whole tables, through fe-pretrain's own checkpoints.
+"""Row-sharded tables against whole tables, and tables in stores (bf16, host memory, bf16 optimizer
+state) against tables held as parameters, through fe-pretrain's own checkpoints.
 
-Run (one phase per invocation; tests/test_row_sharding.py chains them):
+Run (one phase per invocation; tests/test_row_sharding.py and tests/test_table_storage.py chain them):
   torchrun --nproc_per_node N tests/distributed/check_row_sharding.py --tables rows|replicated --tp T --pp P \
-      [--init DIR | --save-init DIR] [--load DIR] --steps A:B [--record F | --compare F] \
+      [--placement device|host] [--table-dtype fp32|bf16] [--state-dtype fp32|bf16] \
+      [--init DIR | --save-init DIR] [--load DIR] --steps A:B [--record F | --compare F [--tol X]] \
       [--save-step K DIR] [--save-final DIR | --compare-final DIR] [--check-memory]
 
 Every phase trains the tiny GPT (memory at layers 1 and 2) with Adam and clipping on the same
 global batches: 4 sequences per step, split over the data-parallel ranks.  Step 0 is random
 text, step 1 a microbatch of one repeated token (every row requested many times), step 2 a
 microbatch whose positions request no row twice.  Losses, gradient norms and (through a
-checkpoint) every parameter are compared within 1e-5 relative in fp32.
+checkpoint) every parameter are compared within 1e-5 relative in fp32 (``--tol`` for bf16
+storage).  With the host tier each microbatch's rows are fetched one microbatch ahead, as
+fe-pretrain fetches them.
 """
 
 import argparse
@@ -25,12 +29,17 @@ from fe_megatron.checkpoint.commit import find_checkpoint  # noqa: E402
 from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, train_step
+from fe_megatron.memory.lookahead import HOST_TOKENS
+from fe_megatron.memory.managed_tables import memory_branches
 
 SEQ, GLOBAL_BATCH, STEPS = 32, 4, 3
 
 
+STORAGE = {"table_dtype": "fp32", "table_placement": "device"}  # set from the command line in main()
+
+
 def memory_config():
-    return tiny_memory_config(table_capacity=[128, 4001, 4003])
+    return tiny_memory_config(table_capacity=[128, 4001, 4003], **STORAGE)
 
 
 def rows_requested(tokens: torch.Tensor) -> tuple:
@@ -60,13 +69,19 @@ def my_batches(step: int):
 
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     tokens = global_batch(step).chunk(dp)[rank]
+    ahead = {HOST_TOKENS: "tokens"} if STORAGE["table_placement"] == "host" else {}
     return [dict(tokens=t[None, :-1], labels=t[None, 1:], loss_mask=torch.ones(1, SEQ),
-                 position_ids=torch.arange(SEQ)[None], attention_mask=causal_mask(SEQ)) for t in tokens]
+                 position_ids=torch.arange(SEQ)[None], attention_mask=causal_mask(SEQ),
+                 **{key: t[None, :-1] for key in ahead}) for t in tokens]
 
 
-def build(tables: str, tp: int, pp: int = 1, recompute: bool = False):
+def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtype: str = "fp32"):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from fe_megatron.megatron.table_optimizer import manage_tables
+    from fe_megatron.memory.managed_tables import uses_table_stores
+    from fe_megatron.training.config import OptimizerArgs
 
     initialize(tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=7, table_sharding=tables)
     mc = memory_config()
@@ -77,9 +92,13 @@ def build(tables: str, tp: int, pp: int = 1, recompute: bool = False):
         for layer in model.stage_memory_layers:
             layer.memory.value_proj.weight.normal_(std=0.05)
             layer.memory.conv.weight.normal_(std=0.1)
+    args = OptimizerArgs(lr=1e-2, min_lr=1e-3, weight_decay=0.01, beta1=0.9, beta2=0.999, clip_grad=0.5,
+                         table_lr_mult=2.0)
+    stores = manage_tables(model, args, state_dtype, tables, torch.device("cpu"), seed=7) \
+        if uses_table_stores(mc, state_dtype) else None
     ddp = wrap_ddp(model, cfg)
     opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01,
-                                                 clip_grad=0.5), table_lr_mult=2.0)
+                                                 clip_grad=0.5), table_lr_mult=2.0, tables=stores)
     connect_schedule_hooks(cfg, [ddp], opt)
     sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=1,
                                     lr_decay_steps=STEPS, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
@@ -140,10 +159,15 @@ def main():
     parser.add_argument("--save-final")
     parser.add_argument("--compare-final")
     parser.add_argument("--check-memory", action="store_true")
+    parser.add_argument("--placement", choices=["device", "host"], default="device")
+    parser.add_argument("--table-dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--tol", type=float, default=1e-5, help="relative tolerance of every comparison")
     args = parser.parse_args()
+    STORAGE.update(table_dtype=args.table_dtype, table_placement=args.placement)
     first, last = (int(x) for x in args.steps.split(":"))
     check = Checker()
-    model, ddp, opt, sched = build(args.tables, args.tp, args.pp, args.recompute)
+    model, ddp, opt, sched = build(args.tables, args.tp, args.pp, args.recompute, args.state_dtype)
     if args.save_init:
         save_model(model, args.save_init)
     if args.init:
@@ -167,7 +191,7 @@ def main():
         if reference:
             for name, mine, theirs in zip(("lm loss", "sparsity", "grad norm"), record[str(step)],
                                           reference[str(step)]):
-                check.close(f"step {step} {name}", torch.tensor(mine), torch.tensor(theirs))
+                check.close(f"step {step} {name}", torch.tensor(mine), torch.tensor(theirs), args.tol)
         if args.save_step and step + 1 == int(args.save_step[0]):
             save_checkpoint(args.save_step[1], [ddp], opt, sched, step + 1)
     if args.record and dist.get_rank() == 0:
@@ -175,11 +199,17 @@ def main():
     if args.save_final:
         save_model(model, args.save_final)
     if args.compare_final:
-        mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+        mine = {n: p.detach().float().clone() for n, p in weights(model).items()}
         load_model(model, args.compare_final)
-        for name, param in model.named_parameters():
-            check.close(f"parameter {name} after step {last - 1}", mine[name], param.detach())
+        for name, param in weights(model).items():
+            check.close(f"parameter {name} after step {last - 1}", mine[name], param.detach().float(), args.tol)
     check.finish()
+
+
+def weights(model) -> dict:
+    """Every parameter of the model, and the tables that live in stores (buffers, not parameters)."""
+    tables = {f"{name}.tables.weight": branch.tables.weight for name, branch in memory_branches(model).items()}
+    return dict(model.named_parameters(), **tables)
 
 
 if __name__ == "__main__":

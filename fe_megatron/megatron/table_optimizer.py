@@ -1,0 +1,126 @@
+"""The Megatron engine's tables in stores: bf16 tables, the host tier, bf16 optimizer state, and
+every table of a bf16 run.
+
+When the run's tables are in stores (`tables_in_stores`) `manage_tables` moves every memory branch of this pipeline stage into one before the model goes
+to the GPU, so host-resident tables never touch it.  The tables are then buffers, not parameters:
+Megatron's DDP neither buckets nor all-reduces them and its optimizer keeps no fp32 copy of them.
+`TableOptimizer` trains them as a member of Megatron's `ChainedOptimizer` (in the place Megatron's
+own table optimizer holds otherwise, `fe_megatron.megatron.memory_layer`), so that
+
+* the scheduler sets its learning rate and weight decay (its parameter group carries
+  ``max_lr``/``min_lr``/``lr_mult``/``wd_mult`` as the engine's table group does);
+* checkpoints hold its moments under the names Megatron gives an optimizer's state
+  (``optimizer.state.exp_avg.<table>``), sharded as the tables are, so they reshard the same way;
+* one global gradient norm covers the backbone and the tables: `TableChainedOptimizer` hands the
+  norm it computes to the table optimizer, which clips the tables by it (the chain clips its
+  members through their parameters' ``.grad``, which tables in stores do not have).
+
+Gradient averaging matches Megatron's DDP: whole tables are all-reduced over the data-parallel
+(times context-parallel) ranks, row-sharded ones already arrive at their owners; both are scaled
+by 1 / (DP x CP).
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
+from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
+
+from fe_megatron.memory.managed_tables import ManagedTables, memory_branches, uses_table_stores
+from fe_megatron.memory.sharding import ROW_SHARDED
+
+
+def tables_in_stores(cfg, bf16: bool) -> bool:
+    """Whether this run's tables are trained from stores: as the storage asks
+    (`fe_megatron.memory.managed_tables.uses_table_stores`), and always in a bf16 run, whose
+    mixed-precision optimizer would otherwise hold the tables as bf16 weights with fp32 copies
+    (18 bytes per table parameter) instead of ``memory.table_dtype``."""
+    return cfg.memory is not None and (bf16 or uses_table_stores(cfg.memory, cfg.optimizer.table_state_dtype))
+
+
+def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int) -> ManagedTables:
+    """Every memory branch of this pipeline stage's ``model`` in a store (on ``device`` or the host,
+    as its ``table_placement`` says), with the groups and averaging of Megatron's layout."""
+    data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    norm_groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()]
+    rows = table_sharding == ROW_SHARDED
+    if rows:  # every rank of the memory-parallel group holds other rows
+        norm_groups.append(parallel_state.get_expert_model_parallel_group())
+    return ManagedTables(memory_branches(model), optimizer_args, state_dtype, device,
+                         replica_group=None if rows else data_parallel, norm_groups=norm_groups,
+                         gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed)
+
+
+class TableOptimizer(FP32Optimizer):
+    """`ManagedTables` as a member of Megatron's optimizer chain (see the module docstring).  A
+    pipeline stage without memory layers holds one over no tables, so that every stage takes
+    part in the norm's reductions."""
+
+    def __init__(self, tables: ManagedTables, config, table_lr_mult: float = 1.0, table_weight_decay_mult: float = 1.0):
+        super().__init__(tables.optimizer, config, init_state_fn=lambda optimizer, _: optimizer.initialize_state())
+        self.tables = tables
+        self.global_grad_norm = None  # set by TableChainedOptimizer.get_grad_norm
+        for group in tables.optimizer.param_groups:  # what the scheduler and the checkpoint loader read
+            group.update(max_lr=config.lr * table_lr_mult, min_lr=(config.min_lr or 0.0) * table_lr_mult,
+                         lr_mult=table_lr_mult, wd_mult=table_weight_decay_mult, is_expert_parallel=True,
+                         is_decoupled_lr=False)
+
+    def get_parameters(self) -> list:
+        return []  # nothing for the chain to clip or count through .grad: step_with_ready_grads clips
+
+    def get_grad_stats_parallel_group(self):
+        return None  # get_grad_norm reduces over its own groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.tables.zero_grad()
+        self.global_grad_norm = None
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        self.tables.reduce_gradients()
+        return False
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        return self.tables.grad_norm()
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        norm = self.global_grad_norm if self.global_grad_norm is not None else self.tables.grad_norm()
+        if self.config.clip_grad > 0.0:
+            self.tables.clip(self.config.clip_grad / (norm + 1.0e-6))
+        self.tables.step()
+        return True
+
+    @torch.no_grad()
+    def step(self):
+        """Alone (outside a chain): clip by the tables' own norm and update."""
+        self.prepare_grads()
+        self.global_grad_norm = self.get_grad_norm()
+        return self.step_with_ready_grads(), self.global_grad_norm, None
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
+        """As `FP32Optimizer`'s, over the tables (which `get_parameters` does not list)."""
+        if is_loading:
+            self.optimizer.initialize_state()
+        state_dict = self.state_dict()
+        id_to_sharded_param_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.tables.weights)
+        step = self._extract_common_per_param_step(state_dict)
+        optim_state_to_sharding_state(state_dict, id_to_sharded_param_map, exclude_keys="step")
+        if step:
+            state_dict["state"]["common_step"] = step
+        return state_dict
+
+
+class TableChainedOptimizer(ChainedOptimizer):
+    """Megatron's chain with a `TableOptimizer` among its members: the global norm it computes is
+    what the table optimizer clips by."""
+
+    @torch.no_grad()
+    def get_grad_norm(self):
+        norm = super().get_grad_norm()
+        for member in self.chained_optimizers:
+            if isinstance(member, TableOptimizer):
+                member.global_grad_norm = norm
+        return norm

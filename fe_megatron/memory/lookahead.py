@@ -1,0 +1,53 @@
+"""The host tier's prefetch: each microbatch's table rows fetched one microbatch ahead of use.
+
+A microbatch's table rows depend only on its token ids (Eq. 1), which a step knows for all its
+microbatches before the first forward.  `MicrobatchLookups` walks a step's microbatches for an
+engine: it hashes each one's token ids on the host, starts its lookups (`start`: the unique rows
+gathered from host memory and copied to the device on a side stream,
+`fe_megatron.memory.table_store`) as soon as the previous microbatch's forward has been issued
+(`start_next`, called by the engine right after that forward), and hands them to the forward
+that uses them.  The copies then overlap the previous microbatch's compute.  Lookups never cross
+a step: the tables change at the optimizer step, so the first microbatch's rows are fetched when
+the step begins.
+
+Each microbatch dict must carry its token ids in host memory as ``host_tokens``
+(`fe_megatron.training.run.EngineRun.batches`); the iterator yields the dicts with the started
+lookups added as ``memory_lookups`` (``{layer_index: lookup}``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+HOST_TOKENS = "host_tokens"
+MEMORY_LOOKUPS = "memory_lookups"
+
+
+class MicrobatchLookups:
+    """An iterator over ``batches`` (dicts with ``host_tokens``) that adds each one's lookups,
+    started one microbatch ahead by ``start(host_tokens) -> {layer_index: lookup}``."""
+
+    def __init__(self, batches: list, start: Callable[[object], dict]):
+        self.batches, self.start = list(batches), start
+        self.position = 0  # the next microbatch to hand out
+        self.ahead: Optional[dict] = None  # the lookups of microbatch `position`, once started
+        self.started = 0  # lookups started so far (for tests and benchmarks)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.position >= len(self.batches):
+            raise StopIteration
+        if self.ahead is None:  # the step's first microbatch (or a caller that never called start_next)
+            self.start_next()
+        batch = dict(self.batches[self.position], **{MEMORY_LOOKUPS: self.ahead})
+        self.position += 1
+        self.ahead = None
+        return batch
+
+    def start_next(self) -> None:
+        """Start the lookups of the next microbatch to be handed out (a no-op after the last)."""
+        if self.ahead is None and self.position < len(self.batches):
+            self.ahead = self.start(self.batches[self.position][HOST_TOKENS])
+            self.started += 1

@@ -1,0 +1,216 @@
+"""TableStore: a trained table kept outside the module's parameters, where its storage puts it.
+
+The tables that fe_megatron's own optimizer trains (`fe_megatron.memory.managed_tables`: bf16
+tables, the host tier, bf16 optimizer state) are not parameters of the training framework, whose
+optimizers would keep fp32 copies of bf16 weights and whose wrappers would move every parameter to
+the accelerator.  A `TableStore` holds such a table instead:
+
+* ``weight`` [rows, width], fp32 or bf16, in device memory (``placement="device"``) or in host
+  memory (``"host"``: pinned where a GPU is present, so copies to it run asynchronously);
+* ``main_grad`` beside it once training allocates one (`allocate_gradient`), fp32 or bf16;
+* ``anchor``: a zero-size tensor that requires grad.  A lookup passes it to its autograd function
+  so that autograd runs the lookup's backward, which adds the row gradients into ``main_grad``
+  and returns nothing for the anchor (FBGEMM's table-batched embeddings use the same device).
+
+Reading rows (`fetch`): from device memory, one gather; from host memory, a gather on the host
+into a pinned buffer and a copy to the device on a side stream, which the consumer waits for
+when it uses the rows (`RowsInFlight.wait`), so the copy overlaps whatever runs meanwhile.
+Writing gradients (`accumulate`): into device memory at once; into host memory, a copy back on
+the side stream and an addition on the host by one worker thread, in the order the gradients
+arrived (so the result is the same as adding them at once); `wait_for_gradients` returns once
+every addition is done, and must run before ``main_grad`` is read.
+
+`StoreLookup` is one microbatch's lookup in a whole (not row-sharded) store; row-sharded stores
+are read through the row exchange (`fe_megatron.memory.row_exchange`), which calls `fetch` and
+`accumulate` on the rows each rank owns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Optional
+
+import torch
+
+from fe_megatron import ops
+
+_COPY_STREAMS: dict = {}
+_WORKER: list = []
+_LOCK = threading.Lock()
+
+
+def _copy_stream(device: torch.device):
+    """One side stream per GPU for the host tier's copies."""
+    with _LOCK:
+        if device not in _COPY_STREAMS:
+            _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
+        return _COPY_STREAMS[device]
+
+
+def _worker() -> concurrent.futures.ThreadPoolExecutor:
+    """The one thread that adds row gradients into host-resident ``main_grad`` tensors, in order."""
+    with _LOCK:
+        if not _WORKER:
+            _WORKER.append(concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fe-host-tables"))
+        return _WORKER[0]
+
+
+class RowsInFlight:
+    """Rows on their way to ``device``; `wait` returns them, usable on the current stream."""
+
+    def __init__(self, rows: torch.Tensor, event=None, staging: Optional[torch.Tensor] = None):
+        self._rows, self._event, self._staging = rows, event, staging
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            stream = torch.cuda.current_stream(self._rows.device)
+            stream.wait_event(self._event)
+            self._rows.record_stream(stream)  # allocated on the copy stream, used on this one
+            self._event, self._staging = None, None
+        return self._rows
+
+
+def copy_to_device(host: torch.Tensor, device: torch.device) -> RowsInFlight:
+    """``host`` (pinned where a GPU is present) on ``device``: asynchronously on a GPU, as is on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return RowsInFlight(host.to(device))
+    staging = host if host.is_pinned() else host.pin_memory()
+    stream = _copy_stream(device)
+    with torch.cuda.stream(stream):
+        rows = staging.to(device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return RowsInFlight(rows, event, staging)
+
+
+class TableStore:
+    """One layer's table (or this rank's row shard of it) and its gradient, in ``placement``."""
+
+    def __init__(self, weight: torch.Tensor, placement: str):
+        if placement not in ("device", "host"):
+            raise ValueError(f"placement {placement!r} is not one of ('device', 'host')")
+        if placement == "host":
+            weight = weight.detach().cpu()
+            if torch.cuda.is_available():
+                weight = weight.pin_memory()
+        self.weight = weight.detach()
+        self.placement = placement
+        self.main_grad: Optional[torch.Tensor] = None
+        self.anchor = torch.zeros(0, requires_grad=True)
+        self._pending: list = []  # host tier: additions queued on the worker
+
+    @property
+    def on_host(self) -> bool:
+        return self.placement == "host"
+
+    def allocate_gradient(self, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed ``main_grad`` of ``dtype`` beside the rows (pinned on the host where a GPU is present)."""
+        pin = self.on_host and torch.cuda.is_available()
+        self.main_grad = torch.zeros(self.weight.shape, dtype=dtype, device=self.weight.device, pin_memory=pin)
+        return self.main_grad
+
+    # ----------------------------------------------------------------- reading rows
+    def fetch(self, ids: torch.Tensor, device: torch.device) -> RowsInFlight:
+        """Rows ``ids`` ([M] int64, on any device) in the stored dtype, on their way to ``device``."""
+        if not self.on_host:
+            return RowsInFlight(ops.gather_rows_forward(self.weight, ids.to(self.weight.device)))
+        host_ids = ids.cpu()
+        rows = ops.gather_rows_forward(self.weight, host_ids, ops.fastest_backend(host_ids.device, self.weight.dtype))
+        return copy_to_device(rows, device)
+
+    # ----------------------------------------------------------------- writing gradients
+    def accumulate(self, ids: torch.Tensor, grad_rows: torch.Tensor, deterministic: bool = True,
+                   backend: Optional[str] = None) -> None:
+        """``main_grad[ids[m]] += grad_rows[m]`` ([M] ids, [M, width] fp32 rows).  In host memory the
+        addition happens on the worker thread: call `wait_for_gradients` before reading ``main_grad``."""
+        if self.main_grad is None:
+            raise RuntimeError("this table has no gradient accumulator: training allocates one "
+                               "(fe_megatron.memory.managed_tables.ManagedTables)")
+        if not self.on_host:
+            ops.gather_rows_backward(grad_rows, ids, self.main_grad, deterministic, backend)
+            return
+        host_ids = ids.cpu()
+        if grad_rows.device.type == "cuda":
+            stream = _copy_stream(grad_rows.device)
+            stream.wait_stream(torch.cuda.current_stream(grad_rows.device))  # the gradient is computed there
+            with torch.cuda.stream(stream):
+                host_rows = torch.empty(grad_rows.shape, dtype=grad_rows.dtype, pin_memory=True)
+                host_rows.copy_(grad_rows, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            grad_rows.record_stream(stream)
+        else:
+            host_rows, event = grad_rows, None
+        backend = ops.fastest_backend(host_rows.device, self.main_grad.dtype)
+        main_grad = self.main_grad
+
+        def add():
+            if event is not None:
+                event.synchronize()
+            ops.gather_rows_backward(host_rows, host_ids, main_grad, deterministic, backend)
+
+        self._pending.append(_worker().submit(add))
+
+    def wait_for_gradients(self) -> None:
+        """Block until every queued addition into ``main_grad`` is done (re-raising its error)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+
+class StoreLookup:
+    """One layer's lookup of one microbatch in a whole `TableStore`, started ahead of use.
+
+    In host memory the lookup is deduplicated: the unique rows are gathered on the host and copied
+    to ``device`` (asynchronously on a GPU), then expanded there with the inverse; their gradient is
+    summed per unique row on the device before it travels back.  In device memory it is one gather.
+    Pass ``indices`` on the host to keep the host tier free of device synchronizations.
+    """
+
+    def __init__(self, store: TableStore, indices: torch.Tensor, device: torch.device):
+        self.store, self.indices, self.device = store, indices, torch.device(device)
+        self.deterministic = ops.deterministic_backward()
+        # the backward runs on autograd's thread, where ops.use_backend is not in force: keep the choice
+        self.backend = ops.current_backend(self.device, store.weight.dtype)
+        flat = indices.reshape(-1)
+        if store.on_host:
+            unique, inverse = torch.unique(flat.cpu(), sorted=True, return_inverse=True)
+            self.unique, self._inverse = unique, copy_to_device(inverse, self.device)
+            self._rows = store.fetch(unique, self.device)
+            self.stats = {"positions": flat.numel(), "unique": unique.numel()}
+        else:
+            self.flat = flat.to(self.device)
+
+    def rows(self) -> torch.Tensor:
+        """``[*indices.shape, width]`` in fp32, differentiable through the store (its ``anchor``)."""
+        return _StoreGather.apply(self.store.anchor, self)
+
+
+class _StoreGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, lookup: StoreLookup):
+        ctx.lookup = lookup
+        store, width = lookup.store, lookup.store.weight.shape[1]
+        if store.on_host:
+            lookup.inverse = lookup._inverse.wait()
+            rows = lookup._rows.wait().index_select(0, lookup.inverse)
+            lookup._rows = None  # the unique rows are no longer needed
+        else:
+            rows = ops.gather_rows_forward(store.weight, lookup.flat, lookup.backend)
+        return rows.float().view(*lookup.indices.shape, width)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        lookup = ctx.lookup
+        store = lookup.store
+        grad_rows = grad_output.reshape(-1, store.weight.shape[1]).float().contiguous()
+        if store.on_host:
+            unique_grad = torch.zeros(lookup.unique.numel(), grad_rows.shape[1], dtype=torch.float32,
+                                      device=grad_rows.device)
+            ops.gather_rows_backward(grad_rows, lookup.inverse, unique_grad, lookup.deterministic, lookup.backend)
+            store.accumulate(lookup.unique, unique_grad, lookup.deterministic)
+        else:
+            store.accumulate(lookup.flat, grad_rows, lookup.deterministic, lookup.backend)
+        return None, None

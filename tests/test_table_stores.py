@@ -1,0 +1,203 @@
+"""Training from table stores (`fe_megatron.memory.table_store`, `managed_tables`): bf16 tables,
+bf16 optimizer state, the host tier, and every table of a bf16 run.
+
+A store gathers and accumulates exactly what the table parameter would; the host tier fetches
+each microbatch's rows one microbatch ahead; trained through Megatron (the equivalence script
+tests/distributed/check_row_sharding.py) fp32 tables in host memory give the losses, gradient
+norms, weights and checkpoints of tables held as Megatron's parameters, at DP=1 and DP=2 with
+rows; bf16 tables round alike at every layout; fe-pretrain trains bf16 runs and host-tier runs,
+resumes them at another size and converts them.  The DeepSpeed engine's stores are tested in
+tests/test_deepspeed.py."""
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+
+from fe_megatron.memory import FactorEngram
+from fe_megatron.memory.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.memory.managed_tables import ManagedTables
+from fe_megatron.training.config import OptimizerArgs
+from tests.conftest import small_config
+from tests.test_train import CONFIG, metrics, run_pretrain, small_overrides
+from tests.torchrun_util import torchrun
+
+
+def branch_and_inputs(**storage):
+    config = small_config(**storage)
+    branch = FactorEngram(config, layer_index=config.layers[0])
+    with torch.no_grad():
+        branch.value_proj.weight.normal_(std=0.05)  # V starts at zero: give the tables a gradient
+    hidden = torch.randn(3, 20, config.hidden_size)
+    ids = torch.randint(0, config.vocab_size, (3, 20))
+    ids[1] = 5  # one row looked up many times
+    return branch, hidden, ids
+
+
+def backward(branch, hidden, ids):
+    memory, l1 = branch(hidden, ids)
+    (memory.square().sum() + l1.sum()).backward()
+    return memory
+
+
+@pytest.mark.parametrize("placement", ["device", "host"])
+def test_a_store_gathers_and_accumulates_what_the_parameter_would(placement):
+    branch, hidden, ids = branch_and_inputs()
+    stored = copy.deepcopy(branch)
+    stored.config = stored.config.replace(table_placement=placement)
+    expected = backward(branch, hidden, ids)
+    tables = ManagedTables({"branch": stored}, OptimizerArgs(), "fp32")
+    got = backward(stored, hidden, ids)
+    tables.reduce_gradients()
+    store = stored.tables.store
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(store.main_grad, branch.tables.weight.grad, rtol=1e-6, atol=1e-7)
+    assert "tables.weight" not in dict(stored.named_parameters())  # no framework sees it as a parameter
+    assert stored.state_dict(keep_vars=True)["tables.weight"] is store.weight  # checkpoints do, by the same name
+
+
+def test_module_casts_and_moves_leave_a_store_as_it_is():
+    branch, hidden, ids = branch_and_inputs(table_dtype="bf16", table_placement="host")
+    ManagedTables({"branch": branch}, OptimizerArgs(), "bf16")
+    branch.to(torch.float64)
+    assert branch.tables.weight.dtype == torch.bfloat16 and branch.dictionary.dtype == torch.float64
+    assert branch.tables.store.main_grad.dtype == torch.bfloat16  # optimizer.table_state_dtype
+    values = torch.randn(branch.tables.weight.shape)
+    branch.load_state_dict(dict(branch.state_dict(), **{"tables.weight": values}))
+    assert torch.equal(branch.tables.store.weight, values.to(torch.bfloat16))  # loaded into the store, rounded
+
+
+def test_host_gradients_are_added_in_arrival_order():
+    """The worker thread adds the host tier's row gradients in the order they arrive: the result is
+    bit for bit that of adding them at once, once `wait_for_gradients` returns."""
+    from fe_megatron.memory.table_store import TableStore
+
+    host, direct = TableStore(torch.zeros(50, 8), "host"), torch.zeros(50, 8)
+    host.allocate_gradient(torch.float32)
+    for _ in range(20):
+        ids, rows = torch.randint(0, 50, (64,)), torch.randn(64, 8)
+        host.accumulate(ids, rows)
+        direct.index_add_(0, ids, rows)
+    host.wait_for_gradients()
+    assert torch.equal(host.main_grad, direct)
+
+
+def test_each_microbatch_s_rows_are_fetched_once_the_previous_forward_is_issued():
+    events = []
+    batches = [{HOST_TOKENS: torch.full((1, 4), index)} for index in range(3)]
+
+    def start(tokens):
+        events.append(f"fetch {int(tokens[0, 0])}")
+        return {"rows of": int(tokens[0, 0])}
+
+    feed = MicrobatchLookups(batches, start)
+    for batch in feed:
+        events.append(f"forward {batch[MEMORY_LOOKUPS]['rows of']}")
+        feed.start_next()
+    assert events == ["fetch 0", "forward 0", "fetch 1", "forward 1", "fetch 2", "forward 2"]
+    assert feed.started == 3
+
+
+# ----------------------------------------------------------------------------- Megatron, library level
+def check(reference, *args, nproc: int):
+    r = reference
+    out = torchrun("check_row_sharding.py", "--init", str(r / "init"), "--steps", "0:3", *args, nproc=nproc)
+    assert "0 failures" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc,tables", [(1, "replicated"), (2, "rows")], ids=["dp1", "dp2-rows"])
+def test_the_host_tier_trains_as_the_device_tier(reference, nproc, tables):
+    """fp32 tables in host memory, each microbatch's rows fetched one microbatch ahead, against the
+    same tables held as parameters of Megatron's optimizer on the device (DP=1): losses, gradient
+    norms (clipping active) and every weight after 3 Adam steps, within 1e-5."""
+    r = reference
+    check(r, "--tables", tables, "--placement", "host", "--compare", str(r / "ref_tp1.json"), "--compare-final",
+          str(r / "final_tp1"), *(["--save-step", "1", str(r / "host_rows_step1")] if tables == "rows" else []),
+          nproc=nproc)
+
+
+@pytest.mark.distributed
+def test_a_host_tier_checkpoint_resumes_on_the_device_tier_at_another_size(reference):
+    """The same checkpoint: a DP=2 row-sharded host-tier run's step-1 checkpoint (tables and Adam
+    moments from the table optimizer) resumes at DP=1 with the tables as Megatron's parameters and
+    continues as the uninterrupted run."""
+    r = reference
+    if not (r / "host_rows_step1").exists():
+        test_the_host_tier_trains_as_the_device_tier(r, 2, "rows")
+    out = torchrun("check_row_sharding.py", "--tables", "replicated", "--load", str(r / "host_rows_step1"),
+                   "--steps", "1:3", "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"),
+                   nproc=1)
+    assert "0 failures" in out
+
+
+@pytest.mark.distributed
+def test_bf16_tables_round_alike_at_every_layout(reference):
+    """bf16 tables: the stochastic rounding is a function of each element's global coordinates, so
+    DP=2 with rows in host memory ends where DP=1 whole tables on the device end (within fp32's
+    differences, 1e-5); both follow the fp32 tables' losses within 1e-3, and so do bf16 moments."""
+    r = reference
+    check(r, "--tables", "replicated", "--table-dtype", "bf16", "--compare", str(r / "ref_tp1.json"), "--tol", "1e-3",
+          "--record", str(r / "bf16.json"), "--save-final", str(r / "bf16_final"), nproc=1)
+    check(r, "--tables", "rows", "--placement", "host", "--table-dtype", "bf16", "--compare", str(r / "bf16.json"),
+          "--compare-final", str(r / "bf16_final"), nproc=2)
+    check(r, "--tables", "rows", "--table-dtype", "bf16", "--state-dtype", "bf16", "--compare",
+          str(r / "bf16.json"), "--tol", "1e-3", nproc=2)
+
+
+# ----------------------------------------------------------------------------- fe-pretrain
+def losses(save):
+    return [(r["step"], r["lm_loss"]) for r in metrics(save) if "lm_loss" in r]
+
+
+def resume_at(source: str, step: int, target: str) -> str:
+    """A run directory holding only ``source``'s checkpoint of ``step`` (as if the run stopped there)."""
+    name = f"iter_{step:07d}"
+    shutil.copytree(os.path.join(source, name), os.path.join(target, name))
+    with open(os.path.join(target, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(step))
+    return target
+
+
+@pytest.mark.distributed
+def test_a_bf16_run_follows_the_fp32_curve_and_resumes_exactly(small_data, tmp_path):
+    """training.precision=bf16 (the GPU default) on the CPU: every weight in bf16 as Megatron-LM
+    keeps them, the fp32 tables trained from stores; the loss curve stays within 1e-3 of fp32,
+    and a resume from step 4 repeats steps 6-8 bit for bit."""
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        runs[precision] = str(tmp_path / precision)
+        proc = run_pretrain(["--config", CONFIG, "--save", runs[precision]]
+                            + small_overrides(small_data, **{"training.precision": precision}))
+    assert "tables fp32 in stores on the device" in proc.stdout
+    for (step, fp32), (_, bf16) in zip(losses(runs["fp32"]), losses(runs["bf16"])):
+        assert bf16 == pytest.approx(fp32, rel=1e-3), f"step {step}"
+    half = resume_at(runs["bf16"], 4, str(tmp_path / "resumed"))
+    run_pretrain(["--config", CONFIG, "--load", half, "--save", half]
+                 + small_overrides(small_data, **{"training.precision": "bf16"}))
+    assert losses(half) == losses(runs["bf16"])[2:]
+
+
+@pytest.mark.distributed
+def test_bf16_tables_in_host_memory_train_resume_at_another_size_and_convert(small_data, tmp_path):
+    """fe-pretrain at DP=2 with bf16 tables, bf16 state, rows, in host memory; its step-4 checkpoint
+    resumes on one rank and follows the 2-rank run; fe-convert keeps the trained bf16 tables."""
+    from fe_megatron.convert.to_hf import mcore_to_hf
+    from fe_megatron.hf import FactorEngramForCausalLM
+
+    storage = {"memory.table_dtype": "bf16", "optimizer.table_state_dtype": "bf16",
+               "memory.table_placement": "host", "parallel.table_sharding": "rows"}
+    save = str(tmp_path / "run")
+    proc = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **storage), nproc=2)
+    assert "tables bf16 (state bf16) in stores in host memory, rows" in proc.stdout
+    curve = losses(save)
+    assert all(abs(lm) < 10 for _, lm in curve) and curve[-1][1] < curve[0][1]
+    half = resume_at(save, 4, str(tmp_path / "one_rank"))
+    run_pretrain(["--config", CONFIG, "--load", half, "--save", half] + small_overrides(small_data, **storage))
+    for (step, got), (_, expected) in zip(losses(half), curve[2:]):
+        assert got == pytest.approx(expected, rel=1e-3), f"step {step}"
+    model = FactorEngramForCausalLM.from_pretrained(mcore_to_hf(save, str(tmp_path / "hf"))).eval()
+    assert model.config.memory["table_dtype"] == "bf16" and model.config.memory["table_placement"] == "device"
+    assert model.model.layers[model.config.memory["layers"][0]].memory.tables.weight.dtype == torch.bfloat16
