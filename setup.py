@@ -28,7 +28,8 @@ def kernel_extensions():
     arch = [f"-march={os.environ.get('FE_MEGATRON_CPU_ARCH', 'native')}"]
     extensions = [cpp_extension.CppExtension(
         "fe_megatron.ops._C_cpu", ["csrc/cpu/ngram_ops_cpu.cpp"],
-        extra_compile_args=["-O3", *arch, *openmp], extra_link_args=openmp)]
+        # -ffp-contract=off: no fused multiply-add that the torch reference does not do either
+        extra_compile_args=["-O3", "-ffp-contract=off", *arch, *openmp], extra_link_args=openmp)]
     if torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", os.environ.get("FE_MEGATRON_CUDA_ARCH", "8.0;9.0"))
         extensions.append(cpp_extension.CUDAExtension(

@@ -17,6 +17,7 @@ gets fresh processes) and once for the collective timing, and prints markdown ro
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -59,7 +60,8 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
     from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.deepspeed.config import resolve
     from fe_megatron.deepspeed.engine import DeepSpeedRun, _init_distributed, build_model, megatron_param_groups
-    from fe_megatron.deepspeed.tables import RowShardedTables
+    from fe_megatron.checkpoint.resume_guard import schedule_in_force
+    from fe_megatron.deepspeed.tables import StoredTables
     from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
 
     size = SIZES[size_name]
@@ -76,10 +78,11 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
                       deepspeed={"zero_optimization": {"stage": 3}})
     torch.manual_seed(1)
     model = build_model(cfg, dist.group.WORLD if tables == "rows" else None)
-    row_tables = RowShardedTables(model, cfg.optimizer) if tables == "rows" else None
+    row_tables = StoredTables(model, cfg.optimizer, cfg.optimizer.table_state_dtype) if tables == "rows" else None
     optimizer = torch.optim.AdamW(megatron_param_groups(model, cfg.optimizer), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=resolve(cfg, world, False))
-    run = DeepSpeedRun(cfg=cfg, info={}, engine=engine, tables=row_tables, datasets=(), metrics=None,
+    info = {"schedule": schedule_in_force(None, {"config": dataclasses.asdict(cfg)})}
+    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=row_tables, datasets=(), metrics=None,
                        num_microbatches=size["microbatches"], start_step=0, parameters=0)
     gen = torch.Generator().manual_seed(100 + rank)
     seq, batches = backbone.seq_length, []

@@ -11,7 +11,11 @@ look like text.  Everything is measured in the same run, on the same inputs:
   and backward into a fresh dense gradient (plain autograd), and the full hash + gather +
   backward path;
 * ``stock autograd``: ``F.embedding`` whose dense table gradient DDP then adds into
-  ``main_grad`` (what a model does without these kernels).
+  ``main_grad`` (what a model does without these kernels);
+* ``table AdamW``: the table optimizer's update of one rank's share of one layer's table
+  (``--update-ranks``, default 32: rows sharded over 32 ranks) with rows, gradient and moments in
+  ``--dtype``, what is bf16 stochastically rounded (`fe_megatron.ops.table_adamw_`), per backend
+  that has the fused kernel against the torch reference.
 
     python benchmarks/bench_kernels.py [--micro-batch 4] [--seq 8192] [--dtype float32] [--repeats 5]
 """
@@ -75,6 +79,7 @@ def main():
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--update-ranks", type=int, default=32, help="the table AdamW rows: one layer's over N ranks")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     measure = timer(device)
@@ -172,6 +177,22 @@ def main():
 
     row("stock autograd", "hash + F.embedding + dense grad + main_grad.add_", measure(stock_autograd, args.repeats),
         None, baseline.get("full"))
+
+    shard_rows = tables[hasher.layers[0]].shape[0] // args.update_ranks
+    state = [tables[hasher.layers[0]][:shard_rows].clone()] + [
+        torch.randn(shard_rows, width, device=device).to(dtype) * scale for scale in (1.0, 0.01, 1e-4)]
+    update_args = (torch.arange(shard_rows, device=device) * args.update_ranks, 0, width,
+                   torch.tensor([[1, 2], [3, 4], [5, 6]]), 1e-4, 0.9, 0.95, 1e-8, 0.01)
+    bytes_update = shard_rows * width * element * 7  # read rows, gradient, 2 moments; write rows, 2 moments
+    reference_seconds = None
+    for backend in ["torch"] + [b for b in ops.available_backends() if b != "torch"]:
+        kernels = ops.get_backend(backend)
+        if device.type not in kernels.devices or (backend != "torch" and not hasattr(kernels.module, "table_adamw_")):
+            continue
+        seconds = measure(lambda: ops.table_adamw_(*state, *update_args, step=10, backend=backend), args.repeats)
+        reference_seconds = reference_seconds or seconds
+        row(backend, f"table AdamW, {shard_rows * width / 1e6:.0f}M elements ({args.dtype} rows, gradient and moments)",
+            seconds, bytes_update, reference_seconds if backend != "torch" else None)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,23 @@ Steps, each a subprocess with its own log under ``OUT/logs/`` and its own time l
    and the forward gather as a fraction of the measured device copy bandwidth);
 5. ``train-bench``: ``bench_train.py --size 340m-layer`` (one memory layer at the 340M width
    against the plain layer, tokens/s and their ratio);
-6. ``pretrain``: the demo config for ``--steps`` steps, three times: fp32 on the CPU (the
+6. ``table-storage``: ``bench_table_storage.py`` on the GPU: every table storage's peak device
+   memory and tokens/s, the host tier with its one-microbatch lookahead against the host tier
+   fetching each layer's rows when it needs them (what the lookahead hides) and against the
+   device tier; it must run every storage, and bf16 tables with bf16 state must take at most 55%
+   of fp32 tables' bytes;
+7. ``pretrain``: the demo config for ``--steps`` steps, four times: fp32 on the CPU (the
    reference), fp32 on the GPU with the CUDA kernels (both from one set of initial weights made on
-   the CPU, ``start-weights``, so the curves must agree to fp32 rounding: 1e-3 relative), and bf16
+   the CPU, ``start-weights``, so the curves must agree to fp32 rounding: 1e-3 relative), bf16
    on the GPU with the Transformer Engine spec and the CUDA kernels (its own initialization: the
-   curve must stay within 5% of the reference);
-7. ``deepspeed-zero3``: the DeepSpeed engine, ZeRO-3, on the GPU in bf16 against the same run on
+   curve must stay within 5% of the reference), and bf16 with bf16 tables and bf16 table state in
+   host memory (the host tier on a GPU, from the shared weights: within 5%);
+8. ``deepspeed-zero3``: the DeepSpeed engine, ZeRO-3, on the GPU in bf16 against the same run on
    the CPU in fp32, from the same initial weights (within 5%);
-8. ``hf-generate``: the GPU fp32 run converted with ``fe-convert mcore-to-hf``, greedy generation on
+9. ``hf-generate``: the GPU fp32 run converted with ``fe-convert mcore-to-hf``, greedy generation on
    the GPU and on the CPU, token for token.
 
-The host tier's prefetch overlap (issue "table storage", part 4) has no step: that tier is not
-built yet.  ``OUT/gpu_check.json`` holds every step's status, seconds, numbers and log; the
+``OUT/gpu_check.json`` holds every step's status, seconds, numbers and log; the
 summary is printed and written to ``OUT/gpu_check.md``.  The exit status is 0 only when every
 step passed.  Without a GPU nothing runs: it says so and exits 2.
 """
@@ -166,6 +171,26 @@ def train_bench(c: Checker) -> None:
     c.record("train-bench", rc == 0 and bool(rows), time.perf_counter() - start, rows[-1] if rows else {})
 
 
+def table_storage(c: Checker) -> None:
+    start = time.perf_counter()
+    rc, output = c.run("table-storage", [PY, "benchmarks/bench_table_storage.py", "--size", "small", "--steps", "10"],
+                       3000)
+    rows = [row for row in json_lines(output) if "results" in row]
+    results = rows[-1]["results"] if rows else {}
+    numbers, why = {"results": results}, []
+    if rc != 0 or not results:
+        why.append("the benchmark failed (see the log)")
+    else:
+        fp32, host, lazy = (results.get(k, {}).get("tokens_per_s") for k in ("fp32", "fp32-host",
+                                                                            "fp32-host-no-prefetch"))
+        numbers.update(host_vs_device=host / fp32, lookahead_speedup=host / lazy)
+        halved = results["bf16-bf16"]["table_bytes"] / results["fp32"]["table_bytes"]
+        numbers["bf16_state_table_bytes_ratio"] = halved
+        if halved > 0.55:
+            why.append(f"bf16 tables with bf16 state take {halved:.2f}x of fp32 tables' bytes (limit 0.55)")
+    c.record("table-storage", not why, time.perf_counter() - start, numbers, "; ".join(why))
+
+
 def prepare_data(c: Checker) -> tuple:
     data = os.path.join(c.out, "data")
     tokenizer, prefix = os.path.join(data, "tokenizer.model"), os.path.join(data, "sotu")
@@ -227,6 +252,8 @@ def pretrain(c: Checker, steps: int, tokenizer: str, prefix: str, mcore_start: s
         "cpu_fp32": ("training.precision=fp32", "training.kernel_backend=torch", load),
         "gpu_fp32": ("training.precision=fp32", "training.kernel_backend=cuda", load),
         "gpu_bf16_te": ("training.precision=bf16", "training.kernel_backend=cuda", "training.transformer_impl=te"),
+        "gpu_bf16_host_tables": ("training.precision=bf16", "training.kernel_backend=cuda", "memory.table_dtype=bf16",
+                                 "optimizer.table_state_dtype=bf16", "memory.table_placement=host", load),
     }
     curves, failed = {}, []
     for name, extra in runs.items():
@@ -238,7 +265,9 @@ def pretrain(c: Checker, steps: int, tokenizer: str, prefix: str, mcore_start: s
     numbers = {"steps": steps, "final_lm_loss": {name: curve[max(curve)] for name, curve in curves.items() if curve}}
     fp32, fp32_steps = compare_curves(curves["gpu_fp32"], curves["cpu_fp32"])
     bf16, bf16_steps = compare_curves(curves["gpu_bf16_te"], curves["cpu_fp32"])
-    numbers.update(gpu_fp32_vs_cpu_max_rel=fp32, gpu_bf16_te_vs_cpu_max_rel=bf16, logged_steps=fp32_steps)
+    host, _ = compare_curves(curves["gpu_bf16_host_tables"], curves["cpu_fp32"])
+    numbers.update(gpu_fp32_vs_cpu_max_rel=fp32, gpu_bf16_te_vs_cpu_max_rel=bf16, logged_steps=fp32_steps,
+                   gpu_bf16_host_tables_vs_cpu_max_rel=host)
     why = []
     if failed:
         why.append(f"runs that failed: {', '.join(failed)}")
@@ -246,6 +275,9 @@ def pretrain(c: Checker, steps: int, tokenizer: str, prefix: str, mcore_start: s
         why.append(f"GPU fp32 curve differs from the CPU one by {fp32:.2e} (limit {FP32_CURVE_RTOL:.0e})")
     if bf16 > BF16_CURVE_RTOL:
         why.append(f"GPU bf16 TE curve differs from the CPU fp32 one by {bf16:.2e} (limit {BF16_CURVE_RTOL:.0e})")
+    if host > BF16_CURVE_RTOL:
+        why.append(f"GPU bf16 host-tier curve differs from the CPU fp32 one by {host:.2e} (limit "
+                   f"{BF16_CURVE_RTOL:.0e})")
     c.record("pretrain", not why, time.perf_counter() - start, numbers, "; ".join(why))
     return None if "gpu_fp32" in failed else os.path.join(c.out, "runs", "gpu_fp32")
 
@@ -331,6 +363,7 @@ def main(argv=None) -> int:
         kernel_tests(c)
         kernel_bench(c)
         train_bench(c)
+        table_storage(c)
         tokenizer, prefix = prepare_data(c)
         hf_start, mcore_start = start_weights(c, tokenizer, prefix)
         if mcore_start is None:

@@ -144,7 +144,7 @@ class MemoryConfig:
     # --- initialization (docs/method.md) ---
     table_init_std: float = 1.0  # the tables' rows: N(0, table_init_std^2), as nn.Embedding
     # --- storage (docs/tables.md) ---
-    table_dtype: str = "fp32"  # fp32 | bf16 (both train; bf16 rows are updated with stochastic rounding) | fp8 (serving)
+    table_dtype: str = "fp32"  # fp32 | bf16 (both train; bf16 updates stochastically rounded) | fp8 (serving)
     table_placement: str = "device"  # device | host (the host tier: rows fetched ahead of use; docs/tables.md)
 
     def __post_init__(self) -> None:

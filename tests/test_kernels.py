@@ -379,3 +379,46 @@ def test_backward_runs_on_the_backend_of_its_forward(monkeypatch):
     assert ops.current_backend(weight.device) == "cpp"  # outside the block the default is back
     rows.sum().backward()
     assert calls == ["spy"]
+
+
+# ----------------------------------------------------------------------------- the table optimizer's update
+@pytest.mark.parametrize("backend", ("cpp",))
+@pytest.mark.parametrize("param_dtype,grad_dtype,state_dtype", [
+    (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float32, torch.bfloat16)])
+def test_fused_table_update_matches_the_reference(backend, param_dtype, grad_dtype, state_dtype):
+    """The fused AdamW step against the reference's blocks: fp32 results within one fp32 rounding
+    of an intermediate, bf16 ones equal but where that rounding moved the stochastic rounding's
+    threshold (one bf16 step, in under one element in ten thousand)."""
+    device = device_of(backend)
+    rows, width = 5000, 48
+    values = [torch.randn(rows, width) for _ in range(2)] + [torch.randn(rows, width) * 0.1,
+                                                              torch.rand(rows, width) * 0.1]
+    dtypes = (param_dtype, grad_dtype, state_dtype, state_dtype)
+    global_rows = torch.randperm(3 * rows)[:rows]  # a shard's rows, scattered in the whole table
+    keys = torch.randint(0, 2 ** 31, (3, 2))
+    results = {}
+    for name in ("torch", backend):
+        p, g, m, v = (t.to(dtype).to(device).clone() for t, dtype in zip(values, dtypes))  # each run its own copy
+        ops.table_adamw_(p, g, m, v, global_rows, 7, 3 * width, keys, 1e-2, 0.9, 0.95, 1e-8, 0.01, step=5,
+                         backend=name)
+        results[name] = (p, m, v)
+    for name, ours, theirs in zip(("param", "exp_avg", "exp_avg_sq"), results[backend], results["torch"]):
+        ours, theirs = ours.float().cpu(), theirs.float().cpu()
+        if ours.dtype == torch.float32 and (param_dtype if name == "param" else state_dtype) == torch.float32:
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7, msg=name)
+            continue
+        moved = ours != theirs
+        assert moved.float().mean() < 1e-4, f"{name}: {int(moved.sum())} of {moved.numel()} elements differ"
+        step = theirs[moved].abs() * 2.0 ** -7  # one bf16 step at their magnitude (8 significant bits)
+        assert ((ours[moved] - theirs[moved]).abs() <= step * 1.01).all(), name
+
+
+def test_fused_table_update_refuses_what_it_cannot_update():
+    p = torch.zeros(4, 3)
+    args = (torch.arange(4), 0, 3, torch.zeros(3, 2, dtype=torch.int64), 1e-3, 0.9, 0.95, 1e-8, 0.0, 1)
+    with pytest.raises(ValueError, match=r"grad must be fp32 or bf16 of the table's shape \(4, 3\), got "
+                                         r"torch.float16 \(4, 3\)"):
+        ops.table_adamw_(p, torch.zeros(4, 3, dtype=torch.float16), torch.zeros(4, 3), torch.zeros(4, 3), *args)
+    with pytest.raises(ValueError, match="the moments must share a dtype"):
+        ops.table_adamw_(p, torch.zeros(4, 3), torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bfloat16), *args)

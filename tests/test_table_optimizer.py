@@ -5,9 +5,10 @@ rounding that depends on an element's global coordinates only."""
 import pytest
 import torch
 
-from fe_megatron.memory import table_optimizer
+from fe_megatron import ops
 from fe_megatron.memory.table_optimizer import TableAdamW, TableLayout
 from fe_megatron.memory.table_storage import rounding_noise, stochastic_round_to_bf16
+from fe_megatron.ops import reference
 
 
 def test_fp32_tables_take_torchs_adamw_update_to_the_bit():
@@ -54,15 +55,17 @@ def test_moments_are_kept_in_the_state_dtype_and_reload_without_loss(state_dtype
         assert torch.equal(again.state[weight][key], opt.state[weight][key])
 
 
-def drift_of_tiny_updates(rounding, monkeypatch, state_dtype="fp32") -> float:
-    """bf16 rows at 1.0 take 300 Adam steps of about 1e-4 each, 1/78 of a bf16 step at 1.0:
-    the mean of the rows minus where exact arithmetic puts them (0.97)."""
-    monkeypatch.setattr(table_optimizer, "stochastic_round_to_bf16", rounding)
+def drift_of_tiny_updates(backend: str, state_dtype: str = "fp32") -> float:
+    """bf16 rows at 1.0 take 300 Adam steps of about 1e-4 each, 1/78 of a bf16 step at 1.0, on kernel
+    ``backend``: the mean of the rows minus where exact arithmetic puts them (0.97)."""
+    if backend not in ops.available_backends():
+        pytest.skip(f"the {backend} kernels are not built")
     weight = torch.ones(8192, 1, dtype=torch.bfloat16)
     weight.grad = torch.ones(8192, 1, dtype=torch.bfloat16)
     opt = TableAdamW([weight], lr=1e-4, weight_decay=0.0, state_dtype=state_dtype, seed=3)
-    for _ in range(300):
-        opt.step()
+    with ops.use_backend(backend):
+        for _ in range(300):
+            opt.step()
     return float(weight.float().mean()) - (1.0 - 300 * 1e-4)
 
 
@@ -71,14 +74,15 @@ def drift_of_tiny_updates(rounding, monkeypatch, state_dtype="fp32") -> float:
 TOLERANCE = 5 * 7.5e-4
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
-def test_stochastic_rounding_keeps_tiny_updates_in_expectation(monkeypatch, state_dtype):
-    assert abs(drift_of_tiny_updates(stochastic_round_to_bf16, monkeypatch, state_dtype)) < TOLERANCE
+def test_stochastic_rounding_keeps_tiny_updates_in_expectation(backend, state_dtype):
+    assert abs(drift_of_tiny_updates(backend, state_dtype)) < TOLERANCE
 
 
 def test_the_same_test_fails_for_round_to_nearest(monkeypatch):
-    nearest = lambda values, noise: values.to(torch.bfloat16)  # noqa: E731
-    assert drift_of_tiny_updates(nearest, monkeypatch) == pytest.approx(0.03)  # the rows never moved
+    monkeypatch.setattr(reference, "stochastic_round_to_bf16", lambda values, noise: values.to(torch.bfloat16))
+    assert drift_of_tiny_updates("torch") == pytest.approx(0.03)  # the rows never moved
 
 
 def test_stochastic_rounding_is_unbiased_and_exact_where_bf16_is():

@@ -161,23 +161,54 @@ def resume_at(source: str, step: int, target: str) -> str:
     return target
 
 
+@pytest.fixture(scope="module")
+def fp32_run(small_data, tmp_path_factory):
+    """fe-pretrain with fp32 tables as Megatron's parameters (DP=1, fp32), checkpoints at 4 and 8."""
+    save = str(tmp_path_factory.mktemp("stores") / "fp32")
+    proc = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data))
+    assert "tables fp32 as the engine's parameters, replicated" in proc.stdout
+    return save
+
+
 @pytest.mark.distributed
-def test_a_bf16_run_follows_the_fp32_curve_and_resumes_exactly(small_data, tmp_path):
+def test_a_bf16_run_follows_the_fp32_curve_and_resumes_exactly(small_data, fp32_run, tmp_path):
     """training.precision=bf16 (the GPU default) on the CPU: every weight in bf16 as Megatron-LM
     keeps them, the fp32 tables trained from stores; the loss curve stays within 1e-3 of fp32,
     and a resume from step 4 repeats steps 6-8 bit for bit."""
-    runs = {}
-    for precision in ("fp32", "bf16"):
-        runs[precision] = str(tmp_path / precision)
-        proc = run_pretrain(["--config", CONFIG, "--save", runs[precision]]
-                            + small_overrides(small_data, **{"training.precision": precision}))
+    bf16 = str(tmp_path / "bf16")
+    proc = run_pretrain(["--config", CONFIG, "--save", bf16] + small_overrides(small_data, **{"training.precision":
+                                                                                                "bf16"}))
     assert "tables fp32 in stores on the device" in proc.stdout
-    for (step, fp32), (_, bf16) in zip(losses(runs["fp32"]), losses(runs["bf16"])):
-        assert bf16 == pytest.approx(fp32, rel=1e-3), f"step {step}"
-    half = resume_at(runs["bf16"], 4, str(tmp_path / "resumed"))
+    for (step, fp32), (_, got) in zip(losses(fp32_run), losses(bf16)):
+        assert got == pytest.approx(fp32, rel=1e-3), f"step {step}"
+    half = resume_at(bf16, 4, str(tmp_path / "resumed"))
     run_pretrain(["--config", CONFIG, "--load", half, "--save", half]
                  + small_overrides(small_data, **{"training.precision": "bf16"}))
-    assert losses(half) == losses(runs["bf16"])[2:]
+    assert losses(half) == losses(bf16)[2:]
+
+
+@pytest.mark.distributed
+def test_a_resume_may_change_the_table_storage_except_across_the_distributed_optimizer(small_data, fp32_run,
+                                                                                        tmp_path):
+    """The tables' state has the same names however they are kept: fp32 tables held by Megatron's
+    optimizer resume as bf16 tables with bf16 state in host memory (cast as they load) and follow
+    the fp32 curve; with the distributed optimizer, whose layout differs, the change is refused by name."""
+    storage = {"memory.table_dtype": "bf16", "optimizer.table_state_dtype": "bf16", "memory.table_placement": "host"}
+    half = resume_at(fp32_run, 4, str(tmp_path / "changed"))
+    proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half] + small_overrides(small_data, **storage))
+    assert "changed since the checkpoint: memory.table_placement: 'device' -> 'host'" in proc.stdout
+    for (step, got), (_, expected) in zip(losses(half), losses(fp32_run)[2:]):
+        assert got == pytest.approx(expected, rel=1e-3), f"step {step}"
+    distributed = {"parallel.distributed_optimizer": "true", "training.train_steps": 2, "training.save_interval": 2,
+                   "optimizer.warmup_steps": 1}
+    source = str(tmp_path / "distributed")
+    run_pretrain(["--config", CONFIG, "--save", source] + small_overrides(small_data, **distributed))
+    refused = run_pretrain(["--config", CONFIG, "--load", source, "--save", source]
+                           + small_overrides(small_data, **dict(distributed, **storage, **{"training.train_steps": 4})),
+                           check=False)
+    assert refused.returncode != 0
+    assert "trained its tables as Megatron's parameters" in refused.stderr
+    assert "with parallel.distributed_optimizer the two keep the tables' Adam moments in layouts" in refused.stderr
 
 
 @pytest.mark.distributed
@@ -201,3 +232,17 @@ def test_bf16_tables_in_host_memory_train_resume_at_another_size_and_convert(sma
     model = FactorEngramForCausalLM.from_pretrained(mcore_to_hf(save, str(tmp_path / "hf"))).eval()
     assert model.config.memory["table_dtype"] == "bf16" and model.config.memory["table_placement"] == "device"
     assert model.model.layers[model.config.memory["layers"][0]].memory.tables.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.distributed
+def test_a_pipeline_stage_without_memory_trains_and_resumes_exactly(small_data, tmp_path):
+    """PP=2 with memory at layers 2 and 3 only (stage 0 holds none, as the paper's layers 10 and 12
+    do at PP=4): every stage keeps a table member in its optimizer chain, and the step-4
+    checkpoint, whose common part stage 0 writes, resumes steps 6-8 bit for bit."""
+    layout = {"parallel.pipeline": 2, "memory.layers": "[2, 3]"}
+    save = str(tmp_path / "run")
+    proc = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **layout), nproc=2)
+    assert "tables fp32 in stores on the device" in proc.stdout
+    half = resume_at(save, 4, str(tmp_path / "resumed"))
+    run_pretrain(["--config", CONFIG, "--load", half, "--save", half] + small_overrides(small_data, **layout), nproc=2)
+    assert losses(half) == losses(save)[2:]

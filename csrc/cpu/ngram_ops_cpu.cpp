@@ -1,5 +1,5 @@
-// CPU (OpenMP) kernels behind fe_megatron.ops: the multi-head n-gram hash, the row gather
-// and the deduplicated table backward.  Semantics: fe_megatron/ops/reference.py; design:
+// CPU (OpenMP) kernels behind fe_megatron.ops: the multi-head n-gram hash, the row gather,
+// the deduplicated table backward and the table optimizer's fused update.  Semantics: fe_megatron/ops/reference.py; design:
 // docs/kernels.md.  The backward into fp32 partitions rows over threads (bit-identical to
 // the reference); into bf16/fp16 it is the chunked, sorted reduction of the CUDA and
 // Triton kernels.
@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 
 namespace {
@@ -216,12 +217,121 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   });
 }
 
+// ---------------------------------------------------------------------------- the table optimizer's update
+// One AdamW step of a table in place, in one pass over the table (no temporaries): what the host
+// tier's optimizer runs.  Semantics: reference.table_adamw_ (torch's single-tensor AdamW order,
+// bf16 results stochastically rounded with counter_noise of each element's global id).
+
+constexpr uint64_t kLow31 = 0x7FFFFFFF;
+
+inline uint64_t mix31(uint64_t x) {  // reference._mix31: every intermediate < 2^58
+  x ^= x >> 16;
+  x = (x * 0x45D9F3BULL) & kLow31;
+  x ^= x >> 16;
+  x = (x * 0x45D9F3BULL) & kLow31;
+  return x ^ (x >> 16);
+}
+
+inline uint32_t counter_noise(uint64_t key1, uint64_t key2, uint64_t id) {
+  return static_cast<uint32_t>((mix31(mix31((id & kLow31) ^ key1) ^ (id >> 31) ^ key2) >> 8) & 0xFFFF);
+}
+
+inline float load(float v) { return v; }
+inline float load(at::BFloat16 v) { return static_cast<float>(v); }
+
+inline void store(float* dst, float value, uint32_t) { *dst = value; }
+inline void store(at::BFloat16* dst, float value, uint32_t noise) {  // reference.stochastic_round_to_bf16
+  if (!std::isfinite(value)) {
+    *dst = at::BFloat16(value);
+    return;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits = (bits + noise) & 0xFFFF0000u;  // unsigned: wraps as torch's int32 add does
+  dst->x = static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename P, typename G, typename S>
+void table_adamw_kernel(P* param, const G* grad, S* exp_avg, S* exp_avg_sq, const int64_t* global_rows,
+                        int64_t rows, int64_t width, int64_t column_offset, int64_t global_width, const int64_t* keys,
+                        float decay, float weight1, float beta2, float weight2, float bias_correction2_sqrt, float eps,
+                        float step_size) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint64_t first_id = static_cast<uint64_t>(global_rows[r] * global_width + column_offset);
+      for (int64_t c = 0; c < width; ++c) {
+        const int64_t i = r * width + c;
+        const float g = load(grad[i]);
+        float p = load(param[i]) * decay;                                  // param.mul_(1 - lr wd)
+        float m = load(exp_avg[i]);
+        m = std::fma(weight1, g - m, m);                                   // exp_avg.lerp_(grad, 1 - beta1)
+        float v = load(exp_avg_sq[i]) * beta2 + weight2 * g * g;           // mul_(beta2).addcmul_(g, g, 1 - beta2)
+        const float denom = std::sqrt(v) / bias_correction2_sqrt + eps;   // (sqrt / bc2).add_(eps)
+        p = p + step_size * (m / denom);                                   // addcdiv_(m, denom, -lr / bc1)
+        const uint64_t id = first_id + static_cast<uint64_t>(c);
+        store(param + i, p, counter_noise(keys[0], keys[1], id));
+        store(exp_avg + i, m, counter_noise(keys[2], keys[3], id));
+        store(exp_avg_sq + i, v, counter_noise(keys[4], keys[5], id));
+      }
+    }
+  });
+}
+
+void table_adamw_(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+                  torch::Tensor global_rows, int64_t column_offset, int64_t global_width, torch::Tensor keys, double lr,
+                  double beta1, double beta2, double eps, double weight_decay, int64_t step) {
+  check_long(global_rows, "global_rows");
+  check_long(keys, "keys");
+  for (const auto* t : {&param, &grad, &exp_avg, &exp_avg_sq}) {
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu() && t->sizes() == param.sizes() &&
+                    (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kBFloat16),
+                "fe_megatron cpp: table_adamw_ takes contiguous fp32 or bf16 CPU tensors of the table's shape");
+  }
+  TORCH_CHECK(exp_avg.scalar_type() == exp_avg_sq.scalar_type() && keys.numel() == 6 && param.dim() == 2 &&
+                  global_rows.numel() == param.size(0),
+              "fe_megatron cpp: table_adamw_ expects moments of one dtype, keys [3, 2] and global_rows [rows]");
+  // the scalars as torch turns the Python numbers into float operands
+  const float decay = static_cast<float>(1.0 - lr * weight_decay), weight1 = static_cast<float>(1.0 - beta1);
+  const float beta2f = static_cast<float>(beta2), weight2 = static_cast<float>(1.0 - beta2);
+  const double bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const float bias_correction2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  const float step_size = static_cast<float>(-lr / bias_correction1);
+  const auto run = [&](auto* p, const auto* g, auto* m, auto* v) {
+    table_adamw_kernel(p, g, m, v, global_rows.data_ptr<int64_t>(), param.size(0), param.size(1), column_offset,
+                       global_width, keys.data_ptr<int64_t>(), decay, weight1, beta2f, weight2, bias_correction2_sqrt,
+                       static_cast<float>(eps), step_size);
+  };
+  const auto with_state = [&](auto* p, const auto* g) {
+    if (exp_avg.scalar_type() == torch::kFloat32) {
+      run(p, g, exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>());
+    } else {
+      run(p, g, exp_avg.data_ptr<at::BFloat16>(), exp_avg_sq.data_ptr<at::BFloat16>());
+    }
+  };
+  const auto with_grad = [&](auto* p) {
+    if (grad.scalar_type() == torch::kFloat32) {
+      with_state(p, grad.data_ptr<float>());
+    } else {
+      with_state(p, grad.data_ptr<at::BFloat16>());
+    }
+  };
+  if (param.scalar_type() == torch::kFloat32) {
+    with_grad(param.data_ptr<float>());
+  } else {
+    with_grad(param.data_ptr<at::BFloat16>());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fe_megatron CPU kernels: n-gram hash, row gather, deduplicated table backward";
+  m.doc() = "fe_megatron CPU kernels: n-gram hash, row gather, deduplicated table backward, table AdamW";
   m.attr("CHUNK") = kChunk;
-  m.def("ngram_hash", &ngram_hash, "multi-head n-gram hash of all branches (Eq. 1, 6)");
-  m.def("gather_rows_forward", &gather_rows_forward, "weight[flat_indices]");
-  m.def("gather_rows_backward", &gather_rows_backward, "out[i] += deduplicated row gradients");
+  // The kernels touch only tensors: they release the GIL, so the host tier's worker thread and the
+  // threads issuing GPU work run beside them.
+  const auto release = py::call_guard<py::gil_scoped_release>();
+  m.def("ngram_hash", &ngram_hash, "multi-head n-gram hash of all branches (Eq. 1, 6)", release);
+  m.def("gather_rows_forward", &gather_rows_forward, "weight[flat_indices]", release);
+  m.def("gather_rows_backward", &gather_rows_backward, "out[i] += deduplicated row gradients", release);
+  m.def("table_adamw_", &table_adamw_, "one AdamW step of a table, bf16 results stochastically rounded", release);
 }

@@ -38,7 +38,6 @@ import dataclasses
 import io
 import os
 import re
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,7 @@ from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
 from fe_megatron.memory.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.memory.loss import weighted_sparsity
-from fe_megatron.memory.managed_tables import uses_table_stores
+from fe_megatron.memory.managed_tables import storage_needs_stores
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.training.distributed import current_device, log
 from fe_megatron.training.loop import MetricsWriter
@@ -265,9 +264,8 @@ def table_mode(table_sharding: str, memory: dict, table_state_dtype: str) -> str
     the memory config's fields ``memory`` (None: no memory)."""
     if table_sharding == ROW_SHARDED:
         return ROW_SHARDED
-    if table_sharding == "replicated" and uses_table_stores(SimpleNamespace(
-            table_dtype=memory.get("table_dtype", "fp32"), table_placement=memory.get("table_placement", "device"))
-            if memory is not None else None, table_state_dtype):
+    if table_sharding == "replicated" and memory is not None and storage_needs_stores(
+            memory.get("table_dtype", "fp32"), memory.get("table_placement", "device"), table_state_dtype):
         return "replicated"
     return "zero"
 

@@ -117,7 +117,10 @@ class StoredTables:
                 continue  # saved before the tables' first update
             state[index] = {key: (mine(name, [entry[key] for entry in entries]) if value.dim() > 0 else value.clone())
                             for key, value in entries[0].items()}  # step: the same scalar on every rank
-        self.optimizer.load_state_dict({"state": state, "param_groups": saved[0]["optimizer"]["param_groups"]})
+        # the moments and step counts from the files, the hyperparameters (multipliers, betas, eps) from this run
+        groups = [dict(group, params=list(range(len(group["params"])))) for group in self.optimizer.state_dict()[
+            "param_groups"]]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _read_saved_shards(folder: str) -> list:

@@ -135,7 +135,7 @@ def set_up(cfg) -> MegatronRun:
     from fe_megatron.megatron.checkpointing import holds_weights_only, load_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask
-    from fe_megatron.megatron.table_optimizer import manage_tables, tables_in_stores
+    from fe_megatron.megatron.table_optimizer import manage_tables, refuse_table_optimizer_change, tables_in_stores
     from fe_megatron.training.run import describe_tables
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
@@ -145,12 +145,16 @@ def set_up(cfg) -> MegatronRun:
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
     tokenizer = load_run_tokenizer(cfg)
     dp = parallel_state.get_data_parallel_world_size()
+    in_stores = tables_in_stores(cfg, use_bf16(t, on_gpu))
     info = run_info(cfg, dp)  # a layout without "engine" is the Megatron engine's
+    info["tables"] = "stores" if in_stores else "parameters"  # how the tables are trained (table_optimizer.py)
     start_at = start_point(cfg, "megatron", find_megatron_checkpoint(cfg), log)
     resume_from = start_at.folder
     weights_only = resume_from is not None and holds_weights_only(resume_from)
     if resume_from is not None:
         resume_guard.guard(resume_from, start_at.saved, info, log, weights_only=weights_only)
+        if not weights_only:
+            refuse_table_optimizer_change(resume_from, start_at.saved, info)
     # Megatron's scheduler restores a checkpoint's schedule; a converted checkpoint has none
     info["schedule"] = resume_guard.schedule_in_force(None if weights_only else start_at.saved, info)
     datasets = run_datasets(cfg, tokenizer, dp)
@@ -160,7 +164,7 @@ def set_up(cfg) -> MegatronRun:
                             share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
                             table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
     tables = None
-    if tables_in_stores(cfg, tconfig.bf16):  # before .cuda(): host tables never reach the GPU
+    if in_stores:  # before .cuda(): host tables never reach the GPU
         tables = manage_tables(model, o, o.table_state_dtype, p.table_sharding, current_device(), t.seed)
     if tconfig.bf16:
         # every parameter in bf16, as Megatron-LM's Float16Module makes them (its mixed-precision optimizer keeps

@@ -37,7 +37,9 @@ class FactorEngramGPTModel(GPTModel):
         self.memory_config = memory_config
         self.stage_memory_layers = [layer for layer in self.decoder.layers
                                     if isinstance(layer, FactorEngramTransformerLayer) and layer.memory is not None]
-        self.hasher = MicrobatchHasher(memory_config, [layer.layer_index for layer in self.stage_memory_layers])
+        # a pipeline stage may hold no memory layer (the paper's layers 10 and 12 of 24 at PP=4): it hashes nothing
+        self.hasher = MicrobatchHasher(memory_config, [layer.layer_index for layer in self.stage_memory_layers]) \
+            if self.stage_memory_layers else None
         self.prefetch_table_rows = prefetch_table_rows
         start = 0  # each memory layer's columns when the indices travel stacked (full recompute)
         for layer in self.stage_memory_layers:
@@ -96,6 +98,8 @@ class FactorEngramGPTModel(GPTModel):
         hashed where the ids are (the host tier hashes on the host, so starting needs no device
         synchronization) with the rows bound for ``device``; pass the result to ``forward`` as
         ``memory_indices``."""
+        if self.hasher is None:
+            return {}
         layers = {layer.layer_index: layer for layer in self.stage_memory_layers}
         return {index: layers[index].memory.start_lookup(indices, device)
                 for index, indices in self.hasher(input_ids).items()}

@@ -1,8 +1,9 @@
 """The Megatron engine's tables in stores: bf16 tables, the host tier, bf16 optimizer state, and
 every table of a bf16 run.
 
-When the run's tables are in stores (`tables_in_stores`) `manage_tables` moves every memory branch of this pipeline stage into one before the model goes
-to the GPU, so host-resident tables never touch it.  The tables are then buffers, not parameters:
+When the run's tables are in stores (`tables_in_stores`) `manage_tables` moves every memory
+branch of this pipeline stage into one before the model goes to the GPU, so host-resident tables
+never touch it.  The tables are then buffers, not parameters:
 Megatron's DDP neither buckets nor all-reduces them and its optimizer keeps no fp32 copy of them.
 `TableOptimizer` trains them as a member of Megatron's `ChainedOptimizer` (in the place Megatron's
 own table optimizer holds otherwise, `fe_megatron.megatron.memory_layer`), so that
@@ -33,10 +34,46 @@ from fe_megatron.memory.sharding import ROW_SHARDED
 
 def tables_in_stores(cfg, bf16: bool) -> bool:
     """Whether this run's tables are trained from stores: as the storage asks
-    (`fe_megatron.memory.managed_tables.uses_table_stores`), and always in a bf16 run, whose
+    (`fe_megatron.memory.managed_tables.uses_table_stores`); always in a bf16 run, whose
     mixed-precision optimizer would otherwise hold the tables as bf16 weights with fp32 copies
-    (18 bytes per table parameter) instead of ``memory.table_dtype``."""
-    return cfg.memory is not None and (bf16 or uses_table_stores(cfg.memory, cfg.optimizer.table_state_dtype))
+    (18 bytes per table parameter) instead of ``memory.table_dtype``; and when a pipeline stage
+    holds no memory layer (the paper's layers 10 and 12 of 24 at PP=4), where Megatron would build
+    its table optimizer on some stages only, and a checkpoint, whose optimizer structure global rank
+    0 writes for every rank, would not load into the others."""
+    if cfg.memory is None:
+        return False
+    pp, layers = cfg.parallel.pipeline, cfg.model.num_layers
+    stage_without_memory = any(not any(stage * layers // pp <= layer < (stage + 1) * layers // pp
+                                       for layer in cfg.memory.layers) for stage in range(pp))
+    return bf16 or stage_without_memory or uses_table_stores(cfg.memory, cfg.optimizer.table_state_dtype)
+
+
+def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> None:
+    """A checkpoint resumes with its tables' optimizer state in another layout only without the
+    distributed optimizer.  Tables trained from stores save their moments by table, under the same
+    names as Megatron's own optimizer does for tables held as its parameters, so a change of
+    ``memory.table_dtype``, ``table_placement`` or ``optimizer.table_state_dtype`` loads (the
+    values are cast); Megatron's distributed optimizer saves them in its flat buffers instead, which
+    the table optimizer cannot read, nor it the table optimizer's.  ``info["tables"]`` (``stores``
+    or ``parameters``) records which one a run used."""
+    from fe_megatron.checkpoint.files import CheckpointError
+
+    saved_info = saved_info or {}
+    saved = saved_info.get("tables", "parameters")  # runs before table stores: parameters
+    distributed = [bool(((i.get("config") or {}).get("parallel") or {}).get("distributed_optimizer"))
+                   for i in (saved_info, info)]
+    if (saved_info.get("config") or {}).get("memory") is None or saved == info["tables"] \
+            or not any(distributed):
+        return
+    where = {"stores": "in table stores (bf16 tables, the host tier, bf16 state, a bf16 run, or a pipeline stage "
+                       "without memory)",
+             "parameters": "as Megatron's parameters (fp32 tables on the device, fp32 state, an fp32 run)"}
+    raise CheckpointError(f"{folder} trained its tables {where[saved]}, and this run trains them "
+                          f"{where[info['tables']]}; with parallel.distributed_optimizer the two keep "
+                          "the tables' Adam moments in layouts that do not load into each other. Resume with the "
+                          "checkpoint's memory.table_dtype, memory.table_placement, optimizer.table_state_dtype and "
+                          "training.precision, or start a new run from its weights (fe-convert mcore-to-hf, then "
+                          "hf-to-mcore, and --load the output)")
 
 
 def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int) -> ManagedTables:
@@ -101,16 +138,20 @@ class TableOptimizer(FP32Optimizer):
         return self.step_with_ready_grads(), self.global_grad_norm, None
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
-        """As `FP32Optimizer`'s, over the tables (which `get_parameters` does not list)."""
+        """As `FP32Optimizer`'s, over the tables (which `get_parameters` does not list), with the
+        step count always written, from the counter every stage keeps: only global rank 0 writes a
+        checkpoint's common part, and its stage may hold no table."""
         if is_loading:
             self.optimizer.initialize_state()
         state_dict = self.state_dict()
         id_to_sharded_param_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.tables.weights)
-        step = self._extract_common_per_param_step(state_dict)
         optim_state_to_sharding_state(state_dict, id_to_sharded_param_map, exclude_keys="step")
-        if step:
-            state_dict["state"]["common_step"] = step
+        state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
         return state_dict
+
+    def load_state_dict(self, state_dict) -> None:
+        self.tables.steps = int(state_dict["state"]["common_step"])
+        super().load_state_dict(state_dict)
 
 
 class TableChainedOptimizer(ChainedOptimizer):

@@ -34,14 +34,18 @@ import torch.distributed as dist
 from fe_megatron.memory.branch import MemoryBranch
 from fe_megatron.memory.table_optimizer import STATE_DTYPES, TableAdamW, TableLayout
 
-REDUCE_CHUNK = 1 << 24  # elements of a host-resident gradient all-reduced at a time through the device
+REDUCE_CHUNK = 1 << 24  # elements of a gradient all-reduced (host-resident: through the device) or normed at a time
+
+
+def storage_needs_stores(table_dtype: str, table_placement: str, state_dtype: str) -> bool:
+    """Whether tables kept so are trained from `TableStore`s (by `ManagedTables`) rather than as the
+    engine's parameters: bf16 tables, the host tier, or bf16 optimizer state."""
+    return table_dtype != "fp32" or table_placement == "host" or state_dtype != "fp32"
 
 
 def uses_table_stores(memory, state_dtype: str = "fp32") -> bool:
-    """Whether a run's tables are trained from `TableStore`s (by `ManagedTables`) rather than as the
-    engine's parameters: bf16 tables, the host tier, or bf16 optimizer state."""
-    return memory is not None and (memory.table_dtype != "fp32" or memory.table_placement == "host"
-                                   or state_dtype != "fp32")
+    """`storage_needs_stores` of a run's memory config (None: no tables)."""
+    return memory is not None and storage_needs_stores(memory.table_dtype, memory.table_placement, state_dtype)
 
 
 def memory_branches(model: torch.nn.Module) -> dict:
@@ -71,7 +75,6 @@ class ManagedTables:
             store.weight.table_layout = TableLayout(
                 branch.layer_index, tuple(branch.global_row_slices("tables.weight")),
                 branch.parallel.tensor_parallel_rank * store.weight.shape[1], branch.config.branch_width)
-            store.weight.requires_grad_(False)
             self.stores[f"{name}.tables.weight"] = store
             self.partitions[f"{name}.tables.weight"] = branch.row_partition
         o = optimizer_args
@@ -81,6 +84,7 @@ class ManagedTables:
             lr=o.lr * o.table_lr_mult, betas=(o.beta1, o.beta2), eps=o.eps,
             weight_decay=o.weight_decay * o.table_weight_decay_mult, state_dtype=state_dtype, seed=seed)
         self._reduced = False
+        self.steps = 0  # updates applied, also by a pipeline stage without tables: the step count checkpoints keep
 
     def numel(self) -> int:
         """Table parameters of the whole model (every rank's rows; this rank's columns)."""
@@ -125,8 +129,9 @@ class ManagedTables:
         """The global L2 norm of the tables' gradients (after `reduce_gradients`), on every rank."""
         self.reduce_gradients()
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for store in self.stores.values():
-            squares += store.main_grad.double().pow(2).sum().to(self.device)
+        for store in self.stores.values():  # a chunk at a time: no table-sized temporary
+            for chunk in store.main_grad.view(-1).split(REDUCE_CHUNK):
+                squares += torch.linalg.vector_norm(chunk, dtype=torch.float32).double().square().to(self.device)
         for group in self.norm_groups:
             dist.all_reduce(squares, group=group)
         return float(squares.sqrt())
@@ -142,3 +147,4 @@ class ManagedTables:
         """One `TableAdamW` update of every table, where it lives."""
         self.reduce_gradients()
         self.optimizer.step()
+        self.steps += 1

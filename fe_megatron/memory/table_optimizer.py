@@ -1,10 +1,10 @@
 """TableAdamW: AdamW for n-gram tables and optimizer state stored in fp32 or bf16.
 
-The update is torch's AdamW (decoupled weight decay, bias-corrected moments), computed in fp32.
-An fp32 table with fp32 moments takes it as torch's single-tensor AdamW does, to the bit.
-Otherwise each step reads a block of rows (and their moments) as fp32, updates them, and writes
-back what is stored in bf16 with stochastic rounding (`fe_megatron.memory.table_storage`), so
-updates far below a bf16 step still move the rows in expectation; rounding to nearest would
+The update is torch's AdamW (decoupled weight decay, bias-corrected moments), computed in fp32
+a block of rows at a time, so the scratch is a block's, not a table's.  An fp32 table with fp32
+moments takes it as torch's single-tensor AdamW does, to the bit.  What is stored in bf16 is read
+as fp32, updated and written back with stochastic rounding (`fe_megatron.memory.table_storage`),
+so updates far below a bf16 step still move the rows in expectation; rounding to nearest would
 drop them.
 
 Optimizer state precision (``state_dtype``, ``optimizer.table_state_dtype``): fp32 moments, as
@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from fe_megatron.memory.table_storage import rounding_noise, stochastic_round_to_bf16
-
-ELEMENTS_PER_BLOCK = 1 << 20  # table elements updated at a time when something is stored in bf16: bounds the scratch
+from fe_megatron import ops
+from fe_megatron.memory.table_storage import rounding_keys
+from fe_megatron.ops import reference
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -107,44 +107,21 @@ class TableAdamW(torch.optim.Optimizer):
                 state = self.state[param]
                 state["step"] += 1
                 step = int(state["step"].item())
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                if param.dtype == torch.float32 and self.state_dtype == torch.float32:
-                    _adamw(param, grad, exp_avg, exp_avg_sq, step, group)
-                else:
-                    self._step_in_blocks(param, grad, exp_avg, exp_avg_sq, step, group)
+                self._update(param, grad, state["exp_avg"], state["exp_avg_sq"], step, group)
         return None
 
-    def _step_in_blocks(self, param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> None:
-        """The update of a table with something stored in bf16, a block of rows at a time, each bf16
-        tensor written back with stochastic rounding keyed by its elements' global ids."""
+    def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> None:
+        """One table's update: torch's AdamW a block of rows at a time for fp32 tables and state (to
+        the bit), else the fused kernel (`fe_megatron.ops.table_adamw_`: on host memory the C++ one),
+        each bf16 tensor written back with stochastic rounding keyed by its elements' global ids."""
         layout = param.table_layout
         global_rows = self._global_rows.get(id(param))
         if global_rows is None:
             global_rows = self._global_rows[id(param)] = layout.global_rows().to(param.device)
-        width = param.shape[1]
-        columns = torch.arange(layout.column_offset, layout.column_offset + width, dtype=torch.int64,
-                               device=param.device)
-        rows_per_block = max(1, ELEMENTS_PER_BLOCK // width)
-        for first in range(0, param.shape[0], rows_per_block):
-            block = slice(first, first + rows_per_block)
-            element_ids = global_rows[block, None] * layout.global_width + columns
-            values = [tensor[block] if tensor.dtype == torch.float32 else tensor[block].float()
-                      for tensor in (param, exp_avg, exp_avg_sq)]
-            _adamw(*values[:1], grad[block], *values[1:], step, group)
-            for which, (tensor, updated) in enumerate(zip((param, exp_avg, exp_avg_sq), values)):
-                if tensor.dtype == torch.bfloat16:  # fp32 ones were updated in place
-                    noise = rounding_noise((self.seed, layout.table, step, which), element_ids)
-                    tensor[block] = stochastic_round_to_bf16(updated, noise)
-
-
-def _adamw(param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> None:
-    """One AdamW update of fp32 ``param`` in place, in the order of torch's single-tensor AdamW."""
-    lr, (beta1, beta2), eps, weight_decay = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    grad = grad.float()
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1 ** step
-    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        keys = torch.tensor([rounding_keys((self.seed, layout.table, step, which)) for which in range(3)])
+        settings = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                        weight_decay=group["weight_decay"], step=step)
+        exact = param.dtype == torch.float32 and self.state_dtype == torch.float32
+        (reference.table_adamw_ if exact else ops.table_adamw_)(
+            param, grad.contiguous(), exp_avg, exp_avg_sq, global_rows, layout.column_offset, layout.global_width,
+            keys, **settings)

@@ -20,6 +20,7 @@ import hashlib
 import torch
 
 from fe_megatron.config import TABLE_DTYPES
+from fe_megatron.ops.reference import counter_noise, stochastic_round_to_bf16  # noqa: F401 (the storage's rounding)
 
 STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -49,45 +50,20 @@ def quantize_table(weight: torch.Tensor, table_dtype: str) -> dict:
     return {"weight": stored, ROW_SCALE: scale}
 
 
-def stochastic_round_to_bf16(values: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """``values`` (fp32) in bfloat16, rounded up or down at random with the probabilities that make
-    the result unbiased: ``E[round(x)] = x``.  Round-to-nearest loses every update smaller than half
-    a bf16 step (about ``|x| / 256``), which is most of a table row's Adam updates late in
-    training; stochastic rounding keeps them in expectation (FBGEMM's bf16 embedding tables do
-    the same).
-
-    bf16 is the top half of an fp32's bits: adding ``noise`` (uniform integers in ``[0, 2^16)``,
-    one per value, e.g. `rounding_noise`) to the bottom half and truncating rounds the magnitude up
-    with probability (dropped bits) / 2^16.  Values that are inf or nan are kept as they are."""
-    values = values.float().contiguous()
-    bits = values.view(torch.int32)
-    rounded = ((bits + noise.to(torch.int32)) & -65536).view(torch.float32)  # -65536: 0xFFFF0000
-    return torch.where(torch.isfinite(values), rounded, values).to(torch.bfloat16)
+def rounding_keys(key) -> tuple:
+    """The two 31-bit keys of the rounding noise of ``key`` (any repr-able value, e.g. (seed, table,
+    step, tensor)): the same in every process."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return tuple(int.from_bytes(digest[i:i + 4], "little") & 0x7FFFFFFF for i in (0, 4))
 
 
-_LOW31 = 0x7FFFFFFF
-
-
-def _mix31(x: torch.Tensor) -> torch.Tensor:
-    """An integer hash with full avalanche on 31-bit values (Mueller's 0x45d9f3b mixer); every
-    intermediate stays below 2^58, so int64 arithmetic never overflows."""
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _LOW31
-    x = x ^ (x >> 16)
-    x = (x * 0x45D9F3B) & _LOW31
-    return x ^ (x >> 16)
-
-
-def rounding_noise(key: int, element_ids: torch.Tensor) -> torch.Tensor:
+def rounding_noise(key, element_ids: torch.Tensor) -> torch.Tensor:
     """Uniform 16-bit integers (int32), one per entry of ``element_ids`` (int64 >= 0), a function of
-    ``key`` and the id alone: a counter-based generator.  A table's updates use ``key`` = (table,
-    step) and the element's global id (row x global width + column), so the rounding of an element
-    is the same at every parallel layout and after a resume, with no generator state to save."""
-    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()  # the same in every process
-    key1, key2 = (int.from_bytes(digest[i:i + 4], "little") & _LOW31 for i in (0, 4))
-    ids = element_ids.to(torch.int64)
-    mixed = _mix31(_mix31((ids & _LOW31) ^ key1) ^ (ids >> 31) ^ key2)
-    return ((mixed >> 8) & 0xFFFF).to(torch.int32)
+    ``key`` and the id alone: a counter-based generator (`fe_megatron.ops.reference.counter_noise`).
+    A table's updates use ``key`` = (seed, table, step, tensor) and the element's global id (row x
+    global width + column), so the rounding of an element is the same at every parallel layout and
+    after a resume, with no generator state to save."""
+    return counter_noise(*rounding_keys(key), element_ids)
 
 
 def dequantize_rows(rows: torch.Tensor, row_scales: torch.Tensor = None) -> torch.Tensor:

@@ -6,17 +6,20 @@ optimizers would keep fp32 copies of bf16 weights and whose wrappers would move 
 the accelerator.  A `TableStore` holds such a table instead:
 
 * ``weight`` [rows, width], fp32 or bf16, in device memory (``placement="device"``) or in host
-  memory (``"host"``: pinned where a GPU is present, so copies to it run asynchronously);
+  memory (``"host"``, ordinary pageable memory: only the small per-microbatch copies are pinned,
+  since torch's pinned allocator would round a table up to the next power of two and never
+  return it);
 * ``main_grad`` beside it once training allocates one (`allocate_gradient`), fp32 or bf16;
 * ``anchor``: a zero-size tensor that requires grad.  A lookup passes it to its autograd function
   so that autograd runs the lookup's backward, which adds the row gradients into ``main_grad``
   and returns nothing for the anchor (FBGEMM's table-batched embeddings use the same device).
 
 Reading rows (`fetch`): from device memory, one gather; from host memory, a gather on the host
-into a pinned buffer and a copy to the device on a side stream, which the consumer waits for
-when it uses the rows (`RowsInFlight.wait`), so the copy overlaps whatever runs meanwhile.
-Writing gradients (`accumulate`): into device memory at once; into host memory, a copy back on
-the side stream and an addition on the host by one worker thread, in the order the gradients
+(the C++ kernel, which releases the GIL), a copy into a pinned staging buffer and a copy to the
+device on a side stream, which the consumer waits for when it uses the rows
+(`RowsInFlight.wait`), so the copy overlaps whatever the device runs meanwhile.  Writing
+gradients (`accumulate`): into device memory at once; into host memory, a copy back on another
+side stream and an addition on the host by one worker thread, in the order the gradients
 arrived (so the result is the same as adding them at once); `wait_for_gradients` returns once
 every addition is done, and must run before ``main_grad`` is read.
 
@@ -40,12 +43,14 @@ _WORKER: list = []
 _LOCK = threading.Lock()
 
 
-def _copy_stream(device: torch.device):
-    """One side stream per GPU for the host tier's copies."""
+def _copy_stream(device: torch.device, direction: str):
+    """A side stream per GPU and direction (``"to_device"``, ``"to_host"``) for the host tier's
+    copies: rows going out do not queue behind gradients coming back, and each direction can use
+    its own copy engine."""
     with _LOCK:
-        if device not in _COPY_STREAMS:
-            _COPY_STREAMS[device] = torch.cuda.Stream(device=device)
-        return _COPY_STREAMS[device]
+        if (device, direction) not in _COPY_STREAMS:
+            _COPY_STREAMS[device, direction] = torch.cuda.Stream(device=device)
+        return _COPY_STREAMS[device, direction]
 
 
 def _worker() -> concurrent.futures.ThreadPoolExecutor:
@@ -72,12 +77,12 @@ class RowsInFlight:
 
 
 def copy_to_device(host: torch.Tensor, device: torch.device) -> RowsInFlight:
-    """``host`` (pinned where a GPU is present) on ``device``: asynchronously on a GPU, as is on the CPU."""
+    """``host`` on ``device``: on a GPU through a pinned staging copy and asynchronously, on the CPU as is."""
     device = torch.device(device)
     if device.type != "cuda":
         return RowsInFlight(host.to(device))
     staging = host if host.is_pinned() else host.pin_memory()
-    stream = _copy_stream(device)
+    stream = _copy_stream(device, "to_device")
     with torch.cuda.stream(stream):
         rows = staging.to(device, non_blocking=True)
         event = torch.cuda.Event()
@@ -93,8 +98,6 @@ class TableStore:
             raise ValueError(f"placement {placement!r} is not one of ('device', 'host')")
         if placement == "host":
             weight = weight.detach().cpu()
-            if torch.cuda.is_available():
-                weight = weight.pin_memory()
         self.weight = weight.detach()
         self.placement = placement
         self.main_grad: Optional[torch.Tensor] = None
@@ -106,9 +109,8 @@ class TableStore:
         return self.placement == "host"
 
     def allocate_gradient(self, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed ``main_grad`` of ``dtype`` beside the rows (pinned on the host where a GPU is present)."""
-        pin = self.on_host and torch.cuda.is_available()
-        self.main_grad = torch.zeros(self.weight.shape, dtype=dtype, device=self.weight.device, pin_memory=pin)
+        """A zeroed ``main_grad`` of ``dtype`` beside the rows."""
+        self.main_grad = torch.zeros(self.weight.shape, dtype=dtype, device=self.weight.device)
         return self.main_grad
 
     # ----------------------------------------------------------------- reading rows
@@ -132,9 +134,10 @@ class TableStore:
             ops.gather_rows_backward(grad_rows, ids, self.main_grad, deterministic, backend)
             return
         host_ids = ids.cpu()
-        if grad_rows.device.type == "cuda":
-            stream = _copy_stream(grad_rows.device)
-            stream.wait_stream(torch.cuda.current_stream(grad_rows.device))  # the gradient is computed there
+        device = grad_rows.device
+        if device.type == "cuda":
+            stream = _copy_stream(device, "to_host")
+            stream.wait_stream(torch.cuda.current_stream(device))  # the gradient is computed there
             with torch.cuda.stream(stream):
                 host_rows = torch.empty(grad_rows.shape, dtype=grad_rows.dtype, pin_memory=True)
                 host_rows.copy_(grad_rows, non_blocking=True)
@@ -148,7 +151,8 @@ class TableStore:
 
         def add():
             if event is not None:
-                event.synchronize()
+                with torch.cuda.device(device):  # this rank's GPU: no context on GPU 0 from the worker thread
+                    event.synchronize()
             ops.gather_rows_backward(host_rows, host_ids, main_grad, deterministic, backend)
 
         self._pending.append(_worker().submit(add))

@@ -1,4 +1,5 @@
-"""One dispatch for every kernel: ``ngram_hash`` and ``gather_rows`` (forward and backward).
+"""One dispatch for every kernel: ``ngram_hash``, ``gather_rows`` (forward and backward) and the
+table optimizer's fused update ``table_adamw_``.
 
 Backends: ``torch`` (`fe_megatron.ops.reference`, always present: it defines the
 semantics), ``cpp`` (OpenMP C++ built by setup.py on every machine), ``cuda`` (built
@@ -130,13 +131,16 @@ def debug_checks(enabled: bool = True):
 
 
 def current_backend(device: torch.device, dtype: torch.dtype = None) -> str:
-    """The backend a call on ``device`` (with tables of ``dtype``) uses now: the forced one,
-    else the fastest built one that accepts them.  float64 tables use the reference: the
+    """The backend a call on ``device`` (with tables of ``dtype``) uses now: the forced one (for
+    host tensors under a forced GPU backend, the host's fastest: the host tier's work), else the
+    fastest built one that accepts them.  float64 tables use the reference: the
     compiled kernels accumulate in fp32."""
     _discover()
     forced = getattr(_state, "forced", None)
     if forced is not None:
         backend = _backends[forced]
+        if device.type == "cpu" and "cpu" not in backend.devices:  # a GPU backend forced: host-memory work
+            return fastest_backend(device, dtype)  # (the host tier's hashing and updates) takes the host's fastest
         if device.type not in backend.devices:
             raise ValueError(f"backend {forced!r} (forced by use_backend) cannot run on {device.type} tensors; "
                              f"it accepts {backend.devices}")
@@ -231,6 +235,29 @@ def table_weight_gradient(weight: torch.Tensor, add_row_gradients, dense_dtype: 
     grad_weight = torch.zeros(weight.shape, dtype=dense_dtype or weight.dtype, device=weight.device)
     add_row_gradients(grad_weight)
     return grad_weight.to(weight.dtype)
+
+
+def table_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 global_rows: torch.Tensor, column_offset: int, global_width: int, keys: torch.Tensor, lr: float,
+                 beta1: float, beta2: float, eps: float, weight_decay: float, step: int, backend: str = None) -> None:
+    """One AdamW step of table ``param`` in place, stochastically rounding what is stored in bf16
+    (`fe_megatron.ops.reference.table_adamw_` gives the semantics).  The fused kernel of the current
+    backend when it has one (cpp: one pass over host memory, for the host tier), else the reference."""
+    tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    for name, tensor in tensors.items():
+        if tensor.dtype not in (torch.float32, torch.bfloat16) or tensor.shape != param.shape:
+            raise ValueError(f"table_adamw_: {name} must be fp32 or bf16 of the table's shape {tuple(param.shape)}, "
+                             f"got {tensor.dtype} {tuple(tensor.shape)}")
+        if tensor.device != param.device or not tensor.is_contiguous():
+            raise ValueError(f"table_adamw_: {name} must be contiguous and on the table's device {param.device}")
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise ValueError(f"table_adamw_: the moments must share a dtype, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
+    if global_rows.shape != (param.shape[0],) or global_rows.dtype != torch.int64 or keys.shape != (3, 2):
+        raise ValueError("table_adamw_: global_rows must be int64 [rows] and keys [3, 2]")
+    module = get_backend(backend or current_backend(param.device, param.dtype)).module
+    fused = getattr(module, "table_adamw_", reference.table_adamw_)
+    fused(param, grad, exp_avg, exp_avg_sq, global_rows.to(param.device), int(column_offset), int(global_width),
+          keys.to(torch.int64).cpu(), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step))
 
 
 class _GatherRows(torch.autograd.Function):

@@ -13,6 +13,15 @@ Every backend module provides the same three functions:
 * ``gather_rows_backward(grad_rows, flat_indices, out, deterministic)``, which adds the
   gradient of every looked-up row into ``out`` ([rows, w]) in place, accumulating in at
   least fp32 (how duplicates are ordered and grouped is each backend's; docs/kernels.md).
+
+and may provide a fourth, the table optimizer's fused update (the torch one stands in where a
+backend lacks it):
+
+* ``table_adamw_(param, grad, exp_avg, exp_avg_sq, global_rows, column_offset, global_width,
+  keys, lr, beta1, beta2, eps, weight_decay, step)``: one AdamW step of a table in place, what is
+  stored in bf16 written back with stochastic rounding.  A compiled backend may differ from the
+  reference in the last fp32 bit of an intermediate, which moves a bf16 result by one bf16 step
+  where it moved the rounding's threshold: about one element in a million (tests/test_kernels.py).
 """
 
 import torch
@@ -62,3 +71,75 @@ def gather_rows_backward(grad_rows: torch.Tensor, flat_indices: torch.Tensor, ou
     sums = torch.zeros(unique.numel(), grad_rows.shape[1], dtype=torch.float32, device=grad_rows.device)
     sums.index_add_(0, inverse, grad_rows.to(torch.float32))
     out.index_copy_(0, unique, (out.index_select(0, unique).to(torch.float32) + sums).to(out.dtype))
+
+
+# ----------------------------------------------------------------------------- the table optimizer's update
+_LOW31 = 0x7FFFFFFF
+ELEMENTS_PER_BLOCK = 1 << 20  # table elements updated at a time: bounds the scratch
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """An integer hash with full avalanche on 31-bit values (Mueller's 0x45d9f3b mixer); every
+    intermediate stays below 2^58, so int64 arithmetic never overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _LOW31
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & _LOW31
+    return x ^ (x >> 16)
+
+
+def counter_noise(key1: int, key2: int, element_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform 16-bit integers (int32), one per entry of ``element_ids`` (int64 >= 0), a function of
+    the 31-bit keys and the id alone (a counter-based generator)."""
+    ids = element_ids.to(torch.int64)
+    mixed = _mix31(_mix31((ids & _LOW31) ^ key1) ^ (ids >> 31) ^ key2)
+    return ((mixed >> 8) & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round_to_bf16(values: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``values`` (fp32) in bfloat16, rounded up or down at random so that ``E[round(x)] = x``:
+    ``noise`` (uniform integers in ``[0, 2^16)``, one per value) is added to the bits that bf16
+    drops and the sum truncated, which rounds the magnitude up with probability (dropped bits) /
+    2^16.  Values that are inf or nan are kept as they are."""
+    values = values.float().contiguous()
+    bits = values.view(torch.int32)
+    rounded = ((bits + noise.to(torch.int32)) & -65536).view(torch.float32)  # -65536: 0xFFFF0000
+    return torch.where(torch.isfinite(values), rounded, values).to(torch.bfloat16)
+
+
+def _adamw(param, grad, exp_avg, exp_avg_sq, step: int, lr: float, beta1: float, beta2: float, eps: float,
+           weight_decay: float) -> None:
+    """One AdamW update of fp32 ``param`` in place, in the order of torch's single-tensor AdamW."""
+    grad = grad.float()
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def table_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 global_rows: torch.Tensor, column_offset: int, global_width: int, keys: torch.Tensor, lr: float,
+                 beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+    """One AdamW step (torch's, decoupled weight decay) of table ``param`` [rows, w] in place, a
+    block of rows at a time.  ``param`` fp32 or bf16; ``grad`` fp32 or bf16; the moments fp32 or
+    bf16.  Each tensor stored in bf16 is written back with `stochastic_round_to_bf16`, its noise
+    `counter_noise` of ``keys[t]`` (``keys``: [3, 2] int64, for param, exp_avg, exp_avg_sq) and the
+    element's global id ``global_rows[r] * global_width + column_offset + c``."""
+    width = param.shape[1]
+    columns = torch.arange(column_offset, column_offset + width, dtype=torch.int64, device=param.device)
+    key_pairs = [(int(keys[t, 0]), int(keys[t, 1])) for t in range(3)]
+    rows_per_block = max(1, ELEMENTS_PER_BLOCK // width)
+    for first in range(0, param.shape[0], rows_per_block):
+        block = slice(first, first + rows_per_block)
+        tensors = (param[block], exp_avg[block], exp_avg_sq[block])
+        values = [tensor if tensor.dtype == torch.float32 else tensor.float() for tensor in tensors]
+        _adamw(values[0], grad[block], values[1], values[2], step, lr, beta1, beta2, eps, weight_decay)
+        element_ids = None
+        for tensor, updated, (key1, key2) in zip(tensors, values, key_pairs):
+            if tensor.dtype == torch.bfloat16:  # fp32 ones were updated in place
+                if element_ids is None:
+                    element_ids = global_rows[block, None] * global_width + columns
+                tensor.copy_(stochastic_round_to_bf16(updated, counter_noise(key1, key2, element_ids)))

@@ -69,9 +69,11 @@ class EngineRun:
         start = first_sample + self.data_parallel_rank() * self.samples_per_rank
         batches = microbatches(dataset, start, num_microbatches, t.micro_batch_size, self.batch_attention_mask())
         device = current_device()
-        ahead = {HOST_TOKENS: "tokens"} if self.fetches_rows_ahead else {}  # the host tier hashes on the host
-        return [dict({k: v.to(device) for k, v in b.items() if v is not None},
-                     **{key: b[name] for key, name in ahead.items()}) for b in batches]
+        on_device = [{k: v.to(device) for k, v in b.items() if v is not None} for b in batches]
+        if self.fetches_rows_ahead:  # the host tier hashes each microbatch on the host, from these ids
+            for batch, host in zip(on_device, batches):
+                batch[HOST_TOKENS] = host["tokens"]
+        return on_device
 
     @property
     def fetches_rows_ahead(self) -> bool:

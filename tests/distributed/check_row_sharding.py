@@ -69,10 +69,12 @@ def my_batches(step: int):
 
     dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     tokens = global_batch(step).chunk(dp)[rank]
-    ahead = {HOST_TOKENS: "tokens"} if STORAGE["table_placement"] == "host" else {}
-    return [dict(tokens=t[None, :-1], labels=t[None, 1:], loss_mask=torch.ones(1, SEQ),
-                 position_ids=torch.arange(SEQ)[None], attention_mask=causal_mask(SEQ),
-                 **{key: t[None, :-1] for key in ahead}) for t in tokens]
+    batches = [dict(tokens=t[None, :-1], labels=t[None, 1:], loss_mask=torch.ones(1, SEQ),
+                    position_ids=torch.arange(SEQ)[None], attention_mask=causal_mask(SEQ)) for t in tokens]
+    if STORAGE["table_placement"] == "host":  # as fe-pretrain feeds the host tier: the ids on the host too
+        for batch in batches:
+            batch[HOST_TOKENS] = batch["tokens"]
+    return batches
 
 
 def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtype: str = "fp32"):
