@@ -34,7 +34,8 @@ import torch.distributed as dist
 from fe_megatron.memory.branch import MemoryBranch
 from fe_megatron.memory.table_optimizer import STATE_DTYPES, TableAdamW, TableLayout
 
-REDUCE_CHUNK = 1 << 24  # elements of a gradient all-reduced (host-resident: through the device) or normed at a time
+REDUCE_CHUNK = 1 << 24  # elements of a gradient all-reduced at a time (host-resident: through the device)
+NORM_CHUNK = 1 << 22  # elements of a gradient normed at a time, in float64 (a 32 MB scratch)
 
 
 def storage_needs_stores(table_dtype: str, table_placement: str, state_dtype: str) -> bool:
@@ -129,9 +130,9 @@ class ManagedTables:
         """The global L2 norm of the tables' gradients (after `reduce_gradients`), on every rank."""
         self.reduce_gradients()
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
-        for store in self.stores.values():  # a chunk at a time: no table-sized temporary
-            for chunk in store.main_grad.view(-1).split(REDUCE_CHUNK):
-                squares += torch.linalg.vector_norm(chunk, dtype=torch.float32).double().square().to(self.device)
+        for store in self.stores.values():  # in float64, a chunk at a time: no table-sized temporary
+            for chunk in store.main_grad.view(-1).split(NORM_CHUNK):
+                squares += torch.linalg.vector_norm(chunk, dtype=torch.float64).square().to(self.device)
         for group in self.norm_groups:
             dist.all_reduce(squares, group=group)
         return float(squares.sqrt())

@@ -75,9 +75,9 @@ class TableStorage:
     state_dtype: str = "fp32"  # optimizer.table_state_dtype: the gradient and the two moments
     placement: str = "device"
 
-    def in_stores(self, precision: str) -> bool:
+    def in_stores(self, precision: str, stage_without_memory: bool = False) -> bool:
         """Trained by fe_megatron's table optimizer (`fe_megatron.megatron.table_optimizer.tables_in_stores`)."""
-        return precision == "bf16" or self != TableStorage()
+        return precision == "bf16" or stage_without_memory or self != TableStorage()
 
     def bytes_per_parameter(self) -> int:
         return DTYPE_BYTES[self.table_dtype] + 3 * DTYPE_BYTES[self.state_dtype]
@@ -121,7 +121,8 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
     table_optimizer = tables * 2 * state
     if distributed_optimizer:
         rest_optimizer /= dp
-        if table_sharding == "replicated" and not storage.in_stores(precision):
+        stage_without_memory = any(not stage[0] for stage in stages)
+        if table_sharding == "replicated" and not storage.in_stores(precision, stage_without_memory):
             table_optimizer /= dp
     return RankMemory(table_weights=tables * DTYPE_BYTES[storage.table_dtype], table_grads=tables * state,
                       table_optimizer=table_optimizer, rest_weights=rest * rest_bytes, rest_grads=rest * 4,
