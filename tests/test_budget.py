@@ -7,6 +7,7 @@ import pytest
 from fe_megatron.planning.budget import backbone_params, memory_layer_budget, total_params
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import build_memory
+from fe_megatron.planning.rank_memory import DTYPE_BYTES
 from tests.conftest import small_config
 
 
@@ -58,7 +59,8 @@ def test_rank_memory_of_whole_and_row_sharded_tables():
     assert rows.table_weights == rows.table_grads == 4 * tables / 8 and rows.table_optimizer == 8 * tables / 8
     assert rows.rest == whole.rest and rank_memory(c, tp=2).table_weights == 2 * tables
     # bf16 runs train every table from stores, whose moments the distributed optimizer does not split; so
-    # do layouts with a pipeline stage holding no memory layer (at PP=4 a stage holds one of the two layers)
+    # do layouts with a pipeline stage holding no memory layer (at PP=4 stages 1 and 2 hold one of the two
+    # layers each, stages 0 and 3 none)
     assert rank_memory(c, dp=8, distributed_optimizer=True, precision="bf16").table_optimizer == 8 * tables
     heaviest_layer = max(memory_layer_budget(c, layer).tables for layer in c.layers)  # primes differ per layer
     assert rank_memory(c, pp=4, dp=8, distributed_optimizer=True, precision="fp32").table_optimizer == \
@@ -66,6 +68,27 @@ def test_rank_memory_of_whole_and_row_sharded_tables():
     # 64 sequences over 8 ranks: 8 microbatches x 2 layers x 8192 x 12 positions, 7/8 of them elsewhere
     assert exchange_bytes_per_step(c, 1, 1, 8, 1, 8192, 64) == 8 * 2 * 8192 * 12 * 7 / 8 * (8 + 8 * 256)
     assert exchange_bytes_per_step(c, 1, 1, 1, 1, 8192, 64) == 0
+
+
+def test_stages_without_memory_follow_megatrons_even_split():
+    from fe_megatron.memory.sharding import pipeline_stage_layers, stages_without_memory
+
+    assert [list(pipeline_stage_layers(24, 4, stage)) for stage in (0, 3)] == [list(range(6)), list(range(18, 24))]
+    assert stages_without_memory([10, 12], 24, 4) == [0, 3]  # the paper's layers
+    assert stages_without_memory([3, 5], 24, 2) == [1] and stages_without_memory([10, 12], 24, 2) == []
+
+
+def test_the_heaviest_stage_is_counted_in_the_tables_storage():
+    """With the tables in host memory a stage's device bytes are its other weights; the stage
+    reported is the one holding the most bytes in all, which at PP=4 is a stage with a memory layer."""
+    from fe_megatron.planning.rank_memory import TableStorage, rank_memory
+
+    c = MemoryConfig.from_preset("factorengram-340m")
+    heaviest_layer = max(memory_layer_budget(c, layer).tables for layer in c.layers)
+    for storage in (TableStorage(), TableStorage("bf16", "bf16", "host")):
+        m = rank_memory(c, pp=4, dp=8, precision="fp32", storage=storage)
+        assert m.table_weights == DTYPE_BYTES[storage.table_dtype] * heaviest_layer
+        assert m.host == (m.tables if storage.placement == "host" else 0)
 
 
 @pytest.mark.parametrize("table_dtype,state_dtype,placement,per_parameter", [
@@ -130,6 +153,7 @@ def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
     assert "tables        0.51      0.51       1.01      2.03" in rows
     # bf16 (the default): the tables train from stores, whose moments the distributed optimizer does not split
     assert "tables        4.06      4.06       8.12     16.24" in whole and "row exchange" not in whole
+    assert "the tables' Adam moments are not split over DP: the tables train from stores (a bf16 run)" in whole
     host = subprocess.run(base + ["--table-sharding", "rows", "--table-dtype", "bf16", "--table-state-dtype", "bf16",
                                   "--table-placement", "host"], capture_output=True, text=True, check=True).stdout
     assert "tables bf16 weights, bf16 gradients and Adam moments (8 bytes per parameter), in host memory" in host

@@ -29,7 +29,7 @@ from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_p
 from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
 from fe_megatron.memory.managed_tables import ManagedTables, memory_branches, uses_table_stores
-from fe_megatron.memory.sharding import ROW_SHARDED
+from fe_megatron.memory.sharding import ROW_SHARDED, stages_without_memory
 
 
 def tables_in_stores(cfg, bf16: bool) -> bool:
@@ -42,9 +42,7 @@ def tables_in_stores(cfg, bf16: bool) -> bool:
     0 writes for every rank, would not load into the others."""
     if cfg.memory is None:
         return False
-    pp, layers = cfg.parallel.pipeline, cfg.model.num_layers
-    stage_without_memory = any(not any(stage * layers // pp <= layer < (stage + 1) * layers // pp
-                                       for layer in cfg.memory.layers) for stage in range(pp))
+    stage_without_memory = bool(stages_without_memory(cfg.memory.layers, cfg.model.num_layers, cfg.parallel.pipeline))
     return bf16 or stage_without_memory or uses_table_stores(cfg.memory, cfg.optimizer.table_state_dtype)
 
 
@@ -71,9 +69,9 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
     raise CheckpointError(f"{folder} trained its tables {where[saved]}, and this run trains them "
                           f"{where[info['tables']]}; with parallel.distributed_optimizer the two keep "
                           "the tables' Adam moments in layouts that do not load into each other. Resume with the "
-                          "checkpoint's memory.table_dtype, memory.table_placement, optimizer.table_state_dtype and "
-                          "training.precision, or start a new run from its weights (fe-convert mcore-to-hf, then "
-                          "hf-to-mcore, and --load the output)")
+                          "checkpoint's memory.table_dtype, memory.table_placement, optimizer.table_state_dtype, "
+                          "training.precision and parallel.pipeline, or start a new run from its weights "
+                          "(fe-convert mcore-to-hf, then hf-to-mcore, and --load the output)")
 
 
 def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int) -> ManagedTables:

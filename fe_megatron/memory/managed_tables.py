@@ -131,8 +131,9 @@ class ManagedTables:
         self.reduce_gradients()
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for store in self.stores.values():  # in float64, a chunk at a time: no table-sized temporary
-            for chunk in store.main_grad.view(-1).split(NORM_CHUNK):
-                squares += torch.linalg.vector_norm(chunk, dtype=torch.float64).square().to(self.device)
+            store_squares = sum(torch.linalg.vector_norm(chunk, dtype=torch.float64).square()
+                                for chunk in store.main_grad.view(-1).split(NORM_CHUNK))
+            squares += store_squares.to(self.device)  # once per store, where it lives
         for group in self.norm_groups:
             dist.all_reduce(squares, group=group)
         return float(squares.sqrt())

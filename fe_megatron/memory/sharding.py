@@ -42,6 +42,20 @@ ROW_SHARDED = "rows"
 MEGATRON_TABLE_SHARDINGS = ("replicated", "rows")  # the Megatron engine, the converters and fe-plan
 
 
+def pipeline_stage_layers(num_layers: int, pipeline_size: int, stage: int) -> range:
+    """The (0-based) layers pipeline stage ``stage`` holds: Megatron's even split, which needs
+    ``pipeline_size`` to divide ``num_layers``."""
+    per_stage = num_layers // pipeline_size
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def stages_without_memory(memory_layers, num_layers: int, pipeline_size: int) -> list:
+    """The pipeline stages that hold none of ``memory_layers`` (the paper's layers 10 and 12 of 24
+    leave stages 0 and 3 of four without memory)."""
+    return [stage for stage in range(pipeline_size)
+            if not any(layer in pipeline_stage_layers(num_layers, pipeline_size, stage) for layer in memory_layers)]
+
+
 @dataclass(frozen=True)
 class ParamSharding:
     tensor_parallel_dim: Optional[int] = None

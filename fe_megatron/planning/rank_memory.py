@@ -1,14 +1,16 @@
 """Per-rank memory of a parallel layout, and the row exchange's bytes, from shapes alone.
 
-What a rank holds (the pipeline stage that holds the most is reported):
+What a rank holds (the pipeline stage that holds the most bytes, device and host together, is
+reported):
 
 * the tables: weights, gradients and Adam's two moments.  Held by the engine's optimizer (fp32
   tables and state, device memory, fp32 precision) that is 4 + 4 + 8 = 16 bytes per parameter,
-  with the moments split over the data-parallel ranks by the distributed optimizer.  In table
-  stores (`fe_megatron.memory.managed_tables`: bf16 tables, bf16 state, the host tier, and every
-  bf16 run) it is the table dtype's bytes + the state dtype's for the gradient and each moment:
-  16 (fp32, fp32 state), 14 (bf16 tables), 8 (bf16 tables and bf16 state); with the host tier
-  all of it is in host memory, none on the device;
+  with the moments of whole tables split over the data-parallel ranks by the distributed
+  optimizer.  In table stores (`fe_megatron.memory.managed_tables`: bf16 tables, bf16 state, the
+  host tier, every bf16 run, and every run with a pipeline stage that holds no memory layer) it
+  is the table dtype's bytes + the state dtype's for the gradient and each moment: 16 (fp32, fp32
+  state), 14 (bf16 tables), 8 (bf16 tables and bf16 state), and the distributed optimizer does
+  not split the moments; with the host tier all of it is in host memory, none on the device;
 * the rest: weights in fp32, or bf16 (2 bytes) with ``precision="bf16"``; fp32 gradients
   (4 bytes: Megatron's DDP buffers are full size, also with the distributed optimizer); Adam's two
   fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) of bf16 weights, split over the
@@ -31,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDED
+from fe_megatron.memory.sharding import (MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, pipeline_stage_layers,
+                                         stages_without_memory)
 from fe_megatron.planning.budget import layer_params, memory_layer_budget
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -84,18 +87,16 @@ class TableStorage:
 
 
 def _stage_params(config: MemoryConfig, pp: int, stage: int) -> tuple:
-    """(table parameters, other parameters) of pipeline stage ``stage`` (layers split evenly)."""
-    d, layers = config.hidden_size, config.num_layers
-    per_stage = layers // pp
-    first, last = stage * per_stage, (stage + 1) * per_stage if stage < pp - 1 else layers
-    rest = (last - first) * layer_params(config)
+    """(table parameters, other parameters) of pipeline stage ``stage``."""
+    d, layers = config.hidden_size, pipeline_stage_layers(config.num_layers, pp, stage)
+    rest = len(layers) * layer_params(config)
     if stage == 0 or stage == pp - 1:
         rest += config.vocab_size * d  # the embedding, and the tied output layer's copy on the last stage
     if stage == pp - 1:
         rest += d  # final norm
     tables = 0
     for layer in config.layers:
-        if first <= layer < last:
+        if layer in layers:
             budget = memory_layer_budget(config, layer)
             tables += budget.tables
             rest += sum(budget.dense.values())
@@ -111,22 +112,23 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
         raise ValueError(f"precision {precision!r} is not one of fp32, bf16")
     if config.num_layers % pp:
         raise ValueError(f"pipeline size {pp} does not divide num_layers={config.num_layers}")
-    stages = [_stage_params(config, pp, stage) for stage in range(pp)]
-    tables, rest = max(stages, key=lambda s: s[0] * 4 * 4 + s[1] * 4 * 4)
-    tables /= tp * (dp if table_sharding == ROW_SHARDED else 1)
-    rest /= tp
-    rest_bytes = 2 if precision == "bf16" else 4
-    rest_optimizer = rest * (8 + (4 if precision == "bf16" else 0))
+    in_stores = storage.in_stores(precision, bool(stages_without_memory(config.layers, config.num_layers, pp)))
+    split_table_moments = distributed_optimizer and table_sharding == "replicated" and not in_stores
     state = DTYPE_BYTES[storage.state_dtype]
-    table_optimizer = tables * 2 * state
-    if distributed_optimizer:
-        rest_optimizer /= dp
-        stage_without_memory = any(not stage[0] for stage in stages)
-        if table_sharding == "replicated" and not storage.in_stores(precision, stage_without_memory):
-            table_optimizer /= dp
-    return RankMemory(table_weights=tables * DTYPE_BYTES[storage.table_dtype], table_grads=tables * state,
-                      table_optimizer=table_optimizer, rest_weights=rest * rest_bytes, rest_grads=rest * 4,
-                      rest_optimizer=rest_optimizer, tables_on_host=storage.placement == "host")
+    rest_bytes = 2 if precision == "bf16" else 4
+
+    def stage_memory(stage: int) -> RankMemory:
+        tables, rest = _stage_params(config, pp, stage)
+        tables /= tp * (dp if table_sharding == ROW_SHARDED else 1)
+        rest /= tp
+        rest_optimizer = rest * (8 + (4 if precision == "bf16" else 0))
+        return RankMemory(table_weights=tables * DTYPE_BYTES[storage.table_dtype], table_grads=tables * state,
+                          table_optimizer=tables * 2 * state / (dp if split_table_moments else 1),
+                          rest_weights=rest * rest_bytes, rest_grads=rest * 4,
+                          rest_optimizer=rest_optimizer / (dp if distributed_optimizer else 1),
+                          tables_on_host=storage.placement == "host")
+
+    return max((stage_memory(stage) for stage in range(pp)), key=lambda m: m.tables + m.rest)
 
 
 TRAINING_STORAGES = (TableStorage(), TableStorage("bf16"), TableStorage("bf16", "bf16"),
@@ -160,7 +162,8 @@ def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, preci
             m = rank_memory(config, tp, pp, dp, sharding, distributed_optimizer, precision, storage)
             choices.append(StorageChoice("train", storage.table_dtype, storage.state_dtype, storage.placement,
                                          "whole" if sharding == "replicated" else "rows",
-                                         m.tables / (m.table_weights / DTYPE_BYTES[storage.table_dtype]), m.tables,
+                                         m.tables / (m.table_weights / DTYPE_BYTES[storage.table_dtype])
+                                         if m.table_weights else storage.bytes_per_parameter(), m.tables,
                                          m.device, m.host))
     whole = rank_memory(config, tp, pp, 1, "replicated", False, precision)
     table_params = whole.table_weights / 4  # this stage's tables, split by tensor parallelism
@@ -201,8 +204,7 @@ def exchange_bytes_per_step(config: MemoryConfig, tp: int, pp: int, dp: int, mic
     if dp == 1:
         return 0.0
     microbatches = global_batch_size // (micro_batch_size * dp)
-    per_stage = config.num_layers // pp
-    layers = max(sum(1 for layer in config.layers if stage * per_stage <= layer < (stage + 1) * per_stage)
+    layers = max(sum(1 for layer in config.layers if layer in pipeline_stage_layers(config.num_layers, pp, stage))
                  for stage in range(pp))
     positions = micro_batch_size * seq_length * config.num_branches
     width = config.branch_width // tp
@@ -226,6 +228,13 @@ def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sh
              f"{'rest':<8}{m.rest_weights / gib:>10.2f}{m.rest_grads / gib:>10.2f}{m.rest_optimizer / gib:>11.2f}"
              f"{m.rest / gib:>10.2f}",
              f"rank_bytes={int(m.tables + m.rest)} (device {int(m.device)}, host {int(m.host)})"]
+    stage_without_memory = bool(stages_without_memory(config.layers, config.num_layers, pp))
+    if distributed_optimizer and table_sharding == "replicated" and storage.in_stores(precision, stage_without_memory):
+        why = [reason for reason, holds in (("this table storage", storage != TableStorage()),
+                                            ("a bf16 run", precision == "bf16"),
+                                            ("a pipeline stage holds no memory layer", stage_without_memory)) if holds]
+        lines.append(f"the tables' Adam moments are not split over DP: the tables train from stores ({', '.join(why)}),"
+                     " which the distributed optimizer does not shard (docs/tables.md)")
     if table_sharding == ROW_SHARDED:
         exchange = exchange_bytes_per_step(config, tp, pp, dp, micro_batch_size, seq_length, global_batch_size)
         lines.append(f"row exchange per step and rank: at most {exchange / gib:.2f} GiB (micro-batch "
