@@ -382,7 +382,7 @@ def test_backward_runs_on_the_backend_of_its_forward(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the table optimizer's update
-@pytest.mark.parametrize("backend", ("cpp",))
+@pytest.mark.parametrize("backend", ("cpp", "triton"))
 @pytest.mark.parametrize("param_dtype,grad_dtype,state_dtype", [
     (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
     (torch.float32, torch.float32, torch.bfloat16)])
@@ -412,6 +412,47 @@ def test_fused_table_update_matches_the_reference(backend, param_dtype, grad_dty
         assert moved.float().mean() < 1e-4, f"{name}: {int(moved.sum())} of {moved.numel()} elements differ"
         step = theirs[moved].abs() * 2.0 ** -7  # one bf16 step at their magnitude (8 significant bits)
         assert ((ours[moved] - theirs[moved]).abs() <= step * 1.01).all(), name
+
+
+@pytest.mark.parametrize("param_dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                     (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
+def test_triton_table_update_equals_the_cpp_kernel_bit_for_bit(param_dtype, state_dtype):
+    """Same order of operations, IEEE division and square root, no contraction but lerp's fma:
+    the Triton update (compiled on a GPU, interpreted on CPU) writes the C++ kernel's bits, inf
+    kept and nan kept nan."""
+    device, _ = device_of("triton"), device_of("cpp")
+    rows, width = 700, 40
+    values = [torch.randn(rows, width), torch.randn(rows, width), torch.randn(rows, width) * 0.1,
+              torch.rand(rows, width) * 0.1]
+    values[0][0, 0], values[0][1, 1] = float("inf"), float("nan")
+    dtypes = (param_dtype, torch.float32, state_dtype, state_dtype)
+    global_rows, keys = torch.randperm(5 * rows)[:rows], torch.randint(0, 2 ** 31, (3, 2))
+    results = {}
+    for backend, where in (("cpp", "cpu"), ("triton", device)):
+        p, g, m, v = (t.to(dtype).to(where).clone() for t, dtype in zip(values, dtypes))  # each run its own copy
+        ops.table_adamw_(p, g, m, v, global_rows, 3, 2 * width, keys, 3e-3, 0.9, 0.95, 1e-8, 0.1, step=7,
+                         backend=backend)
+        results[backend] = [t.cpu() for t in (p, m, v)]
+    for name, ours, theirs in zip(("param", "exp_avg", "exp_avg_sq"), results["triton"], results["cpp"]):
+        both_nan = ours.isnan() & theirs.isnan()  # the payload of a nan may differ
+        bits = torch.int16 if ours.dtype == torch.bfloat16 else torch.int32
+        differ = (ours.view(bits) != theirs.view(bits)) & ~both_nan
+        assert not differ.any(), f"{name}: {int(differ.sum())} elements differ, first at {differ.nonzero()[0].tolist()}"
+    assert results["triton"][0][0, 0] == float("inf") and bool(results["triton"][0][1, 1].isnan())
+
+
+def test_a_backend_without_a_fused_update_takes_the_fastest_one_for_the_device(monkeypatch):
+    """As the CUDA backend on a GPU takes Triton's: here a built backend without ``table_adamw_``
+    on CPU tensors takes the C++ one, and the reference stays the reference."""
+    device_of("cpp")
+
+    class NoUpdate:
+        pass
+
+    monkeypatch.setitem(ops._backends, "cuda", ops.Backend("cuda", NoUpdate, ("cpu",)))
+    cpu = torch.device("cpu")
+    assert ops.fused_update("cuda", cpu) is ops.get_backend("cpp").module.table_adamw_
+    assert ops.fused_update("torch", cpu) is reference.table_adamw_
 
 
 def test_fused_table_update_refuses_what_it_cannot_update():

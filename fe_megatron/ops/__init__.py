@@ -241,8 +241,10 @@ def table_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                  global_rows: torch.Tensor, column_offset: int, global_width: int, keys: torch.Tensor, lr: float,
                  beta1: float, beta2: float, eps: float, weight_decay: float, step: int, backend: str = None) -> None:
     """One AdamW step of table ``param`` in place, stochastically rounding what is stored in bf16
-    (`fe_megatron.ops.reference.table_adamw_` gives the semantics).  The fused kernel of the current
-    backend when it has one (cpp: one pass over host memory, for the host tier), else the reference."""
+    (`fe_megatron.ops.reference.table_adamw_` gives the semantics).  The fused kernel of ``backend``
+    (default: the current one) when it has one, else of the fastest built backend for the table's
+    device that has one (cpp on the host, for the host tier; triton on a GPU, where the CUDA
+    backend has none), else the reference."""
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     for name, tensor in tensors.items():
         if tensor.dtype not in (torch.float32, torch.bfloat16) or tensor.shape != param.shape:
@@ -254,10 +256,20 @@ def table_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         raise ValueError(f"table_adamw_: the moments must share a dtype, got {exp_avg.dtype} and {exp_avg_sq.dtype}")
     if global_rows.shape != (param.shape[0],) or global_rows.dtype != torch.int64 or keys.shape != (3, 2):
         raise ValueError("table_adamw_: global_rows must be int64 [rows] and keys [3, 2]")
-    module = get_backend(backend or current_backend(param.device, param.dtype)).module
-    fused = getattr(module, "table_adamw_", reference.table_adamw_)
+    fused = fused_update(backend or current_backend(param.device, param.dtype), param.device)
     fused(param, grad, exp_avg, exp_avg_sq, global_rows.to(param.device), int(column_offset), int(global_width),
           keys.to(torch.int64).cpu(), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step))
+
+
+def fused_update(backend: str, device: torch.device):
+    """The ``table_adamw_`` that `table_adamw_` runs with ``backend`` on ``device`` (see there)."""
+    module = get_backend(backend).module
+    if not hasattr(module, "table_adamw_"):
+        for name in _PREFERENCE.get(device.type, ()):
+            other = _backends.get(name)
+            if other is not None and device.type in other.devices and hasattr(other.module, "table_adamw_"):
+                return other.module.table_adamw_
+    return getattr(module, "table_adamw_", reference.table_adamw_)
 
 
 class _GatherRows(torch.autograd.Function):

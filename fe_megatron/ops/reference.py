@@ -14,8 +14,8 @@ Every backend module provides the same three functions:
   gradient of every looked-up row into ``out`` ([rows, w]) in place, accumulating in at
   least fp32 (how duplicates are ordered and grouped is each backend's; docs/kernels.md).
 
-and may provide a fourth, the table optimizer's fused update (the torch one stands in where a
-backend lacks it):
+and may provide a fourth, the table optimizer's fused update (where a backend lacks it, the
+fastest backend for the device that has one stands in, else the torch one: `fe_megatron.ops.fused_update`):
 
 * ``table_adamw_(param, grad, exp_avg, exp_avg_sq, global_rows, column_offset, global_width,
   keys, lr, beta1, beta2, eps, weight_decay, step)``: one AdamW step of a table in place, what is

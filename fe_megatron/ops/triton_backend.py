@@ -1,4 +1,5 @@
-"""Triton kernels for `fe_megatron.ops`: hash, gather and the deduplicated table backward.
+"""Triton kernels for `fe_megatron.ops`: hash, gather, the deduplicated table backward and the
+table optimizer's fused update.
 
 The contract of every backend and the algorithms of the CUDA kernels (docs/kernels.md);
 on CPU they run under ``TRITON_INTERPRET=1`` (the CI path), on a GPU compiled.  The sort of the
@@ -169,3 +170,74 @@ def gather_rows_backward(grad_rows, flat_indices, out, deterministic=True):
                                 CHUNK_SIZE=CHUNK, BLOCK_W=block_w)
     _finish_runs_kernel[grid](sorted_rows, out, first, last, count, width, chunks,
                               CHUNK_SIZE=CHUNK, BLOCK_W=block_w)
+
+
+# ----------------------------------------------------------------------------- the table optimizer's update
+_LOW31 = 0x7FFFFFFF
+_MIXER = 0x45D9F3B
+UPDATE_BLOCK = 1024  # table elements per program
+
+
+@triton.jit
+def _mix31(x):
+    """`fe_megatron.ops.reference._mix31` in int64 (every intermediate below 2^58)."""
+    x = x ^ (x >> 16)
+    x = (x * _MIXER) & _LOW31
+    x = x ^ (x >> 16)
+    x = (x * _MIXER) & _LOW31
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _store_rounded(ptr, offsets, value, element_id, key1, key2, mask, TO_BF16: tl.constexpr):
+    """Store fp32 ``value``, or in bf16 with `reference.stochastic_round_to_bf16` of
+    `reference.counter_noise` (``key1``, ``key2``, ``element_id``)."""
+    if TO_BF16:
+        noise = (_mix31(_mix31((element_id & _LOW31) ^ key1) ^ (element_id >> 31) ^ key2) >> 8) & 0xFFFF
+        bits = value.to(tl.int32, bitcast=True)
+        rounded = ((bits + noise.to(tl.int32)) & -65536).to(tl.float32, bitcast=True)  # int32 add: wraps as torch's
+        finite = (bits & 0x7F800000) != 0x7F800000
+        tl.store(ptr + offsets, tl.where(finite, rounded, value).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(ptr + offsets, value, mask=mask)
+
+
+@triton.jit
+def _table_adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, global_rows_ptr, total, width,
+                        column_offset, global_width, param_key1, param_key2, avg_key1, avg_key2, sq_key1, sq_key2,
+                        decay, weight1, beta2, weight2, bias_correction2_sqrt, eps, step_size,
+                        PARAM_BF16: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """One AdamW step of ``BLOCK`` table elements, in the C++ kernel's order of operations (torch's
+    single-tensor AdamW): IEEE division and square root, and no fused multiply-add but lerp's."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < total
+    row = offsets // width
+    element_id = tl.load(global_rows_ptr + row, mask=mask, other=0) * global_width + column_offset + (offsets - row * width)
+    g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay  # param.mul_(1 - lr wd)
+    m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    m = tl.fma(weight1, g - m, m)  # exp_avg.lerp_(grad, 1 - beta1)
+    v = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * beta2 + weight2 * g * g
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps  # (exp_avg_sq.sqrt() / bc2).add_(eps)
+    p = p + step_size * tl.div_rn(m, denom)  # addcdiv_(exp_avg, denom, -lr / bc1)
+    _store_rounded(param_ptr, offsets, p, element_id, param_key1, param_key2, mask, PARAM_BF16)
+    _store_rounded(exp_avg_ptr, offsets, m, element_id, avg_key1, avg_key2, mask, STATE_BF16)
+    _store_rounded(exp_avg_sq_ptr, offsets, v, element_id, sq_key1, sq_key2, mask, STATE_BF16)
+
+
+def table_adamw_(param, grad, exp_avg, exp_avg_sq, global_rows, column_offset, global_width, keys, lr, beta1, beta2,
+                 eps, weight_decay, step):
+    """`fe_megatron.ops.reference.table_adamw_` in one pass (the scalars rounded to fp32 as the C++
+    kernel rounds them)."""
+    total = param.numel()
+    if total == 0:
+        return
+    bias_correction1 = 1.0 - beta1 ** step
+    bias_correction2_sqrt = (1.0 - beta2 ** step) ** 0.5
+    key = [int(k) for k in keys.reshape(-1).tolist()]
+    extra = {} if param.device.type == "cpu" else {"enable_fp_fusion": False}  # the interpreter takes no options
+    _table_adamw_kernel[(triton.cdiv(total, UPDATE_BLOCK),)](
+        param, grad, exp_avg, exp_avg_sq, global_rows, total, param.shape[1], column_offset, global_width, *key,
+        1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, bias_correction2_sqrt, eps, -lr / bias_correction1,
+        PARAM_BF16=param.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16, BLOCK=UPDATE_BLOCK,
+        **extra)
