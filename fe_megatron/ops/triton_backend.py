@@ -212,7 +212,8 @@ def _table_adamw_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, global
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < total
     row = offsets // width
-    element_id = tl.load(global_rows_ptr + row, mask=mask, other=0) * global_width + column_offset + (offsets - row * width)
+    column = column_offset + (offsets - row * width)
+    element_id = tl.load(global_rows_ptr + row, mask=mask, other=0) * global_width + column
     g = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     p = tl.load(param_ptr + offsets, mask=mask, other=0.0).to(tl.float32) * decay  # param.mul_(1 - lr wd)
     m = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
