@@ -7,7 +7,8 @@ import torch
 
 from fe_megatron import ops
 from fe_megatron.memory.table_optimizer import TableAdamW, TableLayout
-from fe_megatron.memory.table_storage import rounding_noise, stochastic_round_to_bf16
+from fe_megatron.memory.table_storage import rounding_keys
+from fe_megatron.ops.reference import counter_noise, stochastic_round_to_bf16
 from fe_megatron.ops import reference
 
 
@@ -83,6 +84,11 @@ def test_stochastic_rounding_keeps_tiny_updates_in_expectation(backend, state_dt
 def test_the_same_test_fails_for_round_to_nearest(monkeypatch):
     monkeypatch.setattr(reference, "stochastic_round_to_bf16", lambda values, noise: values.to(torch.bfloat16))
     assert drift_of_tiny_updates("torch") == pytest.approx(0.03)  # the rows never moved
+
+
+def rounding_noise(key, element_ids: torch.Tensor) -> torch.Tensor:
+    """The noise a table update of ``key`` = (seed, table, step, tensor) draws for ``element_ids``."""
+    return counter_noise(*rounding_keys(key), element_ids)
 
 
 def test_stochastic_rounding_is_unbiased_and_exact_where_bf16_is():

@@ -77,13 +77,12 @@ def mean_lm_loss(losses: list) -> float:
 
 
 def microbatch_feed(model_chunks: list, batches: list):
-    """The schedule's data iterator: with the host tier (batches carrying ``host_tokens``) a
-    `MicrobatchLookups` that starts each microbatch's lookups one microbatch ahead, except under
-    full recompute, whose checkpointed layers look their rows up themselves."""
-    model = _unwrap(model_chunks[0])
-    if not batches or HOST_TOKENS not in batches[0] or not hasattr(model, "start_memory_lookups") \
-            or model.config.recompute_granularity == "full":
+    """The schedule's data iterator: a `MicrobatchLookups` that starts each microbatch's lookups one
+    microbatch ahead when the batches carry ``host_tokens`` (the host tier without full recompute:
+    `fe_megatron.training.run.EngineRun.fetches_rows_ahead` decides), else the batches as they are."""
+    if not batches or HOST_TOKENS not in batches[0]:
         return iter(batches)
+    model = _unwrap(model_chunks[0])
     return MicrobatchLookups(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
 
 

@@ -30,6 +30,7 @@ import torch
 from fe_megatron import ops
 from fe_megatron.memory.table_storage import rounding_keys
 from fe_megatron.ops import reference
+
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

@@ -7,7 +7,7 @@
   row keeps 3 mantissa bits relative to its own range (about a quarter of the bytes of fp32).
 
 fp32 and bf16 are training formats: bf16 rows are updated in fp32 and written back with
-`stochastic_round_to_bf16` (`fe_megatron.memory.table_optimizer`).  bf16 and fp8 are serving
+`fe_megatron.ops.reference.stochastic_round_to_bf16` (`fe_megatron.memory.table_optimizer`).  bf16 and fp8 are serving
 formats too, written by ``fe-convert mcore-to-hf --table-dtype`` and read by the Hugging Face
 model, which dequantizes only the rows a step gathers.  `quantize_table` is the one place a table
 is quantized (the converter and a quantized model's initialization).
@@ -20,7 +20,6 @@ import hashlib
 import torch
 
 from fe_megatron.config import TABLE_DTYPES
-from fe_megatron.ops.reference import counter_noise, stochastic_round_to_bf16  # noqa: F401 (the storage's rounding)
 
 STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -51,19 +50,13 @@ def quantize_table(weight: torch.Tensor, table_dtype: str) -> dict:
 
 
 def rounding_keys(key) -> tuple:
-    """The two 31-bit keys of the rounding noise of ``key`` (any repr-able value, e.g. (seed, table,
-    step, tensor)): the same in every process."""
+    """The two 31-bit keys of the rounding noise (`fe_megatron.ops.reference.counter_noise`) of
+    ``key`` (any repr-able value): the same in every process.  A table's updates use ``key`` =
+    (seed, table, step, tensor) and each element's global id (row x global width + column), so the
+    rounding of an element is the same at every parallel layout and after a resume, with no
+    generator state to save."""
     digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
     return tuple(int.from_bytes(digest[i:i + 4], "little") & 0x7FFFFFFF for i in (0, 4))
-
-
-def rounding_noise(key, element_ids: torch.Tensor) -> torch.Tensor:
-    """Uniform 16-bit integers (int32), one per entry of ``element_ids`` (int64 >= 0), a function of
-    ``key`` and the id alone: a counter-based generator (`fe_megatron.ops.reference.counter_noise`).
-    A table's updates use ``key`` = (seed, table, step, tensor) and the element's global id (row x
-    global width + column), so the rounding of an element is the same at every parallel layout and
-    after a resume, with no generator state to save."""
-    return counter_noise(*rounding_keys(key), element_ids)
 
 
 def dequantize_rows(rows: torch.Tensor, row_scales: torch.Tensor = None) -> torch.Tensor:

@@ -151,14 +151,15 @@ def current_backend(device: torch.device, dtype: torch.dtype = None) -> str:
     return fastest_backend(device, dtype)
 
 
-def fastest_backend(device: torch.device, dtype: torch.dtype = None) -> str:
-    """The fastest built backend for tensors on ``device`` (with tables of ``dtype``), whatever
-    `use_backend` forces: for work on another device than the forced backend's (the host tier's
-    gathers and gradient additions in host memory)."""
+def fastest_backend(device: torch.device, dtype: torch.dtype = None, op: str = None) -> str:
+    """The fastest built backend for tensors on ``device`` (with tables of ``dtype``; that has the
+    function ``op``, when given), whatever `use_backend` forces: for work on another device than the
+    forced backend's (the host tier's gathers and gradient additions in host memory)."""
     _discover()
     for name in _PREFERENCE.get(device.type, ("torch",)):
         backend = _backends.get(name)
-        if backend and device.type in backend.devices and (dtype is None or dtype in backend.dtypes):
+        if backend and device.type in backend.devices and (dtype is None or dtype in backend.dtypes) \
+                and (op is None or hasattr(backend.module, op)):
             return name
     return "torch"
 
@@ -265,11 +266,8 @@ def fused_update(backend: str, device: torch.device):
     """The ``table_adamw_`` that `table_adamw_` runs with ``backend`` on ``device`` (see there)."""
     module = get_backend(backend).module
     if not hasattr(module, "table_adamw_"):
-        for name in _PREFERENCE.get(device.type, ()):
-            other = _backends.get(name)
-            if other is not None and device.type in other.devices and hasattr(other.module, "table_adamw_"):
-                return other.module.table_adamw_
-    return getattr(module, "table_adamw_", reference.table_adamw_)
+        module = _backends[fastest_backend(device, op="table_adamw_")].module  # the reference has one
+    return module.table_adamw_
 
 
 class _GatherRows(torch.autograd.Function):

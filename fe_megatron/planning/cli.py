@@ -3,10 +3,11 @@
 import argparse
 import sys
 
-from fe_megatron.config import ConfigError, MemoryConfig
+from fe_megatron.config import TABLE_PLACEMENTS, ConfigError, MemoryConfig
 from fe_megatron.planning.budget import format_budget
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
-from fe_megatron.planning.rank_memory import TableStorage, format_rank_memory, format_table_storage_choices
+from fe_megatron.planning.rank_memory import (DTYPE_BYTES, TableStorage, format_rank_memory,
+                                              format_table_storage_choices)
 
 DESCRIPTION = ("Print the parameter budget of a memory preset or a YAML config: the backbone, the tables per "
                "n-gram order and layer, the dictionary and projections, and the total (last line: total_params=N). "
@@ -45,10 +46,10 @@ def main(argv=None) -> int:
     layout.add_argument("--ranks-per-node", type=positive_int, default=8,
                         help="ranks sharing a node's host memory (default 8)")
     storage = parser.add_argument_group("table storage (the per-rank summary; the choices table shows them all)")
-    storage.add_argument("--table-dtype", choices=("fp32", "bf16"), default="fp32", help="memory.table_dtype")
-    storage.add_argument("--table-state-dtype", choices=("fp32", "bf16"), default="fp32",
+    storage.add_argument("--table-dtype", choices=tuple(DTYPE_BYTES), default="fp32", help="memory.table_dtype")
+    storage.add_argument("--table-state-dtype", choices=tuple(DTYPE_BYTES), default="fp32",
                          help="optimizer.table_state_dtype: the tables' gradient and Adam moments")
-    storage.add_argument("--table-placement", choices=("device", "host"), default="device",
+    storage.add_argument("--table-placement", choices=TABLE_PLACEMENTS, default="device",
                          help="memory.table_placement")
     args = parser.parse_args(argv)
     try:
