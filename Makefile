@@ -5,7 +5,16 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench bench-kernels cuda-check gpu-check plan clean
+# The newest supported stack (requirements/newest.txt) in a second venv, Python 3.12. pip's
+# machine-wide configuration may cap torch below the newest release: PIP_CONFIG_FILE=/dev/null
+# reads none. The CUDA kernels are compiled by cuda-check; FE_MEGATRON_CUDA=0 skips them here.
+PYTHON_NEWEST ?= $(shell for p in python3.12 "$$(PYENV_VERSION=3.12.1 pyenv which python3.12 2> /dev/null)"; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2> /dev/null && { command -v "$$p"; break; }; done)
+VENV_NEWEST ?= .venv-newest
+PY_NEWEST := $(VENV_NEWEST)/bin/python
+PIP_NEWEST := PIP_CONFIG_FILE=/dev/null $(PY_NEWEST) -m pip
+
+.PHONY: setup setup-newest test test-newest demo bench bench-kernels cuda-check gpu-check plan clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +30,21 @@ $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 
 test: setup
 	$(PY) -m pytest -q tests
+
+setup-newest: $(VENV_NEWEST)/.installed
+
+$(VENV_NEWEST)/.installed: setup.py pyproject.toml requirements/newest.txt $(wildcard csrc/cpu/*.cpp)
+	@test -n "$(PYTHON_NEWEST)" || { echo "make setup-newest: no Python 3.12 found; set PYTHON_NEWEST=/path/to/python3.12" >&2; exit 1; }
+	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
+	$(PIP_NEWEST) install -q --upgrade pip setuptools wheel
+	$(PIP_NEWEST) install -q -r requirements/newest.txt numpy
+	FE_MEGATRON_CUDA=0 DS_BUILD_OPS=0 $(PIP_NEWEST) install -q --no-build-isolation -c requirements/newest.txt -e ".[test]"
+	touch $@
+
+# The contract subset on the newest stack (tests marked `newest_stack`, listed in tests/conftest.py),
+# with the oldest stack's python beside it for the checkpoints that cross megatron-core releases.
+test-newest: setup setup-newest
+	FE_OTHER_STACK_PYTHON=$(abspath $(PY)) $(PY_NEWEST) -m pytest -q -m newest_stack tests
 
 demo: setup
 	$(PY) -m fe_megatron.demo --out runs/demo
@@ -45,4 +69,4 @@ plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(VENV) $(VENV_NEWEST) build *.egg-info runs

@@ -26,20 +26,20 @@ def small_overrides(data, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def pretrain_cmd(nproc=1):
+def pretrain_cmd(nproc=1, python=sys.executable):
     if nproc == 1:
-        return [sys.executable, "-m", "fe_megatron.train"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        return [python, "-m", "fe_megatron.train"]
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "-m", "fe_megatron.train"]
 
 
-def run_pretrain(args, nproc=1, check=True, extra_env=None):
+def run_pretrain(args, nproc=1, check=True, extra_env=None, python=sys.executable):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
     env.pop("PYTHONWARNINGS", None)
     # A session of its own, so that a timeout kills torchrun's workers too (not only torchrun).
-    with subprocess.Popen(pretrain_cmd(nproc) + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    with subprocess.Popen(pretrain_cmd(nproc, python) + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=env, cwd=ROOT, start_new_session=True) as popen:
         try:
             stdout, stderr = popen.communicate(timeout=600)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
+from importlib import metadata
 
 import torch.distributed as dist
 
@@ -25,4 +27,15 @@ def run_info(cfg, data_parallel_size: int, engine: dict = None) -> dict:
     return {"config": dataclasses.asdict(cfg), "fe_megatron": __version__,
             "tokenizer": {"path": os.path.abspath(cfg.data.tokenizer_model),
                           "sha256": file_digest(tokenizer_file(cfg.data.tokenizer_model))["sha256"]},
-            "layout": layout}
+            "layout": layout, "stack": software_stack()}
+
+
+def software_stack() -> dict:
+    """The releases a checkpoint was written with (each None where it is not installed)."""
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "megatron-core", "deepspeed", "transformers"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions

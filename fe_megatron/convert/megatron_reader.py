@@ -32,6 +32,11 @@ def split_checkpoint_tensor(name: str, tensor: torch.Tensor, backbone: BackboneC
             for part in weights.split(f"decoder.layers.{layer}.{match.group(1)}", tensor[layer], backbone)]
 
 
+# An optimizer's state: "optimizer.", or "chained_<i>.optimizer." where Megatron prefixes each member of
+# its chain (megatron-core 0.19 does for the distributed optimizer's dp_reshardable format)
+OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
 class DistCheckpoint:
     """A Megatron distributed checkpoint (torch_dist format) read one global tensor at a time."""
 
@@ -40,13 +45,22 @@ class DistCheckpoint:
 
         self.folder = folder
         self.reader = dcp.FileSystemReader(folder)
-        self.metadata = self.reader.read_metadata().state_dict_metadata
+        try:
+            self.metadata = self.reader.read_metadata().state_dict_metadata
+        except (ValueError, TypeError, AttributeError, EOFError) as error:  # a pickle of another torch release
+            from fe_megatron.checkpoint.files import read_run_info
+
+            stack = (read_run_info(folder) or {}).get("stack") or {}
+            writer = f"torch {stack['torch']}" if stack.get("torch") else "another torch release"
+            raise ConversionError(f"{folder}: torch {torch.__version__} cannot read this checkpoint's metadata "
+                                  f"({error}); it was written by {writer}. Convert it with the release that wrote "
+                                  "it (docs/compatibility.md)") from error
 
     def weight_names(self) -> list:
         """The model's weights in the checkpoint (no optimizer state, no extra state)."""
         names = []
         for name, meta in self.metadata.items():
-            if name.startswith("optimizer.") or not hasattr(meta, "size") or not weights.is_weight(name):
+            if OPTIMIZER_STATE.match(name) or not hasattr(meta, "size") or not weights.is_weight(name):
                 continue
             if weights.hf_names(_one_layer_name(name)) is None:
                 raise ConversionError(f"{self.folder}: tensor {name!r} is not a weight of fe_megatron's GPT model; "

@@ -8,11 +8,11 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron import compat
 from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
 from fe_megatron.megatron.layer_specs import get_block_spec, get_gpt_layer_with_factorengram_spec, get_local_layer_spec
 from fe_megatron.megatron.table_optimizer import TableChainedOptimizer, TableOptimizer
@@ -81,11 +81,12 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
         overrides[ParamKey(attr="is_memory_table")] = table_override
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)
     if tables is not None:
-        optimizer = TableChainedOptimizer(list(getattr(optimizer, "chained_optimizers", [optimizer])) + [
+        optimizer = TableChainedOptimizer(compat.optimizer_members(optimizer) + [
             TableOptimizer(tables, optimizer.config, table_lr_mult, table_weight_decay_mult)])
-    keys = [tuple(group.get(key) for key in param_group_identifier_keys) for group in optimizer.param_groups]
+    identifiers = compat.param_group_identifier_keys()
+    keys = [tuple(group.get(key) for key in identifiers) for group in optimizer.param_groups]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"optimizer parameter groups {keys} share identifiers {param_group_identifier_keys}; "
+        raise ValueError(f"optimizer parameter groups {keys} share identifiers {identifiers}; "
                          "a checkpoint of them would not load. Change optimizer.table_lr_mult or "
                          "optimizer.table_weight_decay_mult")
     return optimizer

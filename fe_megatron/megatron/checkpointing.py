@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
+from fe_megatron.megatron import compat
 from fe_megatron.training import faults
 from fe_megatron.checkpoint.commit import agree_on_failure, commit, start_save
 from fe_megatron.checkpoint.files import write_run_info
@@ -31,16 +32,17 @@ def _writer_queue_dies_with_trainer() -> None:
     killed during a save, or any ``kill -9``): each restart then leaks a ~250 MB process that
     holds the launcher's output pipes open.  Create that queue here, from a manager told to die
     with its parent (Linux only; elsewhere megatron-core creates its own)."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    if filesystem_async._results_queue is not None or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux"):
         return
     import multiprocessing
     from multiprocessing.managers import SyncManager
 
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent)
-    filesystem_async._results_queue = manager.Queue()
+    def make_queue():
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(initializer=die_with_parent)
+        return manager.Queue()
+
+    compat.install_checkpoint_writer_queue(make_queue)
 
 
 def _state(model_chunks, optimizer, scheduler, iteration, is_loading: bool, distributed_optimizer: bool):
@@ -105,9 +107,24 @@ def save_checkpoint(directory: str, model_chunks, optimizer, scheduler, iteratio
     return commit(tmp, directory, iteration, keep)
 
 
+def refuse_unreadable(folder: str) -> None:
+    """A `CheckpointError` naming both releases when the installed megatron-core cannot read ``folder``
+    (a checkpoint of a newer megatron-core, `compat.unreadable_checkpoint_problem`)."""
+    from fe_megatron.checkpoint.files import CheckpointError, read_run_info
+
+    try:
+        written_by = ((read_run_info(folder) or {}).get("stack") or {}).get("megatron-core")
+    except (OSError, ValueError):
+        written_by = None
+    problem = compat.unreadable_checkpoint_problem(folder, written_by)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
 def holds_weights_only(folder: str) -> bool:
     """Whether checkpoint ``folder`` holds the model's weights only (written by ``fe-convert``):
     no optimizer state, no schedule, no random states."""
+    refuse_unreadable(folder)
     return "scheduler" not in dist_checkpointing.load_common_state_dict(folder)
 
 
@@ -117,6 +134,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
     random states); returns its iteration.  A weights-only checkpoint (`holds_weights_only`) loads
     the weights, leaves the fresh optimizer and schedule alone and returns 0: training starts there."""
     model = getattr(model_chunks[0], "module", model_chunks[0])
+    refuse_unreadable(folder)
     common = dist_checkpointing.load_common_state_dict(folder)
     if "scheduler" not in common:
         model.load_state_dict(dist_checkpointing.load(_state(model_chunks, None, None, None, True, False),
@@ -148,7 +166,7 @@ def _adapt_single_optimizer_state(state: dict, optimizer) -> None:
     tensor is found by its name regardless; this moves the step count into each member and
     gives each member its own parameter groups (0.1.0's grouped the tables with the norms when
     their learning rate differed only in ``max_lr``, which no loader can tell apart)."""
-    chain = getattr(optimizer, "chained_optimizers", [optimizer])
+    chain = compat.optimizer_members(optimizer)
     if len(chain) == 1 or all(isinstance(key, int) for key in state):
         return
     legacy = {key: state.pop(key) for key in [k for k in state if not isinstance(k, int)]}
@@ -164,12 +182,10 @@ def _adapt_single_optimizer_state(state: dict, optimizer) -> None:
 def _torch_adam_members(optimizer) -> list:
     """``(index, member)`` of the chain's distributed optimizers that run torch's own Adam (no Apex
     or Transformer Engine: every CPU machine), whose step count lives in each parameter's state."""
-    from megatron.core.optimizer import distrib_optimizer
-
-    if distrib_optimizer.HAVE_APEX_OR_TE:
+    if not compat.distributed_optimizer_runs_torch_adam():
         return []
-    return [(index, member) for index, member in enumerate(getattr(optimizer, "chained_optimizers", [optimizer]))
-            if isinstance(member, distrib_optimizer.DistributedOptimizer)]
+    return [(index, member) for index, member in enumerate(compat.optimizer_members(optimizer))
+            if isinstance(member, compat.distributed_optimizer_class())]
 
 
 def _give_fresh_adam_states_a_step(optimizer) -> None:
@@ -190,7 +206,7 @@ def _restore_adam_step_counts(state: dict, optimizer) -> None:
     """The step count a distributed optimizer on torch's Adam saved with its parameter groups, put
     back into every parameter's state (Megatron's loader leaves the count it started from there)."""
     for index, member in _torch_adam_members(optimizer):
-        saved = state[index] if len(getattr(optimizer, "chained_optimizers", [optimizer])) > 1 else state
+        saved = state[index] if len(compat.optimizer_members(optimizer)) > 1 else state
         steps = {group["step"] for group in _torch_optimizer_state(saved)["param_groups"] if "step" in group}
         if len(steps) != 1:
             raise ValueError(f"the checkpoint's optimizer {index} holds step counts {sorted(steps)}; expected one")

@@ -19,8 +19,11 @@ megatron.core's own modules (user code and torch itself are left alone):
    (tied-embedding sync across pipeline stages, optimizer state loading) returns the
    tensor itself -- both only when the caller is megatron.core.
 5. `torch.cuda.synchronize()` (dist checkpoint save, p2p) is a no-op.
+6. CUDA streams and events (``torch.cuda.current_stream()``, ``torch.cuda.stream(...)``,
+   ``torch.cuda.Stream``/``Event``: DDP's gradient sync from megatron-core 0.19 on) are host
+   stand-ins: on the CPU every operation has finished when it returns, so waiting is a no-op.
 
-Each megatron module in `_MEGATRON_MODULES` gets a `torch` proxy that forwards every
+Each megatron module in `fe_megatron.megatron.compat.CPU_BACKEND_MODULES` gets a `torch` proxy that forwards every
 attribute to torch except the few above. The default causal mask is built on CUDA by
 megatron; pass an explicit ``attention_mask`` (as fe_megatron's trainer does).
 """
@@ -33,28 +36,6 @@ import sys
 
 import torch
 
-_MEGATRON_MODULES = [
-    "megatron.core.utils", "megatron.core.parallel_state", "megatron.core.timers",
-    "megatron.core.rerun_state_machine", "megatron.core.tensor_parallel.random",
-    "megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
-    "megatron.core.tensor_parallel.data", "megatron.core.tensor_parallel.utils",
-    "megatron.core.distributed.distributed_data_parallel", "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer",
-    "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler",
-    "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.pipeline_parallel.utils", "megatron.core.transformer.module",
-    "megatron.core.transformer.transformer_layer", "megatron.core.transformer.attention",
-    "megatron.core.transformer.dot_product_attention", "megatron.core.transformer.mlp",
-    "megatron.core.transformer.utils", "megatron.core.models.gpt.gpt_model",
-    "megatron.core.models.common.language_module.language_module",
-    "megatron.core.models.common.embeddings.rotary_pos_embedding",
-    "megatron.core.dist_checkpointing.exchange_utils", "megatron.core.dist_checkpointing.tensor_aware_state_dict",
-    "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.dist_checkpointing.strategies.fully_parallel",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.dist_checkpointing.strategies.async_utils",
-    "megatron.core.datasets.blended_megatron_dataset_builder",
-]
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "zeros_like",
               "ones_like", "empty_like", "full_like", "as_tensor")
 _enabled = False
@@ -68,10 +49,68 @@ def _cpu_device(device):
     return device
 
 
+class _HostEvent:
+    """A CUDA event on the host: CPU work is complete when it returns, so every wait is over."""
+
+    def __init__(self, *_args, **_kwargs):
+        pass
+
+    def record(self, *_args, **_kwargs):
+        return None
+
+    def wait(self, *_args, **_kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream(_HostEvent):
+    """A CUDA stream on the host (see `_HostEvent`)."""
+
+    device = torch.device("cpu")
+
+    def wait_event(self, *_args, **_kwargs):
+        return None
+
+    def wait_stream(self, *_args, **_kwargs):
+        return None
+
+    def record_event(self, event=None):
+        return event if event is not None else _HostEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc):
+        return False
+
+
 class _CudaOnCpu:
     """Stands in for ``torch.cuda`` inside megatron.core modules."""
 
     default_generators = (torch.default_generator,)
+    Stream = _HostStream
+    Event = _HostEvent
+
+    @staticmethod
+    def current_stream(*_args, **_kwargs):
+        return _HostStream()
+
+    @staticmethod
+    def default_stream(*_args, **_kwargs):
+        return _HostStream()
+
+    @staticmethod
+    def stream(*_args, **_kwargs):
+        return _HostStream()
+
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        return False
 
     @staticmethod
     def current_device():
@@ -151,8 +190,10 @@ def enable_cpu_backend() -> bool:
         return False
     if _enabled:
         return True
+    from fe_megatron.megatron import compat
+
     proxy = _TorchOnCpu()
-    for name in _MEGATRON_MODULES:
+    for name in compat.CPU_BACKEND_MODULES:
         try:
             module = importlib.import_module(name)
         except ImportError:  # an optional part of megatron.core that this install lacks
@@ -161,8 +202,7 @@ def enable_cpu_backend() -> bool:
             module.torch = proxy
     from megatron.core.tensor_parallel import random as mcore_random
 
-    mcore_random._get_cuda_rng_state = _get_device_rng_state
-    mcore_random._set_cuda_rng_state = _set_device_rng_state
+    compat.replace_device_rng_state_functions(_get_device_rng_state, _set_device_rng_state)
     # The CPU generator stands in for the device generator, so megatron's check that the
     # CPU RNG is untouched inside a tracker fork would warn on every fork.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)

@@ -10,10 +10,10 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
-from megatron.core.transformer.transformer_block import (TransformerBlock, TransformerBlockSubmodules,
-                                                         get_num_layers_to_build)
+from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron import compat
 from fe_megatron.megatron.norm import TorchNorm
 from fe_megatron.megatron.transformer_layer import memory_layer_spec
 
@@ -55,9 +55,7 @@ def get_gpt_layer_with_factorengram_spec(memory_config: MemoryConfig, backend: s
 def get_block_spec(layer_spec: ModuleSpec, config, vp_stage: Optional[int] = None) -> ModuleSpec:
     """This pipeline stage's block spec for ``layer_spec``. For the local backend the final norm is
     `TorchNorm` too (megatron's default block would use its torch fallback, which refuses SP)."""
-    num_layers = get_num_layers_to_build(config, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
-    norm = TorchNorm if layer_spec.submodules.input_layernorm is TorchNorm else None
-    if norm is None:
-        from megatron.core.transformer.transformer_block import LayerNormImpl as norm
+    num_layers = compat.num_layers_to_build(config, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
+    norm = TorchNorm if layer_spec.submodules.input_layernorm is TorchNorm else compat.default_block_norm()
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm))

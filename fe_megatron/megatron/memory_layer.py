@@ -33,9 +33,10 @@ from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron import compat
 from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
 from fe_megatron.memory import MemoryBranch, build_memory
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, param_sharding
@@ -81,7 +82,7 @@ def memory_sharded_state_dict(branch: MemoryBranch, prefix: str, sharded_offsets
     sharded = make_sharded_tensors_for_checkpoint({n: t for n, t in state.items() if n not in row_sharded}, prefix,
                                                   {n: a for n, a in axes.items() if a is not None}, sharded_offsets,
                                                   tp_group=branch.parallel.tp_group,
-                                                  dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"])
+                                                  dp_cp_group=compat.ensure_metadata_dp_cp_group(metadata))
     for name in row_sharded:
         if sharded_offsets:
             raise ValueError("row-sharded memory tables are saved layer by layer (non_homogeneous_layers); "

@@ -9,6 +9,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from fe_megatron.megatron import compat
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
 from fe_megatron.memory.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.training.distributed import current_device
@@ -101,20 +102,22 @@ def train_step(model_chunks: list, optimizer, batches: list, seq_length: int, mi
     """Forward and backward over ``batches`` (the microbatches of one global batch on this DP rank),
     then one optimizer step.  With ``check_finite`` the loss and the gradient norm are checked
     first, and no update is applied when either is not finite (``StepResult.nonfinite`` says
-    which rank's microbatch went wrong)."""
+    which rank's microbatch went wrong).  Either way the gradients are prepared and their norm
+    computed once: the step clips by that norm (`compat.step_with_grad_norm`) instead of letting
+    Megatron's ``optimizer.step()`` take a second pass over every gradient."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     losses = run_microbatches(model_chunks, batches, seq_length, micro_batch_size, forward_only=False)
     lm = mean_lm_loss(losses)
     sparsity = pop_sparsity_loss(model_chunks, len(batches))
-    if check_finite:
-        optimizer.prepare_grads()
-        grad_norm = float(optimizer.get_grad_norm())
-        if not (math.isfinite(lm) and math.isfinite(grad_norm)):
-            return StepResult(lm, sparsity, grad_norm, False, _locate_nonfinite(losses, lm, grad_norm))
-    updated, grad_norm, _ = optimizer.step()
-    return StepResult(lm, sparsity, float(grad_norm or 0.0), bool(updated))
+    if optimizer.prepare_grads():  # a loss scaler found inf or nan (fp16): Megatron skips the step
+        return StepResult(lm, sparsity, math.nan, False)
+    grad_norm = float(optimizer.get_grad_norm())
+    if check_finite and not (math.isfinite(lm) and math.isfinite(grad_norm)):
+        return StepResult(lm, sparsity, grad_norm, False, _locate_nonfinite(losses, lm, grad_norm))
+    updated = compat.step_with_grad_norm(optimizer, grad_norm)
+    return StepResult(lm, sparsity, grad_norm, updated)
 
 
 def _locate_nonfinite(losses: list, lm: float, grad_norm: float) -> list:

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map, optim_state_to_sharding_state
-from megatron.core.optimizer.optimizer import ChainedOptimizer, FP32Optimizer
 
+from fe_megatron.megatron import compat
 from fe_megatron.memory.managed_tables import ManagedTables, memory_branches, uses_table_stores
 from fe_megatron.memory.sharding import ROW_SHARDED, stages_without_memory
 
@@ -87,7 +86,7 @@ def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, 
                          gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed)
 
 
-class TableOptimizer(FP32Optimizer):
+class TableOptimizer(compat.fp32_optimizer_class()):
     """`ManagedTables` as a member of Megatron's optimizer chain (see the module docstring).  A
     pipeline stage without memory layers holds one over no tables, so that every stage takes
     part in the norm's reductions."""
@@ -142,8 +141,7 @@ class TableOptimizer(FP32Optimizer):
         if is_loading:
             self.optimizer.initialize_state()
         state_dict = self.state_dict()
-        id_to_sharded_param_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.tables.weights)
-        optim_state_to_sharding_state(state_dict, id_to_sharded_param_map, exclude_keys="step")
+        compat.optimizer_state_sharding(state_dict, model_sharded_state_dict, self.tables.weights, exclude_keys="step")
         state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
         return state_dict
 
@@ -152,7 +150,7 @@ class TableOptimizer(FP32Optimizer):
         super().load_state_dict(state_dict)
 
 
-class TableChainedOptimizer(ChainedOptimizer):
+class TableChainedOptimizer(compat.chained_optimizer_class()):
     """Megatron's chain with a `TableOptimizer` among its members: the global norm it computes is
     what the table optimizer clips by."""
 

@@ -40,6 +40,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron import compat
 from fe_megatron.megatron.memory_layer import build_memory_branch, memory_sharded_state_dict
 from fe_megatron.megatron.sparsity import attach_sparsity_loss
 from fe_megatron.memory.loss import layer_sparsity, weighted_sparsity
@@ -137,30 +138,27 @@ class FactorEngramTransformerLayer(TransformerLayer):
             raise RuntimeError(f"layer {self.layer_index} (0-based) has a memory branch but received no "
                                "memory indices; call FactorEngramGPTModel with input_ids (or memory_indices) on "
                                "every pipeline stage")
-        kwargs.pop("dynamic_inference_decode_only", None)
         placement = self.memory_config.placement
         aux_loss = None
         if placement == "before_attn":
             memory_out, aux_loss = self._memory(hidden_states, memory_indices)
             hidden_states = hidden_states + memory_out  # Eq. 11
-        hidden_states, _ = self._forward_attention(hidden_states, *args, **kwargs)
+        hidden_states, _ = compat.forward_attention(self, hidden_states, args, kwargs)
         if placement == "before_ffn":
             memory_out, aux_loss = self._memory(hidden_states, memory_indices)
             hidden_states = hidden_states + memory_out  # Eq. 11
-            output = self._forward_mlp(hidden_states, kwargs.get("inference_context"),
-                                       padding_mask=kwargs.get("padding_mask"))
+            output = compat.forward_mlp(self, hidden_states, kwargs)
         elif placement == "inside_ffn":
             memory_out, aux_loss = self._memory(hidden_states, memory_indices)
             output = self._forward_mlp_with_memory(hidden_states, memory_out)
         else:
-            output = self._forward_mlp(hidden_states, kwargs.get("inference_context"),
-                                       padding_mask=kwargs.get("padding_mask"))
+            output = compat.forward_mlp(self, hidden_states, kwargs)
         return attach_sparsity_loss(output, aux_loss), context
 
     def _forward_mlp_with_memory(self, hidden_states: torch.Tensor, memory_out: torch.Tensor):
         """``inside_ffn``: the pre-MLP norm, the SwiGLU with ``m`` on its up branch, the residual add."""
         residual = hidden_states
-        normed = self._forward_pre_mlp_layernorm(hidden_states)
+        normed = compat.pre_mlp_layernorm(self, hidden_states)
         if self.tp_group.size() > 1:  # the up-projection's columns are split over TP
             if self.config.sequence_parallel:  # [s/tp, b, f] -> [s, b, f/tp]
                 local_seq, batch, width = memory_out.shape
@@ -173,7 +171,7 @@ class FactorEngramTransformerLayer(TransformerLayer):
                                                  memory_out)
         else:
             mlp_out = swiglu_with_up_addend(self.mlp, normed, memory_out)
-        return self._forward_post_mlp(mlp_out, residual)
+        return compat.post_mlp(self, mlp_out, residual)
 
     def pop_tracked_sparsity_loss(self) -> Optional[torch.Tensor]:
         """Sum of this layer's tracked aux-loss values since the last call (this rank's TP share)."""

@@ -5,6 +5,8 @@ megatron.core.  Only the warnings listed here, and only when a third-party modul
 are filtered; fe_megatron's own warnings, and any other, still show.
 """
 
+import logging
+import re
 import warnings
 
 # (category, message regex, module regex of the code that warns)
@@ -24,9 +26,34 @@ KNOWN_THIRD_PARTY_WARNINGS = (
     # megatron.core's own migration notices to its callers
     (DeprecationWarning, r"Warning: tp_group is None", r"megatron\."),
     (DeprecationWarning, r"MLP requires ffn_hidden_size", r"megatron\."),
+    # megatron.core 0.19 announces an experimental multimodal config on import
+    (UserWarning, r"MimoModelConfig is experimental", r"megatron\."),
 )
+
+# (logger name, message regex): log records of third-party libraries that say nothing to a user
+KNOWN_THIRD_PARTY_LOG_RECORDS = (
+    # torch's extension builder, imported by megatron.core, on a CUDA build of torch without a GPU
+    ("torch.utils.cpp_extension", r"No CUDA runtime is found"),
+    # megatron.core 0.19 on every save through dist_checkpointing.save (fe_megatron saves synchronously)
+    ("megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated"),
+    # megatron.core 0.19 on every GPTModel (docs/compatibility.md says what it means for fe_megatron)
+    ("megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED"),
+)
+
+
+class _DropKnownRecords(logging.Filter):
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(record.getMessage())
 
 
 def silence_known_third_party_warnings() -> None:
     for category, message, module in KNOWN_THIRD_PARTY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, pattern in KNOWN_THIRD_PARTY_LOG_RECORDS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropKnownRecords) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_DropKnownRecords(pattern))

@@ -1,0 +1,434 @@
+"""Every use of Megatron-Core's non-public API, in one place, for every supported release.
+
+fe_megatron builds on megatron-core's public pieces (``ModuleSpec``, ``TransformerConfig``,
+``GPTModel``, DDP, ``get_megatron_optimizer``, the schedules, ``dist_checkpointing``) and, where
+no public hook exists, on a few internals: a ``TransformerLayer``'s private forward steps (the
+memory branch sits between them), optimizer internals (a chain member of our own, one gradient
+norm per step), the checkpoint writer's result queue, and the module-level ``torch`` and RNG
+functions that the CPU backend answers.  Those internals move between releases; this module
+is the only one that touches them, and `CONTRACTS` states what each use expects, so that an
+upstream change fails one named check (``tests/test_megatron_compat.py``) instead of a
+training run.
+
+Supported: megatron-core ``SUPPORTED_MEGATRON_CORE`` (docs/compatibility.md lists the releases
+each end was tested with).  What changed inside that range and is answered here:
+
+* 0.17: ``TransformerLayer._forward_mlp`` takes ``packed_seq_params``; layer-norm and MLP
+  submodules may be builder callables instead of ``ModuleSpec``; ``megatron.training`` ships
+  in the wheel;
+* 0.19: DDP's gradient sync asks ``torch.cuda.current_stream()`` (the CPU backend answers it);
+* later (megatron-core's main branch): ``_forward_post_mlp`` is gone; `post_mlp` does its work
+  (the MLP's bias-dropout-add) when the layer lacks it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+SUPPORTED_MEGATRON_CORE = (">=0.16.1", "<0.20")
+OLDEST_TESTED, NEWEST_TESTED = "0.16.1", "0.19.2"
+
+
+class UpstreamMoved(RuntimeError):
+    """A megatron-core internal that fe_megatron relies on is not where, or not what, it was."""
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def _version_tuple(version: str) -> tuple:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def is_supported_version(version: str) -> bool:
+    low, high = (_version_tuple(bound.lstrip("<>=")) for bound in SUPPORTED_MEGATRON_CORE)
+    return low <= _version_tuple(version) < high
+
+
+def unsupported_version_message() -> str | None:
+    """None where the installed megatron-core is in the supported range, else what to do."""
+    version = megatron_core_version()
+    if is_supported_version(version):
+        return None
+    return (f"megatron-core {version} is outside the range fe_megatron supports and was tested on "
+            f"({', '.join(SUPPORTED_MEGATRON_CORE)}; {OLDEST_TESTED} to {NEWEST_TESTED}). It may work: "
+            "`python -m pytest tests/test_megatron_compat.py` names every internal that moved")
+
+
+# --------------------------------------------------------------------------- TransformerLayer steps
+def _accepted(function) -> tuple[set, bool]:
+    parameters = inspect.signature(function).parameters.values()
+    names = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_keywords(layer_class) -> tuple[frozenset, bool]:
+    names, open_ended = _accepted(layer_class._forward_attention)
+    return frozenset(names), open_ended
+
+
+def forward_attention(layer, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
+    """``TransformerLayer._forward_attention``: input norm, self-attention and its residual add.
+    Keywords the block passes that this release's attention step does not take (for example
+    ``dynamic_inference_decode_only``) are dropped.  Returns ``(hidden_states, context)``."""
+    names, open_ended = _attention_keywords(type(layer))
+    if not open_ended:
+        kwargs = {key: value for key, value in kwargs.items() if key in names}
+    return layer._forward_attention(hidden_states, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp_takes_packed_seq_params(layer_class) -> bool:
+    return "packed_seq_params" in inspect.signature(layer_class._forward_mlp).parameters
+
+
+def forward_mlp(layer, hidden_states: torch.Tensor, kwargs: dict):
+    """``TransformerLayer._forward_mlp``: pre-MLP norm, MLP and its residual add, with the
+    arguments this release takes (``packed_seq_params`` from 0.17 on)."""
+    extra = {"padding_mask": kwargs.get("padding_mask")}
+    if _mlp_takes_packed_seq_params(type(layer)):
+        extra["packed_seq_params"] = kwargs.get("packed_seq_params")
+    return layer._forward_mlp(hidden_states, kwargs.get("inference_context"), **extra)
+
+
+def pre_mlp_layernorm(layer, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``TransformerLayer._forward_pre_mlp_layernorm`` (the norm before the MLP, with its recompute)."""
+    return layer._forward_pre_mlp_layernorm(hidden_states)
+
+
+def post_mlp(layer, mlp_output_with_bias, residual: torch.Tensor) -> torch.Tensor:
+    """``TransformerLayer._forward_post_mlp``: the MLP's bias-dropout-add onto the residual.  Where
+    a release has no such step, the same bias-dropout-add, as its ``_forward_mlp`` does it."""
+    if hasattr(layer, "_forward_post_mlp"):
+        return layer._forward_post_mlp(mlp_output_with_bias, residual)
+    from megatron.core.utils import make_viewless_tensor
+
+    output = layer.mlp_bda(layer.training, layer.config.bias_dropout_fusion)(
+        mlp_output_with_bias, residual, layer.hidden_dropout)
+    return make_viewless_tensor(inp=output, requires_grad=output.requires_grad, keep_graph=True)
+
+
+# --------------------------------------------------------------------------- block building
+def num_layers_to_build(config, vp_stage, pp_rank: int) -> int:
+    """``transformer_block.get_num_layers_to_build``: this pipeline stage's layer count."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    return get_num_layers_to_build(config, vp_stage, pp_rank)
+
+
+def default_block_norm():
+    """``transformer_block.LayerNormImpl``: the final norm megatron-core picks (TE, Apex or torch)."""
+    from megatron.core.transformer import transformer_block
+
+    return transformer_block.LayerNormImpl
+
+
+def ensure_metadata_dp_cp_group(metadata):
+    """``transformer.utils.ensure_metadata_has_dp_cp_group``'s data-parallel (with context) group."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]
+
+
+# --------------------------------------------------------------------------- optimizer internals
+def chained_optimizer_class():
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    return ChainedOptimizer
+
+
+def fp32_optimizer_class():
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    return FP32Optimizer
+
+
+def param_group_identifier_keys() -> tuple:
+    """The keys Megatron's checkpoint loader tells an optimizer's parameter groups apart by."""
+    from megatron.core.optimizer import optimizer
+
+    return tuple(optimizer.param_group_identifier_keys)
+
+
+def optimizer_members(optimizer) -> list:
+    """The members of a ``ChainedOptimizer``, or ``[optimizer]``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def step_with_grad_norm(optimizer, grad_norm: float) -> bool:
+    """The rest of ``optimizer.step()`` once ``prepare_grads()`` and ``get_grad_norm()`` have run:
+    clip every member by ``grad_norm`` (as ``ChainedOptimizer.step`` does) and apply the update.
+    Megatron's own ``step()`` would prepare the gradients and compute the norm a second time: two
+    passes over every gradient, the tables' included.  Returns whether the update was applied."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    takes_decoupled = "use_decoupled_grad" in inspect.signature(clip_grad_by_total_norm_fp32).parameters
+    for member in optimizer_members(optimizer):
+        if getattr(member, "is_stub_optimizer", False) or member.config.clip_grad <= 0.0:
+            continue
+        parameters = member.get_parameters()
+        if not parameters:
+            continue
+        extra = {}
+        if takes_decoupled:
+            extra["use_decoupled_grad"] = bool(
+                getattr(member.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                        getattr(member.config, "use_precision_aware_optimizer", False)))
+        clip_grad_by_total_norm_fp32(parameters, max_norm=member.config.clip_grad, total_norm=grad_norm, **extra)
+    return bool(optimizer.step_with_ready_grads())
+
+
+def distributed_optimizer_class():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return DistributedOptimizer
+
+
+def distributed_optimizer_runs_torch_adam() -> bool:
+    """Whether the distributed optimizer runs torch's own Adam (no Apex or Transformer Engine fused
+    Adam), which keeps its step count in every parameter's state instead of the groups."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    return not distrib_optimizer.HAVE_APEX_OR_TE
+
+
+def optimizer_state_sharding(state_dict: dict, model_sharded_state_dict: dict, parameters, exclude_keys: str):
+    """``dist_checkpointing.optimizer``: replace ``state_dict``'s parameter ids by the model's
+    ShardedTensors of ``parameters``, so the optimizer's states shard and reshard as the weights do."""
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            optim_state_to_sharding_state)
+
+    id_to_sharded_param_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, parameters)
+    optim_state_to_sharding_state(state_dict, id_to_sharded_param_map, exclude_keys=exclude_keys)
+
+
+# --------------------------------------------------------------------------- dist_checkpointing internals
+def install_checkpoint_writer_queue(make_queue: Callable) -> None:
+    """megatron-core's checkpoint writer collects results through a module-level queue
+    (``filesystem_async._results_queue``), created on first use from a manager process of its own;
+    give it ``make_queue()`` instead, unless one exists already."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = make_queue()
+
+
+def reads_common_state_inside_torch_dist() -> bool:
+    """Whether this release reads a checkpoint's common state from inside its torch_dist files, where
+    newer releases write it, besides a ``common.pt`` of its own, where 0.16 writes it."""
+    from megatron.core.dist_checkpointing import serialization
+
+    return hasattr(serialization, "_legacy_common_state_exists")
+
+
+def unreadable_checkpoint_problem(folder: str, written_by: str | None) -> str | None:
+    """Why the installed megatron-core cannot read the dist checkpoint ``folder`` (None: it can).
+    ``written_by`` names the megatron-core release that wrote it, where known."""
+    import os
+
+    if os.path.exists(os.path.join(folder, "common.pt")) or reads_common_state_inside_torch_dist():
+        return None
+    writer = f"megatron-core {written_by}" if written_by else "a newer megatron-core"
+    return (f"{folder} was written by {writer}, which keeps a checkpoint's common state inside its torch_dist "
+            f"files; megatron-core {megatron_core_version()}, installed here, reads it only from a common.pt "
+            "file and cannot load this checkpoint. Resume it with megatron-core 0.19 (docs/compatibility.md), or "
+            "carry its weights over into a new run: fe-convert mcore-to-hf under the newer release, then fe-convert "
+            "hf-to-mcore here, and --load the result")
+
+
+# --------------------------------------------------------------------------- what the CPU backend patches
+# megatron-core modules whose module-level ``torch`` the CPU backend replaces (`cpu_backend`);
+# a module a release lacks is skipped.
+CPU_BACKEND_MODULES = (
+    "megatron.core.utils", "megatron.core.parallel_state", "megatron.core.timers",
+    "megatron.core.rerun_state_machine", "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.data", "megatron.core.tensor_parallel.utils",
+    "megatron.core.distributed.distributed_data_parallel", "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.grad_scaler",
+    "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.pipeline_parallel.utils", "megatron.core.transformer.module",
+    "megatron.core.transformer.transformer_layer", "megatron.core.transformer.transformer_block",
+    "megatron.core.transformer.attention",
+    "megatron.core.transformer.dot_product_attention", "megatron.core.transformer.mlp",
+    "megatron.core.transformer.utils", "megatron.core.models.gpt.gpt_model",
+    "megatron.core.models.common.language_module.language_module",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.dist_checkpointing.exchange_utils", "megatron.core.dist_checkpointing.tensor_aware_state_dict",
+    "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.recompute",
+)
+# the modules above that every supported release has (the contract checks them)
+_CPU_BACKEND_REQUIRED = ("megatron.core.tensor_parallel.random", "megatron.core.distributed.param_and_grad_buffer",
+                         "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
+                         "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
+                         "megatron.core.dist_checkpointing.strategies.filesystem_async")
+
+
+def replace_device_rng_state_functions(get_state: Callable, set_state: Callable) -> None:
+    """``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``, which the RNG tracker
+    and activation recompute call to save and restore the device generator, replaced."""
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = get_state
+    mcore_random._set_cuda_rng_state = set_state
+    recompute = _optional_module("megatron.core.recompute")  # 0.18+: recompute has a module of its own
+    if recompute is not None:
+        for name, value in (("_get_cuda_rng_state", get_state), ("_set_cuda_rng_state", set_state)):
+            if hasattr(recompute, name):
+                setattr(recompute, name, value)
+
+
+def _optional_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+# --------------------------------------------------------------------------- contracts
+@dataclass(frozen=True)
+class Contract:
+    """What one use above expects of megatron-core; ``check`` raises `UpstreamMoved` if it is not so."""
+
+    name: str
+    used_by: str
+    check: Callable[[], None]
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise UpstreamMoved(f"megatron-core {megatron_core_version()}: {what}; fe_megatron/megatron/compat.py "
+                            "must be adapted to this release")
+
+
+def _has_parameters(function, names: tuple, where: str) -> None:
+    present = set(inspect.signature(function).parameters)
+    missing = [name for name in names if name not in present]
+    _require(not missing, f"{where} no longer takes {missing} (it takes {sorted(present)})")
+
+
+def _check_layer_steps():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    for step in ("_forward_attention", "_forward_mlp", "_forward_pre_mlp_layernorm"):
+        _require(callable(getattr(TransformerLayer, step, None)), f"TransformerLayer.{step} is gone")
+    _has_parameters(TransformerLayer._forward_attention, ("hidden_states", "attention_mask", "context"),
+                    "TransformerLayer._forward_attention")
+    _has_parameters(TransformerLayer._forward_mlp, ("hidden_states", "inference_context"),
+                    "TransformerLayer._forward_mlp")
+    # _forward_post_mlp may be missing: post_mlp then does its bias-dropout-add itself
+
+
+def _check_layer_constructor():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    _has_parameters(TransformerLayer.__init__, ("config", "submodules", "layer_number", "hidden_dropout",
+                                                "pg_collection", "vp_stage"), "TransformerLayer.__init__")
+
+
+def _check_block():
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlock, get_num_layers_to_build
+
+    _has_parameters(get_num_layers_to_build, ("config", "vp_stage", "pp_rank"), "get_num_layers_to_build")
+    _has_parameters(TransformerBlock.forward, ("hidden_states", "attention_mask", "context"), "TransformerBlock.forward")
+    _has_parameters(GPTModel.forward, ("input_ids", "position_ids", "attention_mask", "extra_block_kwargs"),
+                    "GPTModel.forward")
+    _require(default_block_norm() is not None, "transformer_block.LayerNormImpl is gone")
+
+
+def _check_sharded_state_dict_helpers():
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    _has_parameters(make_sharded_tensors_for_checkpoint, ("state_dict", "prefix", "tensor_parallel_layers_axis_map",
+                                                          "sharded_offsets", "tp_group", "dp_cp_group"),
+                    "make_sharded_tensors_for_checkpoint")
+    _require(callable(ensure_metadata_has_dp_cp_group), "transformer.utils.ensure_metadata_has_dp_cp_group is gone")
+
+
+def _check_optimizer_internals():
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    chained, fp32 = chained_optimizer_class(), fp32_optimizer_class()
+    for method in ("prepare_grads", "get_grad_norm", "step_with_ready_grads", "get_parameters"):
+        _require(callable(getattr(chained, method, None)), f"ChainedOptimizer.{method} is gone")
+        _require(callable(getattr(fp32, method, None)), f"FP32Optimizer.{method} is gone")
+    _has_parameters(fp32.__init__, ("optimizer", "config", "init_state_fn"), "FP32Optimizer.__init__")
+    _has_parameters(clip_grad_by_total_norm_fp32, ("parameters", "max_norm", "total_norm"),
+                    "clip_grad_by_total_norm_fp32")
+    keys = param_group_identifier_keys()
+    _require({"wd_mult", "lr_mult", "is_expert_parallel"} <= set(keys),
+             f"param_group_identifier_keys is {keys}; the tables' group relies on wd_mult, lr_mult and "
+             "is_expert_parallel among them")
+    from megatron.core.optimizer import distrib_optimizer
+
+    _require(hasattr(distrib_optimizer, "HAVE_APEX_OR_TE"), "distrib_optimizer.HAVE_APEX_OR_TE is gone")
+    from megatron.core.dist_checkpointing import optimizer as dist_optimizer
+
+    for name in ("get_param_id_to_sharded_param_map", "optim_state_to_sharding_state"):
+        _require(callable(getattr(dist_optimizer, name, None)), f"dist_checkpointing.optimizer.{name} is gone")
+
+
+def _check_checkpoint_writer_queue():
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    _require(hasattr(filesystem_async, "_results_queue"),
+             "dist_checkpointing.strategies.filesystem_async._results_queue is gone")
+
+
+def _check_cpu_backend_targets():
+    for name in _CPU_BACKEND_REQUIRED:
+        module = _optional_module(name)
+        _require(module is not None, f"module {name} is gone")
+        _require(getattr(module, "torch", None) is not None, f"{name} no longer imports torch at module level")
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    for name in ("_get_cuda_rng_state", "_set_cuda_rng_state", "get_cuda_rng_tracker"):
+        _require(callable(getattr(mcore_random, name, None)), f"tensor_parallel.random.{name} is gone")
+
+
+CONTRACTS = (
+    Contract("TransformerLayer forward steps", "megatron/transformer_layer.py", _check_layer_steps),
+    Contract("TransformerLayer constructor", "megatron/transformer_layer.py", _check_layer_constructor),
+    Contract("block and GPTModel forwards", "megatron/gpt_model.py, layer_specs.py", _check_block),
+    Contract("sharded state dict helpers", "megatron/memory_layer.py", _check_sharded_state_dict_helpers),
+    Contract("optimizer internals", "megatron/builder.py, table_optimizer.py, checkpointing.py, step.py",
+             _check_optimizer_internals),
+    Contract("checkpoint writer queue", "megatron/checkpointing.py", _check_checkpoint_writer_queue),
+    Contract("CPU backend targets", "megatron/cpu_backend.py", _check_cpu_backend_targets),
+)
+
+
+def broken_contracts() -> list[str]:
+    """Every contract the installed megatron-core breaks, each as one message (empty: none)."""
+    problems = []
+    for contract in CONTRACTS:
+        try:
+            contract.check()
+        except UpstreamMoved as moved:
+            problems.append(f"{contract.name} (used by fe_megatron/{contract.used_by}): {moved}")
+        except (ImportError, AttributeError) as error:
+            problems.append(f"{contract.name} (used by fe_megatron/{contract.used_by}): megatron-core "
+                            f"{megatron_core_version()}: {error}")
+    return problems
