@@ -20,6 +20,7 @@ NEWEST_STACK_SUBSET = (
     "tests/test_megatron_compat.py",
     "tests/test_megatron_single.py",
     "tests/test_checkpoint_versions.py",
+    "tests/test_install.py",
     "tests/test_train.py::test_resume_reproduces_the_uninterrupted_curve_exactly",
     "tests/test_row_sharding.py::test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them",
     "tests/test_row_sharding.py::test_dp2_tp2_rows_match_dp1_tp2_whole_tables",

@@ -1,0 +1,107 @@
+"""The Megatron step's optimizer phase with the gradient norm computed once against twice.
+
+fe-pretrain checks the loss and the gradient norm for non-finite values before it updates.  It used
+to call ``prepare_grads()`` and ``get_grad_norm()`` for that check and then Megatron's
+``optimizer.step()``, which prepares the gradients and computes the norm again: two passes over
+every gradient, the tables' included.  It now clips by the norm it already has
+(`fe_megatron.megatron.compat.step_with_grad_norm`).  Both variants run on one model in one
+process, alternating step by step, after the same forward and backward.
+
+    python benchmarks/bench_optimizer_step.py [--size small|tiny] [--steps 8]
+
+Prints the median milliseconds of the optimizer phase (after the backward) and of the whole step,
+and their ratios, as JSON.
+"""
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+SIZES = {
+    "tiny": dict(backbone=dict(preset="tiny"), memory=dict(preset="factorengram-tiny"), mbs=8, micro=2),
+    # bench_train.py's "small": 12 layers at d=512, two memory layers, 183M table parameters
+    "small": dict(backbone=dict(vocab_size=32000, hidden_size=512, num_layers=12, num_attention_heads=8,
+                                ffn_hidden_size=1408, seq_length=256),
+                  memory=dict(preset="factorengram-340m", table_capacity=[32000, 100_000, 100_000], coeff_width=1536,
+                              memory_dim=1536, layers=[5, 6]), mbs=4, micro=2),
+}
+
+
+def main():
+    from megatron.core.optimizer import OptimizerConfig
+
+    from fe_megatron.config import BackboneConfig, MemoryConfig
+    from fe_megatron.megatron import compat
+    from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.engine import transformer_config_for
+    from fe_megatron.megatron.parallel import initialize, shutdown
+    from fe_megatron.megatron.step import causal_mask, run_microbatches
+    from fe_megatron.training.config import TrainConfig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", choices=list(SIZES), default="small")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps of each variant")
+    args = parser.parse_args()
+    s = SIZES[args.size]
+    backbone = BackboneConfig.from_dict(s["backbone"])
+    vocab, seq = backbone.vocab_size, backbone.seq_length
+    initialize()
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(s["micro"]):
+        tokens = torch.randint(0, vocab, (s["mbs"], seq + 1), generator=generator)
+        batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(s["mbs"], seq),
+                            position_ids=torch.arange(seq).expand(s["mbs"], -1), attention_mask=causal_mask(seq)))
+    tconfig = transformer_config_for(TrainConfig(model=backbone), on_gpu=False)
+    model = build_gpt_model(tconfig, vocab, seq, MemoryConfig.from_dict(s["memory"], backbone=backbone))
+    ddp = wrap_ddp(model, tconfig)
+    optimizer = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0))
+    connect_schedule_hooks(tconfig, [ddp], optimizer)
+
+    def two_passes():  # the check, then Megatron's own step
+        optimizer.prepare_grads()
+        assert math.isfinite(float(optimizer.get_grad_norm()))
+        optimizer.step()
+
+    def one_pass():  # what train_step does now
+        optimizer.prepare_grads()
+        norm = float(optimizer.get_grad_norm())
+        assert math.isfinite(norm)
+        compat.step_with_grad_norm(optimizer, norm)
+
+    variants = {"two passes (before)": two_passes, "one pass (now)": one_pass}
+    times = {name: {"optimizer_ms": [], "step_ms": []} for name in variants}
+    for step in range(2 + args.steps):  # 2 untimed steps per variant first
+        for name, update in variants.items():
+            start = time.perf_counter()
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            run_microbatches([ddp], batches, seq, s["mbs"], forward_only=False)
+            backward_done = time.perf_counter()
+            update()
+            end = time.perf_counter()
+            if step >= 2:
+                times[name]["optimizer_ms"].append(1e3 * (end - backward_done))
+                times[name]["step_ms"].append(1e3 * (end - start))
+    shutdown()
+    medians = {name: {key: statistics.median(values) for key, values in t.items()} for name, t in times.items()}
+    before, now = medians["two passes (before)"], medians["one pass (now)"]
+    parameters = sum(p.numel() for p in model.parameters())
+    print(json.dumps({
+        "size": args.size, "parameters": parameters, "steps": args.steps, "torch": torch.__version__,
+        "megatron_core": compat.megatron_core_version(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "median_ms": medians,
+        "optimizer_phase_ratio_now_over_before": round(now["optimizer_ms"] / before["optimizer_ms"], 3),
+        "step_ratio_now_over_before": round(now["step_ms"] / before["step_ms"], 3)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
