@@ -86,9 +86,14 @@ def main(argv=None) -> int:
                                        "first start that later starts resume, the same folder as --save. The "
                                        "DeepSpeed engine also takes a Hugging Face model directory")
     parser.add_argument("--save", help="checkpoint and metrics directory")
-    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.train_steps=100")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. training.train_steps=100; before, "
+                                                     "between or after the options")
+    parser.add_argument("--check", action="store_true",
+                        help="load and check the configuration (with --load/--save and the overrides), print it "
+                             "resolved, and exit: 0 when it is valid, 2 with the error otherwise; the launch scripts "
+                             "run this once before they start the workers")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may sit between the options
     from fe_megatron.config import ConfigError
     from fe_megatron.data.sources import DataError
     from fe_megatron.training.config import load_train_config
@@ -101,8 +106,17 @@ def main(argv=None) -> int:
     try:
         cfg = load_train_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as err:  # ConfigError, invalid YAML, a missing file
-        print(f"fe-pretrain: error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: one message, not one per rank
+            print(f"fe-pretrain: error: {err}", file=sys.stderr)
         return 2
+    if args.check:
+        import dataclasses
+        import json
+
+        print(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
+        print(f"fe-pretrain: {args.config} with {len(args.overrides)} override(s) is a valid configuration",
+              file=sys.stderr)
+        return 0
     from fe_megatron.checkpoint.files import CheckpointError
 
     try:

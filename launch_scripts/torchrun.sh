@@ -55,6 +55,10 @@ else
                 --rdzv-id="${RDZV_ID:-fe-pretrain}")
 fi
 
+# The configuration is checked once, in this process, before any worker starts: an error is one
+# message (naming the file line or the override), not one per rank under a launcher traceback.
+"$PYTHON" -m fe_megatron.train --check "$@" > /dev/null || exit 2
+
 # SIGUSR1 asks the workers to save after the current step and stop (SLURM sends it before a
 # time limit or a preemption, to every process of the job step).  torchrun itself would die of
 # it, so it ignores it; the workers inherit that and install their own handler.

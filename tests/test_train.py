@@ -87,6 +87,37 @@ def test_resume_reproduces_the_uninterrupted_curve_exactly(small_data, tmp_path)
     assert not any(name.endswith(".tmp") for name in os.listdir(full))
 
 
+def test_exit_after_saves_first_and_the_next_start_resumes_there_recording_each_step_once(small_data, tmp_path):
+    """training.exit_after between two save intervals: a checkpoint at the exit step, a resume there,
+    and metrics.jsonl with every step once, also after a restart over records no checkpoint kept."""
+    save = str(tmp_path / "run")
+    args = ["--config", CONFIG, "--save", save] + small_overrides(small_data, **{"training.save_interval": 100,
+                                                                                 "training.log_interval": 1})
+    stopped = run_pretrain(args + ["training.exit_after=3"]).stdout
+    assert "exiting after step 3 (training.exit_after) with a checkpoint; rerun with --load to resume" in stopped
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "3"
+    with open(os.path.join(save, "metrics.jsonl"), "a") as fh:  # as a run killed after step 5 leaves it
+        fh.write(json.dumps({"step": 4, "lm_loss": 1.0}) + "\n" + json.dumps({"step": 5, "lm_loss": 1.0}) + "\n")
+    resumed = run_pretrain(args + ["--load", save]).stdout
+    assert "at iteration 3" in resumed and "dropped 2 record(s) after step 3" in resumed
+    rows = metrics(save)
+    steps = [(r["step"], "val_loss" in r) for r in rows if "step" in r and "event" not in r]
+    assert steps == sorted(set(steps)) and [s for s, _ in steps if not _] == list(range(1, 9)), steps
+    assert [r["start_step"] for r in rows if r.get("event") == "start"] == [0, 3]
+
+
+def test_keep_records_up_to_drops_what_a_start_writes_again(tmp_path):
+    from fe_megatron.training.loop import keep_records_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    records = [{"event": "start", "start_step": 0}, {"step": 2}, {"step": 4, "val_loss": 1.0}, {"step": 6},
+               {"event": "start", "start_step": 4}, {"step": 6}, {"event": "final", "step": 8}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"step": 7, "lm_lo')  # a cut last line
+    assert keep_records_up_to(str(path), 4) == 5
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records[:3]
+    assert keep_records_up_to(str(path), 0) == 3 and keep_records_up_to(str(tmp_path / "none"), 0) == 0
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("parallel", [["parallel.tensor=1"], ["parallel.tensor=2", "parallel.sequence_parallel=true"],
                                       ["parallel.table_sharding=rows"]],
@@ -204,6 +235,47 @@ def test_train_config_error_names_the_file_line_or_override(tmp_path):
         load_train_config(str(path))
     with pytest.raises(ConfigError, match=r"override 'memory.layers=\[7\]': memory.layers: layer 7 is outside"):
         load_train_config(CONFIG, ["memory.layers=[7]"])
+
+
+def test_a_check_across_fields_names_the_override_that_broke_it():
+    with pytest.raises(ConfigError, match=r"demo_cpu.yaml:\d+: optimizer.warmup_steps: 20 must lie in \[0, "
+                                          r"training.train_steps=5\) \(set by the override 'training.train_steps=5'\)"):
+        load_train_config(CONFIG, ["training.train_steps=5"])
+
+
+def test_overrides_may_sit_between_the_options_and_check_exits_before_training(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "fe_megatron.train", "--config", CONFIG, "training.train_steps=50",
+                           "--save", str(tmp_path / "run"), "training.log_interval=1", "--check"],
+                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    resolved = json.loads(proc.stdout)
+    assert resolved["training"]["train_steps"] == 50 and resolved["training"]["log_interval"] == 1
+    assert resolved["save"] == str(tmp_path / "run") and not os.path.exists(tmp_path / "run")
+
+
+def test_a_configuration_error_is_one_message_before_any_worker_starts():
+    """launch_scripts/torchrun.sh checks the configuration in one process first; a worker other than rank
+    0 that meets the error (plain torchrun) stays silent, so there is one message either way."""
+    env = dict(os.environ, NPROC_PER_NODE="2", PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "launch_scripts", "torchrun.sh"), "--config", CONFIG,
+                           "training.train_steps=5"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.count("fe-pretrain: error:") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "(set by the override 'training.train_steps=5')" in proc.stderr
+    worker = subprocess.run([sys.executable, "-m", "fe_megatron.train", "--config", CONFIG, "training.train_steps=5"],
+                            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, RANK="1"))
+    assert worker.returncode == 2 and worker.stderr == ""
+
+
+def test_an_override_reaches_into_the_deepspeed_json_file_the_config_names(tmp_path):
+    ds_config = os.path.join(ROOT, "examples", "configs", "demo_cpu_deepspeed.yaml")
+    cfg = load_train_config(ds_config, ["deepspeed.zero_optimization.stage=2"])
+    assert cfg.deepspeed["zero_optimization"]["stage"] == 2 and cfg.deepspeed["train_batch_size"] == "auto"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(open(ds_config).read().replace("examples/configs/deepspeed_zero3.json", str(tmp_path / "no.json")))
+    with pytest.raises(ConfigError, match=r"the override 'deepspeed.zero_optimization.stage=2' reaches into "
+                                          r".*no.json, which cannot be read as JSON"):
+        load_train_config(str(bad), ["deepspeed.zero_optimization.stage=2"])
 
 
 def test_model_section_is_the_memory_backbone():

@@ -454,7 +454,7 @@ def set_up(cfg) -> DeepSpeedRun:
 
     run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=datasets,
                        num_microbatches=microbatches_per_rank(t, dp),
-                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
+                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, start), start_step=start,
                        parameters=parameters, step_index=start)
     where_tables = {"zero": "tables as ZeRO parameters", ROW_SHARDED: "tables row-sharded outside ZeRO",
                     "replicated": "tables whole outside ZeRO"}[tables_mode]

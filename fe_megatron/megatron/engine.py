@@ -200,7 +200,7 @@ def set_up(cfg) -> MegatronRun:
     run = MegatronRun(cfg=cfg, info=info, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
                       datasets=datasets, num_microbatches=microbatches_per_rank(t, dp),
                       attention_mask=causal_mask(m.seq_length, current_device()),
-                      metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir), start_step=start,
+                      metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, start), start_step=start,
                       parameters=count_parameters(model))
     begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f", {describe_tables(cfg, tables is not None)}"
                                                             if cfg.memory is not None else ""),

@@ -14,6 +14,7 @@ no backbone field.  The model kind is the memory's ``kind`` (``factorengram`` or
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -199,13 +200,34 @@ def _where(where: dict, section: str, name: str) -> Optional[str]:
     return entry.get(name) if isinstance(entry, dict) else entry
 
 
+# sections that may be given as the path of a JSON file (the DeepSpeed config)
+JSON_FILE_SECTIONS = ("deepspeed",)
+
+
+def _read_json_section(path: str, item: str) -> dict:
+    import json
+
+    try:
+        with open(path) as fh:
+            values = json.load(fh)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(item.split("=", 1)[0], f"the override {item!r} reaches into {path}, which cannot be "
+                                                 f"read as JSON ({err})", section=None) from None
+    if not isinstance(values, dict):
+        raise ConfigError(item.split("=", 1)[0], f"{path} holds {type(values).__name__}, not a JSON object",
+                          section=None)
+    return values
+
+
 def _set_dotted(tree: dict, where: dict, item: str) -> None:
     if "=" not in item:
         raise ConfigError(item, "overrides must look like section.key=value", section=None)
     key, text = item.split("=", 1)
     parts = key.split(".")
     node, lines = tree, where
-    for part in parts[:-1]:
+    for depth, part in enumerate(parts[:-1]):
+        if depth == 0 and part in JSON_FILE_SECTIONS and isinstance(node.get(part), str):
+            node[part] = _read_json_section(node[part], item)  # the override reaches into the file's keys
         node = node.setdefault(part, {})
         if node is None:  # e.g. memory.layers=... after memory=null
             raise ConfigError(key, f"cannot set {key}: section {part} is null", section=None)
@@ -270,5 +292,22 @@ def load_train_config(path: Optional[str], overrides: List[str] = ()) -> TrainCo
             deepspeed=tree.get("deepspeed"))
     except TypeError as err:  # a dataclass given a value it cannot take
         raise ConfigError("config", str(err), path, None) from None
-    config.validate(where)
+    try:
+        config.validate(where)
+    except ConfigError as err:
+        raise _name_other_overrides(err, overrides) from None
     return config
+
+
+def _name_other_overrides(err: ConfigError, overrides: List[str]) -> ConfigError:
+    """A check across fields (``optimizer.warmup_steps: 20 must lie in [0, training.train_steps=5)``)
+    is reported at the checked field's file line; when another field it names was set by an override,
+    say so, since that override is what the user just changed."""
+    named = []
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if key != err.path and re.search(rf"(?<![\w.]){re.escape(key)}=", err.detail):
+            named.append(f"'{item}'")
+    if not named:
+        return err
+    return ConfigError(err.field, f"{err.detail} (set by the override {', '.join(named)})", err.where, err.section)

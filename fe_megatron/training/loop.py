@@ -32,21 +32,55 @@ def memory_mb() -> float:
     return psutil.Process().memory_info().rss / 2 ** 20
 
 
-class MetricsWriter:
-    """JSON lines in ``<save>/metrics.jsonl`` and TensorBoard scalars, written by global rank 0."""
+def keep_records_up_to(path: str, start_step: int) -> int:
+    """Rewrite the metrics file ``path`` without what a run starting at ``start_step`` writes again:
+    step records after ``start_step`` (written after the checkpoint it resumes from, or by a run
+    that saved none) and start events at or after it.  Returns how many records were dropped."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as fh:
+        lines = [line for line in fh if line.strip()]
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by a crash mid-write
+            continue
+        if "step" in record and record["step"] > start_step:
+            continue
+        if record.get("event") == "start" and record.get("start_step", 0) >= start_step:
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if len(kept) != len(lines):
+        with open(path + ".tmp", "w") as fh:
+            fh.writelines(kept)
+        os.replace(path + ".tmp", path)
+    return len(lines) - len(kept)
 
-    def __init__(self, save_dir, tensorboard_dir):
+
+class MetricsWriter:
+    """JSON lines in ``<save>/metrics.jsonl`` and TensorBoard scalars, written by global rank 0.
+
+    A run that starts at ``start_step`` over an existing ``metrics.jsonl`` (a resume, or a restart
+    of a run that saved nothing) first drops what it will write again (`keep_records_up_to`), and
+    TensorBoard purges its events after ``start_step``: every step is recorded once."""
+
+    def __init__(self, save_dir, tensorboard_dir, start_step: int = 0):
         self.enabled = torch.distributed.get_rank() == 0
         self.file = self.tb = None
         if not self.enabled:
             return
         if save_dir:
             os.makedirs(save_dir, exist_ok=True)
-            self.file = open(os.path.join(save_dir, "metrics.jsonl"), "a")
+            path = os.path.join(save_dir, "metrics.jsonl")
+            dropped = keep_records_up_to(path, start_step)
+            if dropped:
+                log(f"{path}: dropped {dropped} record(s) after step {start_step}, which this run writes again")
+            self.file = open(path, "a")
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(tensorboard_dir)
+            self.tb = SummaryWriter(tensorboard_dir, purge_step=start_step + 1)
 
     def write(self, record: dict):
         if not self.enabled:
@@ -163,7 +197,8 @@ def _train(run: EngineRun, stop: StopRequests) -> dict:
             log(f"step {done:>6} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
             window_start = time.time()
         stopping = stop.agreed()
-        if cfg.save and (stopping or done % t.save_interval == 0 or done == t.train_steps):
+        exiting = bool(t.exit_after) and done >= t.exit_after
+        if cfg.save and (stopping or exiting or done % t.save_interval == 0 or done == t.train_steps):
             run.save(done)
             window_start = time.time()
         if stopping:
@@ -173,8 +208,9 @@ def _train(run: EngineRun, stop: StopRequests) -> dict:
                 with open(os.path.join(cfg.save, REQUEUE_MARKER), "w") as fh:
                     fh.write(str(done))
             return {"event": "preempted", "step": done}
-        if t.exit_after and done >= t.exit_after:
-            log(f"exiting after step {done} (training.exit_after)")
+        if exiting:
+            log(f"exiting after step {done} (training.exit_after)"
+                f"{' with a checkpoint; rerun with --load to resume' if cfg.save else ' (no --save: nothing saved)'}")
             return {"event": "exit", "step": done}
     test = run.evaluate(test_ds, 0)
     mean_tokens_per_s = (tokens_per_step * timed["steps"] / timed["seconds"] if timed["steps"]
