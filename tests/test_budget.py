@@ -160,5 +160,59 @@ def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
     assert "tables        0.25      0.25       0.51      1.01  (host)" in host
     assert rows.strip().splitlines()[-1].startswith("total_params=")
     bad = subprocess.run(base + ["--micro-batch-size", "3"], capture_output=True, text=True)
-    assert bad.returncode == 2 and ("--global-batch-size 64 is not a multiple of --micro-batch-size x --dp = 3 x 8"
-                                    in bad.stderr)
+    assert bad.returncode == 2 and "global batch 64 (default) is not a multiple of micro-batch x DP = 3 x 8" in bad.stderr
+
+
+PAPER_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
+                            "paper_340m_factorengram.yaml")
+
+
+def fe_plan(*args) -> str:
+    exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
+    cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "fe_megatron.planning.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, check=True).stdout
+
+
+def test_fe_plan_takes_the_training_configs_layout_and_storage_and_flags_override_it():
+    """The paper config asks for row-sharded tables and the distributed optimizer: --config alone must
+    plan that (about 5 GB per rank at DP=8), and say where every setting came from."""
+    import re
+
+    planned = fe_plan("--config", PAPER_CONFIG, "--dp", "8")
+    assert "tables rows" in planned and "distributed optimizer" in planned
+    assert "table_sharding=rows (config parallel.table_sharding)" in planned and "dp=8 (--dp)" in planned
+    assert "precision=bf16 (config training.precision)" in planned
+    assert int(re.search(r"rank_bytes=(\d+)", planned).group(1)) < 5.5e9
+    overridden = fe_plan("--config", PAPER_CONFIG, "--dp", "8", "--table-sharding", "replicated",
+                         "--no-distributed-optimizer")
+    assert "table_sharding=replicated (--table-sharding)" in overridden
+    assert "distributed_optimizer=no (--distributed-optimizer)" in overridden
+    assert int(re.search(r"rank_bytes=(\d+)", overridden).group(1)) > 2.4e10
+
+
+def test_fe_plan_estimates_activations_the_checkpoint_on_disk_and_gradient_traffic():
+    planned = fe_plan("--config", PAPER_CONFIG, "--dp", "8")
+    assert "activations per rank: about " in planned and "fused attention" in planned
+    assert "checkpoint on disk: 17.04 GiB each; 494.1 GiB for all 29 the run writes" in planned
+    assert "data-parallel gradient traffic per step and rank:" in planned
+    assert "heaviest pipeline stage" not in planned  # PP=1 has one stage
+    kept = fe_plan("--config", PAPER_CONFIG, "--dp", "8", "--keep-checkpoints", "3")
+    assert "51.1 GiB for the 3 kept (training.keep_checkpoints)" in kept
+    assert "heaviest pipeline stage" in fe_plan("--config", PAPER_CONFIG, "--dp", "4", "--pp", "2")
+
+
+def test_activation_estimate_follows_recompute_precision_and_tensor_parallelism():
+    from fe_megatron.config import MemoryConfig
+    from fe_megatron.planning.run_estimates import activation_bytes
+
+    config = MemoryConfig.from_preset("factorengram-340m")
+    base = dict(tp=1, pp=1, micro_batch_size=1, seq_length=4096, precision="bf16", recompute="none", microbatches=8)
+    full = activation_bytes(config, **base)
+    s, h, layers = 4096, config.hidden_size, config.num_layers
+    logits = 4 * s * config.vocab_size
+    assert activation_bytes(config, **base, fused_attention=True) == pytest.approx(
+        layers * s * h * 34 + 2 * s * (3 * config.coeff_width + 2 * config.memory_dim + 3 * h) * 2 + logits)
+    assert activation_bytes(config, **{**base, "recompute": "full"}) < full / 5
+    assert activation_bytes(config, **{**base, "precision": "fp32"}) - logits == pytest.approx(2 * (full - logits))
+    tp2 = activation_bytes(config, **{**base, "tp": 2}, sequence_parallel=True, fused_attention=True)
+    assert tp2 < activation_bytes(config, **base, fused_attention=True) / 1.9

@@ -179,8 +179,8 @@ def format_table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int
                                  device_gib: float, distributed_optimizer: bool = False, host_gib: float = 1024.0,
                                  ranks_per_node: int = 8) -> str:
     gib = 2 ** 30
-    lines = [f"# the tables' storage choices at TP={tp} PP={pp} DP={dp}, the rest of the model {precision} (per "
-             "rank, GiB, the heaviest pipeline stage).  dtype: the tables' (memory.table_dtype); state: their "
+    lines = [f"# the tables' storage choices at TP={tp} PP={pp} DP={dp}, the rest of the model in {precision} (per "
+             f"rank, GiB{', the heaviest pipeline stage' if pp > 1 else ''}).  dtype: the tables' (memory.table_dtype); state: their "
              "gradient and Adam's two moments (optimizer.table_state_dtype); B/p: bytes per table parameter; "
              "'device' adds the rest of the model; 'host': the host tier's share of one rank; fits: the device "
              f"within {device_gib:g} GiB (before activations) and {ranks_per_node} ranks' host shares within a node's "
@@ -218,8 +218,9 @@ def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sh
     m = rank_memory(config, tp, pp, dp, table_sharding, distributed_optimizer, precision, storage)
     gib = 2 ** 30
     rest_dtype = "bf16 weights, fp32 gradients and Adam state" if precision == "bf16" else "fp32"
-    lines = [f"# per rank: TP={tp} PP={pp} DP={dp}, tables {table_sharding}, {precision}"
-             f"{', distributed optimizer' if distributed_optimizer else ''} (the heaviest pipeline stage)",
+    lines = [f"# per rank: TP={tp} PP={pp} DP={dp}, tables {table_sharding}, the rest of the model in {precision}"
+             f"{', distributed optimizer' if distributed_optimizer else ''}"
+             f"{' (the heaviest pipeline stage)' if pp > 1 else ''}",
              f"# counted in: tables {storage.table_dtype} weights, {storage.state_dtype} gradients and Adam moments "
              f"({storage.bytes_per_parameter()} bytes per parameter), in {storage.placement} memory; rest {rest_dtype}",
              f"{'':<8}{'weights':>10}{'grads':>10}{'optimizer':>11}{'total':>10}  (GiB)",
