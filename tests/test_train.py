@@ -106,6 +106,37 @@ def test_exit_after_saves_first_and_the_next_start_resumes_there_recording_each_
     assert [r["start_step"] for r in rows if r.get("event") == "start"] == [0, 3]
 
 
+def test_validation_reads_the_same_samples_in_the_same_microbatches_at_every_data_parallel_size(monkeypatch):
+    import torch
+
+    from fe_megatron.training import run as run_module
+    from fe_megatron.training.run import EngineRun
+
+    monkeypatch.setattr(run_module, "current_device", lambda: torch.device("cpu"))
+
+    class Samples:  # sample i holds the token i
+        def __len__(self):
+            return 10 ** 6
+
+        def __getitem__(self, i):
+            return {"tokens": [i], "labels": [i], "loss_mask": [1.0], "position_ids": [0]}
+
+    cfg = load_train_config(CONFIG, ["training.global_batch_size=8", "training.micro_batch_size=2",
+                                     "training.eval_steps=3"])
+
+    def microbatches_read(dp):
+        read = []
+        for rank in range(dp):
+            run = EngineRun(cfg=cfg, info={}, datasets=(), num_microbatches=8 // (2 * dp), metrics=None, start_step=0,
+                            parameters=0)
+            run.data_parallel_rank = lambda rank=rank: rank
+            read += [tuple(batch["tokens"].flatten().tolist()) for batch in run.evaluation_batches(Samples(), 1)]
+        return sorted(read)
+
+    expected = [(i, i + 1) for i in range(24, 48, 2)]  # window 1: global batches 3, 4 and 5
+    assert microbatches_read(1) == microbatches_read(2) == microbatches_read(4) == expected
+
+
 def test_keep_records_up_to_drops_what_a_start_writes_again(tmp_path):
     from fe_megatron.training.loop import keep_records_up_to
 
@@ -137,6 +168,23 @@ def test_torchrun_two_processes(small_data, tmp_path, parallel):
     final = [r for r in rows if r.get("event") == "final"][0]
     assert final["test_loss"] > 0 and rows[1]["lm_loss"] < 7.0
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "4"
+
+
+@pytest.mark.distributed
+def test_the_logged_validation_and_test_losses_do_not_depend_on_the_layout(small_data, tmp_path):
+    """The same weights at DP=1 and DP=2 (the training losses agree) give the same validation and test
+    losses: the evaluation reads the same tokens at every data-parallel size."""
+    def losses(nproc):
+        save = str(tmp_path / f"dp{nproc}")
+        run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **{
+            "training.train_steps": 4, "training.save_interval": 4, "training.eval_steps": 3}), nproc=nproc)
+        rows = metrics(save)
+        return ([r["lm_loss"] for r in rows if "lm_loss" in r], [r["val_loss"] for r in rows if "val_loss" in r],
+                [r["test_loss"] for r in rows if "test_loss" in r])
+
+    one, two = losses(1), losses(2)
+    for name, a, b in zip(("training", "validation", "test"), one, two):
+        assert len(a) == len(b) and a == pytest.approx(b, rel=1e-5), (name, a, b)
 
 
 @pytest.mark.distributed

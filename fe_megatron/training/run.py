@@ -84,9 +84,13 @@ class EngineRun:
         return memory is not None and memory.table_placement == "host" and self.cfg.training.recompute != "full"
 
     def evaluation_batches(self, dataset, index: int) -> list:
-        """This rank's microbatches of the ``index``-th window of ``eval_steps`` global batches of ``dataset``."""
+        """This rank's microbatches of the ``index``-th window of ``eval_steps`` global batches of
+        ``dataset``: of each global batch, this rank's share, as in training.  Over all ranks that is
+        the same samples in the same microbatches at every layout, so the validation loss is too."""
         t = self.cfg.training
-        return self.batches(dataset, index * t.global_batch_size * t.eval_steps, self.num_microbatches * t.eval_steps)
+        first = index * t.global_batch_size * t.eval_steps
+        return [batch for step in range(t.eval_steps)
+                for batch in self.batches(dataset, first + step * t.global_batch_size, self.num_microbatches)]
 
     def train_step(self, batches: list) -> StepResult:
         raise NotImplementedError
