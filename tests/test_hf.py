@@ -288,6 +288,34 @@ def test_round_trip_is_bit_exact_and_training_continues(trained_runs, small_data
     assert open(os.path.join(run, "latest_checkpointed_iteration.txt")).read().strip() == "2"
 
 
+def test_hf_to_mcore_carries_the_runs_training_settings_or_writes_short_placeholders(trained_runs, small_data,
+                                                                                     base_llama, tmp_path):
+    import yaml
+
+    from fe_megatron.convert.cli import main as fe_convert
+
+    hf_dir = mcore_to_hf(trained_runs[1], str(tmp_path / "hf"))
+    assert json.load(open(os.path.join(hf_dir, "fe_training.json")))["config"]["training"]["train_steps"] == 4
+    run = hf_to_mcore(hf_dir, str(tmp_path / "run"))
+    text = open(os.path.join(run, "train.yaml")).read()
+    carried = yaml.safe_load(text)
+    assert carried["training"]["train_steps"] == 4 and carried["optimizer"]["lr"] == 3e-3
+    trained = json.load(open(os.path.join(trained_runs[1], "iter_0000004", "fe_run.json")))["config"]
+    assert carried["data"]["train_data"] == [small_data["prefix"]] and carried["data"] | {"tokenizer_model": None} == \
+        trained["data"] | {"tokenizer_model": None}
+    assert "with the training settings of the run it was converted from" in text
+    # a model that records no run (a Llama, a graft): short placeholders, and what to set
+    grafted = graft(base_llama, "factorengram-tiny", str(tmp_path / "graft"), layers=[1, 2])
+    text = open(os.path.join(grafted, "train.yaml")).read()
+    placeholder = yaml.safe_load(text)
+    assert placeholder["training"]["train_steps"] == 1000 and placeholder["training"]["global_batch_size"] == 8
+    assert placeholder["optimizer"]["warmup_steps"] == 100 and placeholder["data"]["split"] == "90,5,5"
+    assert "short placeholders, not a recipe" in text and "Set data.train_data" in text
+    hf_llama = str(tmp_path / "llama_run")
+    assert fe_convert(["hf-to-mcore", "--input", base_llama, "--output", hf_llama]) == 0
+    assert "short placeholders" in open(os.path.join(hf_llama, "train.yaml")).read()
+
+
 # ----------------------------------------------------------------------------- graft
 @pytest.fixture(scope="module")
 def base_llama(tmp_path_factory, small_data):

@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     from fe_megatron.convert.graft import graft
     from fe_megatron.convert.to_hf import mcore_to_hf
-    from fe_megatron.convert.to_mcore import hf_to_mcore
+    from fe_megatron.convert.to_mcore import hf_to_mcore, train_yaml_header
 
     try:
         if args.command == "mcore-to-hf":
@@ -85,13 +85,12 @@ def main(argv=None) -> int:
                   "fe_megatron.hf, or with trust_remote_code=True")
         elif args.command == "hf-to-mcore":
             out = hf_to_mcore(args.input, args.output, args.tp, args.pp, args.table_sharding)
-            print(f"wrote {out}: continue with fe-pretrain --config {out}/train.yaml --load {out} --save {out} "
-                  "data.train_data=[PREFIX]")
+            print(f"wrote {out}. " + " ".join(train_yaml_header(out)))
         else:
             out = graft(args.base, args.memory_preset, args.output, args.layers, args.tp, args.pp,
                         args.table_sharding, args.seed)
-            print(f"wrote {out}: continue with fe-pretrain --config {out}/train.yaml --load {out} --save {out} "
-                  "data.train_data=[PREFIX] (training.freeze_backbone=true trains the memory only)")
+            print(f"wrote {out}. " + " ".join(train_yaml_header(out))
+                  + " (training.freeze_backbone=true trains the memory only)")
     except (ConversionError, CheckpointError, ConfigError, FileNotFoundError) as err:
         print(f"fe-convert {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -48,6 +48,19 @@ def find_run_checkpoint(load: str, iteration: Optional[int] = None, engine: str 
         raise ConversionError(str(err)) from None
 
 
+# What a transformers directory converted from a run keeps of that run's training config (every section but
+# the model and memory, which config.json holds), so that hf-to-mcore can continue with the run's settings.
+TRAINING_SETTINGS = "fe_training.json"
+
+
+def training_settings(info: dict, folder: str) -> dict:
+    """The training settings of the run whose checkpoint ``folder`` is, from its run info."""
+    config = dict((info or {}).get("config") or {})
+    for key in ("model", "memory", "save", "load", "tensorboard_dir"):
+        config.pop(key, None)
+    return {"converted_from": os.path.abspath(folder), "config": config}
+
+
 def run_tokenizer(info: dict, override: Optional[str]) -> str:
     from fe_megatron.data.tokenizer import tokenizer_file
 

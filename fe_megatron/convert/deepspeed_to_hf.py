@@ -16,7 +16,7 @@ import torch
 
 from fe_megatron.checkpoint.files import read_run_info
 from fe_megatron.checkpoint.reader import configs_of
-from fe_megatron.convert.common import ConversionError, find_run_checkpoint, run_tokenizer
+from fe_megatron.convert.common import ConversionError, find_run_checkpoint, run_tokenizer, training_settings
 from fe_megatron.convert.to_hf import write_hf_directory
 
 
@@ -101,7 +101,7 @@ def deepspeed_to_hf(load: str, output: str, tag: Optional[str] = None, tokenizer
               if not (tied and name == "lm_head.weight")]
     return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
                               lambda name: [(name, weights.get(name))], f"deepspeed-to-hf {folder}",
-                              max_shard_bytes, table_dtype)
+                              max_shard_bytes, table_dtype, training_settings(info, folder))
 
 
 def _iteration_of(tag: Optional[str]) -> Optional[int]:

@@ -7,6 +7,7 @@ held twice.  `write_hf_directory` is shared with ``deepspeed-to-hf``."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from typing import Optional
@@ -16,7 +17,8 @@ import torch
 from fe_megatron.checkpoint.files import read_run_info
 from fe_megatron.checkpoint.reader import configs_of
 from fe_megatron.config import BackboneConfig, MemoryConfig
-from fe_megatron.convert.common import (ConversionError, Progress, check_vocabulary, find_run_checkpoint, fresh_output,
+from fe_megatron.convert.common import (TRAINING_SETTINGS, ConversionError, Progress, check_vocabulary,
+                                        find_run_checkpoint, fresh_output, training_settings,
                                         publish, run_tokenizer)
 from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
 from fe_megatron.memory.table_storage import ROW_SCALE, STORAGE, has_row_scale, quantize_table
@@ -54,18 +56,20 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
         groups.append((name, [(hf_name, tuple(t.shape), checkpoint.dtype(name)) for hf_name, t in parts]))
     return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
                               lambda name: split_checkpoint_tensor(name, checkpoint.load(name), backbone),
-                              f"mcore-to-hf {folder}", max_shard_bytes, table_dtype)
+                              f"mcore-to-hf {folder}", max_shard_bytes, table_dtype, training_settings(info, folder))
 
 
 def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
                        groups: list, produce, where: str, max_shard_bytes: int = 2 << 30,
-                       table_dtype: Optional[str] = None) -> str:
+                       table_dtype: Optional[str] = None, settings: Optional[dict] = None) -> str:
     """A transformers directory ``output`` (written to ``output.tmp``, renamed at the end): the
     config of ``backbone`` and ``memory``, the tokenizer, the modeling files, and the weights that
     ``produce(source)`` returns source by source as ``groups`` plans them
     (`fe_megatron.hf.safetensors_stream.write_shards`), with the tables stored as ``table_dtype``
     (`fe_megatron.memory.table_storage`; None: as trained, ``memory.table_dtype``).  The model holds
-    its tables where it runs: the host tier is a training placement, so the config says ``device``."""
+    its tables where it runs: the host tier is a training placement, so the config says ``device``.
+    ``settings`` (`fe_megatron.convert.common.training_settings`), the training settings of the run
+    the weights come from, go to ``fe_training.json`` for ``hf-to-mcore``."""
     from fe_megatron.hf import AUTO_MAP, FactorEngramConfig, write_modeling_files
     from fe_megatron.hf.safetensors_stream import write_shards
 
@@ -88,6 +92,9 @@ def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[M
         write_shards(tmp, groups, produce, max_shard_bytes=max_shard_bytes, progress=progress)
         progress.close()
         config.save_pretrained(tmp)
+        if settings is not None:
+            with open(os.path.join(tmp, TRAINING_SETTINGS), "w") as fh:
+                json.dump(settings, fh, indent=1)
         write_modeling_files(tmp)
         _write_generation_config(config, tmp)
     except BaseException:

@@ -8,6 +8,7 @@ to train with.  `write_megatron_run` is shared with ``graft``."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from typing import Optional
@@ -15,7 +16,8 @@ from typing import Optional
 import torch
 
 from fe_megatron.config import BackboneConfig, MemoryConfig
-from fe_megatron.convert.common import ConversionError, Progress, check_vocabulary, fresh_output, publish
+from fe_megatron.convert.common import (TRAINING_SETTINGS, ConversionError, Progress, check_vocabulary, fresh_output,
+                                        publish)
 from fe_megatron.hf import weights
 
 ROW_BLOCK_BYTES = 64 << 20  # tables are copied in blocks of rows of about this size
@@ -53,7 +55,12 @@ def hf_to_mcore(input_dir: str, output: str, tp: int = 1, pp: int = 1, table_sha
             hf_tokenizer = AutoTokenizer.from_pretrained(input_dir)
             check_vocabulary(len(hf_tokenizer), backbone.vocab_size, input_dir)
             hf_tokenizer.save_pretrained(tokenizer_path)
-        write_megatron_run(source, backbone, memory, tokenizer_path, tmp, output, tp, pp, table_sharding)
+        settings_file = os.path.join(input_dir, TRAINING_SETTINGS)
+        settings = None
+        if os.path.isfile(settings_file):
+            with open(settings_file) as fh:
+                settings = json.load(fh)
+        write_megatron_run(source, backbone, memory, tokenizer_path, tmp, output, tp, pp, table_sharding, settings)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -84,10 +91,12 @@ def check_llama_like(config, where: str) -> None:
 
 
 def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
-                       directory: str, final_directory: str, tp: int, pp: int, table_sharding: str) -> None:
+                       directory: str, final_directory: str, tp: int, pp: int, table_sharding: str,
+                       settings: Optional[dict] = None) -> None:
     """Build the Megatron model in this process, copy ``source``'s weights (Hugging Face names) in,
     and save a weights-only checkpoint plus ``train.yaml`` into ``directory``.  The checkpoint's
-    tensors are stored by global name, so it loads at any ``tp``/``pp``; ``train.yaml`` records them."""
+    tensors are stored by global name, so it loads at any ``tp``/``pp``; ``train.yaml`` records them
+    (`train_yaml` says what else it holds)."""
     from fe_megatron.megatron.parallel import initialize
 
     import torch.distributed as dist
@@ -100,7 +109,7 @@ def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[Memory
     initialize(1, 1, seed=0)
     try:
         _write_megatron_run(source, backbone, memory, tokenizer_path, directory, final_directory, tp, pp,
-                            table_sharding)
+                            table_sharding, settings)
     finally:
         from megatron.core import parallel_state
 
@@ -113,9 +122,7 @@ def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[Memory
 
 
 def _write_megatron_run(source, backbone, memory, tokenizer_path, directory, final_directory, tp, pp,
-                        table_sharding) -> None:
-    import yaml
-
+                        table_sharding, settings) -> None:
     from fe_megatron.megatron.builder import build_gpt_model
     from fe_megatron.megatron.checkpointing import save_checkpoint
     from fe_megatron.checkpoint.run_info import run_info
@@ -158,18 +165,74 @@ def _write_megatron_run(source, backbone, memory, tokenizer_path, directory, fin
     info["tokenizer"]["path"] = os.path.abspath(written_tokenizer)  # where it lives once renamed
     info["config"]["data"]["tokenizer_model"] = os.path.abspath(written_tokenizer)
     save_checkpoint(directory, [model], None, None, iteration=0, run_info=info)
+    with open(os.path.join(directory, "train.yaml"), "w") as fh:
+        fh.write(train_yaml(cfg, source, os.path.abspath(written_tokenizer), final_directory, tp, pp, settings))
+
+
+# A short run's settings, for a model that comes without a run of fe_megatron's (a Llama, a graft):
+# placeholders to review, not a recipe (the paper's is examples/configs/paper_*.yaml)
+PLACEHOLDER_TRAINING = {"train_steps": 1000, "micro_batch_size": 1, "global_batch_size": 8, "log_interval": 10,
+                        "eval_interval": 250, "eval_steps": 10, "save_interval": 250}
+PLACEHOLDER_OPTIMIZER = {"warmup_steps": 100}
+PLACEHOLDER_SPLIT = "90,5,5"
+
+
+def train_yaml(cfg, source, tokenizer: str, run_directory: str, tp: int, pp: int, settings: Optional[dict]) -> str:
+    """``train.yaml`` of a converted run: the model and memory of the weights, the parallel layout asked
+    for, and either the training settings of the run the weights come from (``settings``: a
+    transformers directory written by ``mcore-to-hf``/``deepspeed-to-hf`` records them) or short
+    placeholders.  Its header says which, and what the user must set; ``fe-convert`` prints it."""
+    import yaml
+
     train = dataclasses.asdict(cfg)
-    train["parallel"].update(tensor=tp, pipeline=pp)
-    train["data"]["tokenizer_model"] = os.path.abspath(written_tokenizer)
-    if train["memory"] is not None:
-        train["memory"].pop("backbone")
     for key in ("save", "load", "tensorboard_dir"):
         train.pop(key)
-    with open(os.path.join(directory, "train.yaml"), "w") as fh:
-        fh.write(f"# Written by fe-convert from {source}. Continue with:\n#   fe-pretrain --config "
-                 f"{os.path.join(final_directory, 'train.yaml')} --load {final_directory} --save {final_directory} "
-                 "data.train_data=[PREFIX]\n")
-        yaml.safe_dump(train, fh, sort_keys=False)
+    if train["memory"] is not None:
+        train["memory"].pop("backbone")
+    command = (f"fe-pretrain --config {os.path.join(run_directory, 'train.yaml')} --load {run_directory} "
+               f"--save {run_directory}")
+    if settings is not None:
+        carried = settings.get("config") or {}
+        for section in ("parallel", "optimizer", "training", "data"):
+            train[section].update(carried.get(section) or {})
+        if carried.get("deepspeed") is not None:
+            train["deepspeed"] = carried["deepspeed"]
+        engine = train["training"].get("engine", "megatron")
+        train["training"]["engine"] = "megatron"  # the weights are a Megatron checkpoint now
+        header = [f"Written by fe-convert from {source}, with the training settings of the run it was converted "
+                  f"from ({settings.get('converted_from')}).",
+                  "A new run starts from these weights at step 0 with a fresh optimizer and this schedule: "
+                  f"training.train_steps={train['training']['train_steps']} and optimizer.warmup_steps="
+                  f"{train['optimizer']['warmup_steps']} are that run's; change them to continue on purpose"
+                  + (f" (that run used training.engine={engine}; this checkpoint is the Megatron engine's)."
+                     if engine != "megatron" else "."),
+                  f"Continue with: {command}"]
+    else:
+        train["training"].update(PLACEHOLDER_TRAINING)
+        train["optimizer"].update(PLACEHOLDER_OPTIMIZER)
+        train["data"]["split"] = PLACEHOLDER_SPLIT
+        header = [f"Written by fe-convert from {source}, which records no training run: the training settings "
+                  "below are short placeholders, not a recipe.",
+                  "Set data.train_data (the prefix of fe-data preprocess's output), and review "
+                  + ", ".join(f"training.{k}={v}" for k, v in PLACEHOLDER_TRAINING.items()
+                              if k in ("train_steps", "global_batch_size", "micro_batch_size"))
+                  + f", optimizer.lr={train['optimizer']['lr']}, optimizer.warmup_steps="
+                  f"{PLACEHOLDER_OPTIMIZER['warmup_steps']} and data.split={PLACEHOLDER_SPLIT}.",
+                  f"Continue with: {command} data.train_data=[PREFIX]"]
+    train["parallel"].update(tensor=tp, pipeline=pp)
+    train["data"]["tokenizer_model"] = tokenizer
+    return "".join(f"# {line}\n" for line in header) + yaml.safe_dump(train, sort_keys=False)
+
+
+def train_yaml_header(run_directory: str) -> list:
+    """The comment lines at the top of ``run_directory/train.yaml``, without their ``# ``."""
+    lines = []
+    with open(os.path.join(run_directory, "train.yaml")) as fh:
+        for line in fh:
+            if not line.startswith("# "):
+                break
+            lines.append(line[2:].rstrip("\n"))
+    return lines
 
 
 def _copy_rows(source, name: str, target: torch.Tensor) -> None:
