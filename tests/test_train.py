@@ -137,6 +137,31 @@ def test_validation_reads_the_same_samples_in_the_same_microbatches_at_every_dat
     assert microbatches_read(1) == microbatches_read(2) == microbatches_read(4) == expected
 
 
+@pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
+def test_a_run_extended_on_purpose_follows_the_new_schedule_and_by_default_keeps_its_own(small_data, tmp_path, engine):
+    """A 4-step run resumed for 8 steps: by default the rate stays at min_lr after step 4 (the checkpoint's
+    schedule); with training.schedule_on_resume=config it follows the 8-step schedule from step 4 on."""
+    if engine == "deepspeed":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
+    base = small_overrides(small_data, **{"training.log_interval": 1, "training.save_interval": 4,
+                                          "training.engine": engine})
+    eight = str(tmp_path / "eight")
+    run_pretrain(["--config", CONFIG, "--save", eight] + base)
+    expected = {r["step"]: r["lr"] for r in metrics(eight) if "lr" in r}
+    for mode in ("checkpoint", "config"):
+        save = str(tmp_path / mode)
+        run_pretrain(["--config", CONFIG, "--save", save] + base + ["training.train_steps=4"])
+        out = run_pretrain(["--config", CONFIG, "--save", save, "--load", save] + base +
+                           [f"training.schedule_on_resume={mode}"]).stdout
+        lr = {r["step"]: r["lr"] for r in metrics(save) if "lr" in r}
+        if mode == "config":
+            assert "from this step on the run follows this config's schedule (training.train_steps 4 -> 8)" in out
+            assert [lr[s] for s in range(5, 9)] == pytest.approx([expected[s] for s in range(5, 9)], rel=1e-9)
+        else:
+            assert "To extend the run on this config's schedule, resume with training.schedule_on_resume=config" in out
+            assert [lr[s] for s in range(5, 9)] == pytest.approx([3e-4] * 4, rel=1e-9), lr  # min_lr
+
+
 def test_keep_records_up_to_drops_what_a_start_writes_again(tmp_path):
     from fe_megatron.training.loop import keep_records_up_to
 

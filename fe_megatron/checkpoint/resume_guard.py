@@ -124,8 +124,8 @@ def configured_schedule(info: dict) -> dict:
 def schedule_in_force(saved: Optional[dict], info: dict) -> dict:
     """The schedule the run of ``info`` follows: for a resumed run the checkpoint's (run info
     ``saved``: its ``"schedule"``, or for checkpoints written before it was recorded, its config's),
-    for a new run (``saved`` None) its own config's."""
-    if saved is None:
+    for a new run (``saved`` None), or with ``training.schedule_on_resume: config``, its own config's."""
+    if saved is None or _get(info, "training", "schedule_on_resume") == "config":
         return configured_schedule(info)
     return dict(saved.get("schedule") or configured_schedule(saved))
 
@@ -134,6 +134,12 @@ def schedule_note(saved: Optional[dict], current: dict) -> Optional[str]:
     """What a resumed run's schedule does when this run's config asks for another one, or None."""
     if saved is None:
         return None
+    if _get(current, "training", "schedule_on_resume") == "config":
+        before = schedule_in_force(saved, {})
+        changed = [f"{'.'.join(SCHEDULE[key])} {before[key]} -> {value}"
+                   for key, value in configured_schedule(current).items() if before[key] != value]
+        return (f"note: training.schedule_on_resume=config: from this step on the run follows this config's schedule "
+                f"({', '.join(changed)})") if changed else None
     in_force, asked = schedule_in_force(saved, current), configured_schedule(current)
     changed = [f"{'.'.join(SCHEDULE[key])} {asked[key]} (in force: {in_force[key]})"
                for key in SCHEDULE if in_force[key] != asked[key]]
@@ -144,6 +150,7 @@ def schedule_note(saved: Optional[dict], current: dict) -> Optional[str]:
     if asked["decay_steps"] is not None and in_force["decay_steps"] is not None \
             and asked["decay_steps"] > in_force["decay_steps"]:
         note += f" and stays at min_lr {in_force['min_lr']} after step {in_force['decay_steps']}"
-    return note + (". To train on a new schedule, start a new run from these weights: fe-convert mcore-to-hf "
-                   "then hf-to-mcore, and --load its output (Megatron engine), or fe-convert deepspeed-to-hf and "
-                   "--load the output (DeepSpeed engine)")
+    return note + (". To extend the run on this config's schedule, resume with training.schedule_on_resume=config "
+                   "(optimizer state and step count kept); to start over on a new schedule, start a new run from "
+                   "these weights: fe-convert mcore-to-hf then hf-to-mcore, and --load its output (Megatron engine), "
+                   "or fe-convert deepspeed-to-hf and --load the output (DeepSpeed engine)")

@@ -184,7 +184,10 @@ def set_up(cfg) -> MegatronRun:
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
         lr_decay_steps=t.train_steps, lr_decay_style="cosine", start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=t.train_steps, wd_incr_style="constant")
+        wd_incr_steps=t.train_steps, wd_incr_style="constant",
+        # training.schedule_on_resume=config: a checkpoint restores the step count, not the schedule
+        override_opt_param_scheduler=t.schedule_on_resume == "config",
+        use_checkpoint_opt_param_scheduler=t.schedule_on_resume == "checkpoint")
     start = 0
     if resume_from is not None:
         same_layout = (start_at.saved or {}).get("layout") == info["layout"]

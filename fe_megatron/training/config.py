@@ -77,6 +77,7 @@ class TrainingArgs:
     on_nonfinite: str = "halt"  # halt (exit 3, nothing saved) | skip (drop the step's update, count it)
     freeze_backbone: bool = False  # train only the memory branches (continued pretraining after fe-convert graft)
     exit_after: int = 0  # stop (after saving) once this many steps are done; 0 = run to train_steps
+    schedule_on_resume: str = "checkpoint"  # checkpoint (keep the saved LR schedule) | config (take this config's)
 
 
 @dataclass
@@ -131,6 +132,8 @@ class TrainConfig:
             fail("training", "on_corrupt_checkpoint", f"{t.on_corrupt_checkpoint!r} is not one of error, previous")
         if t.on_nonfinite not in ("halt", "skip"):
             fail("training", "on_nonfinite", f"{t.on_nonfinite!r} is not one of halt, skip")
+        if t.schedule_on_resume not in ("checkpoint", "config"):
+            fail("training", "schedule_on_resume", f"{t.schedule_on_resume!r} is not one of checkpoint, config")
         if isinstance(t.keep_checkpoints, bool) or not isinstance(t.keep_checkpoints, int) or t.keep_checkpoints < 0:
             fail("training", "keep_checkpoints", f"{t.keep_checkpoints!r} must be an integer >= 0 (0 keeps all)")
         if not isinstance(t.freeze_backbone, bool):
