@@ -22,6 +22,8 @@ NEWEST_STACK_SUBSET = (
     "tests/test_checkpoint_versions.py",
     "tests/test_install.py",
     "tests/test_train.py::test_resume_reproduces_the_uninterrupted_curve_exactly",
+    "tests/test_train.py::test_a_run_extended_on_purpose_follows_the_new_schedule_and_by_default_keeps_its_own[megatron]",
+    "tests/test_operations.py::test_resume_with_a_changed_hash_seed_or_shape_is_refused_and_allowed_changes_are_listed",
     "tests/test_row_sharding.py::test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them",
     "tests/test_row_sharding.py::test_dp2_tp2_rows_match_dp1_tp2_whole_tables",
     "tests/test_row_sharding.py::test_rows_under_pipeline_parallelism_and_recompute[pp2-dp2]",

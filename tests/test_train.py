@@ -139,23 +139,26 @@ def test_validation_reads_the_same_samples_in_the_same_microbatches_at_every_dat
 
 @pytest.mark.parametrize("engine", ["megatron", "deepspeed"])
 def test_a_run_extended_on_purpose_follows_the_new_schedule_and_by_default_keeps_its_own(small_data, tmp_path, engine):
-    """A 4-step run resumed for 8 steps: by default the rate stays at min_lr after step 4 (the checkpoint's
-    schedule); with training.schedule_on_resume=config it follows the 8-step schedule from step 4 on."""
+    """A 4-step run resumed for 8 steps at another peak rate: by default the rate stays at min_lr after
+    step 4 (the checkpoint's schedule); with training.schedule_on_resume=config it follows the new 8-step
+    schedule from step 4 on.  (megatron-core 0.19 pairs saved and current parameter groups by their rates
+    too: compat.adopt_checkpoint_group_values.)"""
     if engine == "deepspeed":
         pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
     base = small_overrides(small_data, **{"training.log_interval": 1, "training.save_interval": 4,
                                           "training.engine": engine})
-    eight = str(tmp_path / "eight")
-    run_pretrain(["--config", CONFIG, "--save", eight] + base)
+    eight = str(tmp_path / "eight")  # the schedule asked for on resume: 8 steps at another peak rate
+    run_pretrain(["--config", CONFIG, "--save", eight] + base + ["optimizer.lr=2e-3"])
     expected = {r["step"]: r["lr"] for r in metrics(eight) if "lr" in r}
     for mode in ("checkpoint", "config"):
         save = str(tmp_path / mode)
         run_pretrain(["--config", CONFIG, "--save", save] + base + ["training.train_steps=4"])
         out = run_pretrain(["--config", CONFIG, "--save", save, "--load", save] + base +
-                           [f"training.schedule_on_resume={mode}"]).stdout
+                           [f"training.schedule_on_resume={mode}", "optimizer.lr=2e-3"]).stdout
         lr = {r["step"]: r["lr"] for r in metrics(save) if "lr" in r}
         if mode == "config":
-            assert "from this step on the run follows this config's schedule (training.train_steps 4 -> 8)" in out
+            assert "from this step on the run follows this config's schedule (optimizer.lr 0.003 -> 0.002, " \
+                   "training.train_steps 4 -> 8)" in out
             assert [lr[s] for s in range(5, 9)] == pytest.approx([expected[s] for s in range(5, 9)], rel=1e-9)
         else:
             assert "To extend the run on this config's schedule, resume with training.schedule_on_resume=config" in out

@@ -83,7 +83,8 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
     if tables is not None:
         optimizer = TableChainedOptimizer(compat.optimizer_members(optimizer) + [
             TableOptimizer(tables, optimizer.config, table_lr_mult, table_weight_decay_mult)])
-    identifiers = compat.param_group_identifier_keys()
+    # tell the groups apart by what they hold, as every supported release can (compat.STRUCTURAL_GROUP_KEYS)
+    identifiers = compat.STRUCTURAL_GROUP_KEYS
     keys = [tuple(group.get(key) for key in identifiers) for group in optimizer.param_groups]
     if len(set(keys)) != len(keys):
         raise ValueError(f"optimizer parameter groups {keys} share identifiers {identifiers}; "

@@ -145,8 +145,11 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
     state = dist_checkpointing.load(sharded, folder)
     model.load_state_dict(state["model"])
     _adapt_single_optimizer_state(state["optimizer"], optimizer)
+    before = compat.adopt_checkpoint_group_values(optimizer, state["optimizer"])
     with torch.no_grad():  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(state["optimizer"])
+    if getattr(scheduler, "override_opt_param_scheduler", False):  # training.schedule_on_resume=config
+        compat.restore_group_values(optimizer, before)
     _restore_adam_step_counts(state["optimizer"], optimizer)
     scheduler.load_state_dict(common["scheduler"])
     rng_file = os.path.join(folder, RNG_FILE.format(rank=dist.get_rank()))

@@ -164,6 +164,57 @@ def param_group_identifier_keys() -> tuple:
     return tuple(optimizer.param_group_identifier_keys)
 
 
+# The keys that tell an optimizer's parameter groups apart by what they hold (megatron-core 0.16's
+# param_group_identifier_keys).  0.19 adds the schedule's per-group values (max_lr, min_lr, start_wd,
+# end_wd, optimizer) to its identifiers, so a resume with another optimizer.lr finds no matching group.
+STRUCTURAL_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+# A group's own schedule values, which a loaded group brings from the checkpoint in every release
+SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
+
+
+def _loaded_groups(state) -> list:
+    inner = state["optimizer"] if isinstance(state, dict) and "optimizer" in state else state
+    return inner["param_groups"]
+
+
+def adopt_checkpoint_group_values(optimizer, loaded_state) -> list:
+    """Give every current parameter group the values the checkpoint's group with the same
+    `STRUCTURAL_GROUP_KEYS` holds for the other identifier keys (from 0.19: the schedule's max_lr,
+    min_lr, start_wd, end_wd), so that megatron-core pairs the groups whatever the schedule asked for
+    now; the loaded groups then carry the checkpoint's values, as 0.16 loads them.  Returns each
+    group's schedule values (`SCHEDULE_GROUP_KEYS`) from before, for `restore_group_values` (to follow
+    this config's schedule instead of the checkpoint's)."""
+    members = optimizer_members(optimizer)
+    schedule_keys = [key for key in param_group_identifier_keys() if key not in STRUCTURAL_GROUP_KEYS]
+    kept = sorted(set(schedule_keys) | set(SCHEDULE_GROUP_KEYS))
+    before = []
+    for index, member in enumerate(members):
+        member_state = loaded_state[index] if len(members) > 1 else loaded_state
+        loaded = {tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS): group
+                  for group in _loaded_groups(member_state)}
+        for group in member.optimizer.param_groups:
+            before.append({key: group.get(key) for key in kept})
+            match = loaded.get(tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS))
+            if match is not None:
+                for key in schedule_keys:
+                    if key in match:
+                        group[key] = match[key]
+                    else:
+                        group.pop(key, None)
+    return before
+
+
+def restore_group_values(optimizer, before: list) -> None:
+    """Put back the values `adopt_checkpoint_group_values` returned into the loaded groups."""
+    groups = [group for member in optimizer_members(optimizer) for group in member.optimizer.param_groups]
+    for group, values in zip(groups, before):
+        for key, value in values.items():
+            if value is None:
+                group.pop(key, None)
+            else:
+                group[key] = value
+
+
 def optimizer_members(optimizer) -> list:
     """The members of a ``ChainedOptimizer``, or ``[optimizer]``."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
@@ -378,9 +429,9 @@ def _check_optimizer_internals():
     _has_parameters(clip_grad_by_total_norm_fp32, ("parameters", "max_norm", "total_norm"),
                     "clip_grad_by_total_norm_fp32")
     keys = param_group_identifier_keys()
-    _require({"wd_mult", "lr_mult", "is_expert_parallel"} <= set(keys),
-             f"param_group_identifier_keys is {keys}; the tables' group relies on wd_mult, lr_mult and "
-             "is_expert_parallel among them")
+    _require(set(STRUCTURAL_GROUP_KEYS) <= set(keys),
+             f"param_group_identifier_keys is {keys}; the tables' group and resuming with another schedule rely "
+             f"on {STRUCTURAL_GROUP_KEYS} among them")
     from megatron.core.optimizer import distrib_optimizer
 
     _require(hasattr(distrib_optimizer, "HAVE_APEX_OR_TE"), "distrib_optimizer.HAVE_APEX_OR_TE is gone")

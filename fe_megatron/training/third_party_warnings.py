@@ -20,6 +20,9 @@ KNOWN_THIRD_PARTY_WARNINGS = (
     # torch's checkpoint planner, on the ShardedTensors megatron.core's loader builds
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
      r"torch\.distributed\.checkpoint"),
+    # torch 2.15's checkpoint loader, as megatron-core 0.19 reads a checkpoint's common state in one process
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized", r"torch\.distributed\.checkpoint"),
+    (UserWarning, r"The argument order of load has been changed", r"torch\.distributed\.checkpoint"),
     # torch's own collectives wrapper, on the calls DeepSpeed's ZeRO makes on every step
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated",
      r"torch\.distributed\.c10d_logger"),
