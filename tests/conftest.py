@@ -53,9 +53,6 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"tests/conftest.py NEWEST_STACK_SUBSET names tests that do not exist: {missing}")
 
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
-
-
 def split_backbone(values: dict) -> dict:
     """Move the backbone fields of a flat dict of test settings into ``values['backbone']``."""
     backbone = {name: values.pop(name) for name in BACKBONE_FIELDS if name in values}

@@ -414,16 +414,36 @@ def test_bad_input_is_refused_and_nothing_is_written(tmp_path, base_llama):
 
 
 # ----------------------------------------------------------------------------- lm-evaluation-harness
+def write_multiple_choice_files(folder):
+    """Small files in the formats of the evaluation sets (docs/evaluation.md), made up here: this
+    test checks the plumbing from a converted model through lm-evaluation-harness, not a score."""
+    import random
+
+    folder.mkdir()
+    rng = random.Random(5)
+    words = ["river", "stone", "music", "winter", "garden", "letter", "engine", "market", "candle", "forest"]
+
+    def phrase(n):
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    files = {
+        "social_iqa.jsonl": [{"id": f"s{i}", "context_question": phrase(8) + "?", "choices": [phrase(2) for _ in range(3)],
+                              "label": rng.randrange(3)} for i in range(8)],
+        "arc_like.jsonl": [{"id": f"a{i}", "context_question": phrase(9) + "?", "choices": [phrase(3) for _ in range(4)],
+                            "label": rng.randrange(4)} for i in range(8)],
+        "winogrande_pairs.jsonl": [{"id": f"w{i}", "sentence": f"The {phrase(2)} left the _ for the {phrase(1)}.",
+                                    "option1": rng.choice(words), "option2": rng.choice(words),
+                                    "label": rng.randrange(1, 3)} for i in range(8)],
+    }
+    for name, records in files.items():
+        (folder / name).write_text("".join(json.dumps(record) + "\n" for record in records))
+    return folder
 def test_lm_eval_runs_the_local_tasks_on_a_converted_model(trained_runs, tmp_path):
     pytest.importorskip("lm_eval", reason="needs lm-eval (the test extra installs it)")
-    from tests.conftest import SHARED
-
     from fe_megatron.hf.lm_eval_tasks import write_tasks
 
-    eval_dir = os.path.join(SHARED, "data", "eval")
-    if not os.path.isdir(eval_dir):
-        pytest.skip("the evaluation sets are not next to this checkout")
-    tasks = write_tasks(eval_dir, str(tmp_path / "tasks"))
+    eval_dir = write_multiple_choice_files(tmp_path / "eval")
+    tasks = write_tasks(str(eval_dir), str(tmp_path / "tasks"))
     assert tasks == ["fe_social_iqa", "fe_arc_like", "fe_winogrande"]
     hf_dir = mcore_to_hf(trained_runs[1], str(tmp_path / "hf"))
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "cache"),

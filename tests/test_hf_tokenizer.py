@@ -14,9 +14,11 @@ import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import CORPUS, SHARED
+from tests.conftest import CORPUS
 
-MISTRAL = os.path.join(SHARED, "data", "tokenizers", "mistral_32k.model")
+# a real 32K sentencepiece model (Mistral 7B's, Apache-2.0), bundled in data/tokenizers/
+MISTRAL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tokenizers",
+                       "mistral_32k.model")
 
 # Text sentencepiece normalizes specially: runs of white space, NFKC (full-width letters,
 # ligatures, compatibility characters), characters nmt_nfkc deletes or turns into spaces, decomposed
@@ -63,8 +65,6 @@ def converted(request, tmp_path_factory):
     if request.param == "fe-data":
         model = train_fe_data_tokenizer(str(base))
     else:
-        if not os.path.isfile(MISTRAL):
-            pytest.skip(f"the bundled 32K tokenizer is not here ({MISTRAL}; see ../shared/data/README.md)")
         model = MISTRAL
     directory = str(base / "hf")
     save_tokenizer(model, directory)
