@@ -78,6 +78,9 @@ def pretrain(cfg) -> dict:
 
 def main(argv=None) -> int:
     silence_known_third_party_warnings()
+    # Megatron's tensor-parallel layers rely on one device connection to order their overlapped
+    # communication (Megatron-LM's launch scripts set it); a value the user set is kept.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     parser = argparse.ArgumentParser(prog="fe-pretrain", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True,

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
     silence_known_third_party_warnings()
-    parser = argparse.ArgumentParser(prog="fe-convert", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="fe-convert", description=__doc__.split("\n\n")[0].replace("``", ""))
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf = commands.add_parser("mcore-to-hf", help="an fe-pretrain checkpoint -> a transformers directory")
     to_hf.add_argument("--load", required=True, help="the run directory (fe-pretrain's --save)")

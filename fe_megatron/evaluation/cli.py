@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
     silence_known_third_party_warnings()
-    parser = argparse.ArgumentParser(prog="fe-eval", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="fe-eval", description=__doc__.split("\n\n")[0].replace("``", ""))
     commands = parser.add_subparsers(dest="command", required=True)
     helps = {"ppl": "token and word perplexity of txt/jsonl files (rolling windows)",
              "lambada": "last-word accuracy, NLL per target word and perplexity per target token of "

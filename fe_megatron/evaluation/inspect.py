@@ -190,13 +190,15 @@ def main(argv=None) -> int:
     from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
     silence_known_third_party_warnings()
-    parser = argparse.ArgumentParser(prog="fe-inspect", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="fe-inspect", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--load", required=True, help="a run directory or a transformers model directory")
     parser.add_argument("--data", required=True, help="txt/jsonl evaluation text")
-    parser.add_argument("--iteration", type=int)
+    parser.add_argument("--iteration", type=int, help="which checkpoint of a run directory (default: the latest)")
     parser.add_argument("--tokenizer", help="the run's tokenizer, if it has moved since training")
     parser.add_argument("--threshold", type=float, default=0.1, help="|value| below it counts as zero")
-    parser.add_argument("--max-tokens", type=int, default=20000)
+    parser.add_argument("--max-tokens", type=int, default=20000,
+                        help="read the text's first tokens up to about this many, in whole windows of the "
+                             "model's context (default 20000)")
     parser.add_argument("--output", help="folder for the summary and PNGs (default LOAD/inspect)")
     args = parser.parse_args(argv)
     from fe_megatron.data.sources import iter_documents
@@ -210,6 +212,12 @@ def main(argv=None) -> int:
         return 2
     output = args.output or os.path.join(args.load, "inspect")
     print(render(summary, args.threshold, output, model.source))
+    read = max(layer["positions"] for layer in summary.values())
+    if read >= args.max_tokens:
+        print(f"read the first {read:,} tokens of {args.data} (--max-tokens {args.max_tokens}, in whole windows of "
+              f"{model.max_length}); the rest of the text was not read")
+    else:
+        print(f"read all {read:,} tokens of {args.data}")
     print(f"wrote {output}/summary.txt, summary.json, basis_usage.png, gates_by_order.png")
     return 0
 

@@ -41,6 +41,9 @@ class EvalModel:
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(path)
+        # fe-eval windows every text to the model's context itself: the whole text is encoded first,
+        # which transformers would flag as longer than the model's maximum on every long document
+        tok.model_max_length = int(1e30)
         return cls(model, lambda text: tok.encode(text, add_special_tokens=False), tok.decode,
                    model.config.max_position_embeddings, path)
 

@@ -184,8 +184,9 @@ def _train(run: EngineRun, stop: StopRequests) -> dict:
                     "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9), "memory_mb": memory_mb(),
                     "eta_s": round(eta)}
             run.metrics.write(last)
+            sparsity = f"sparsity {result.sparsity_loss:.4f} | " if cfg.memory is not None else ""
             log(f"step {done:>6}/{t.train_steps} | lm loss {result.lm_loss:.4f} | "
-                f"sparsity {result.sparsity_loss:.4f} | lr {last['lr']:.2e} | grad norm {last['grad_norm']:.3f} | "
+                f"{sparsity}lr {last['lr']:.2e} | grad norm {last['grad_norm']:.3f} | "
                 f"{last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB | ETA {_duration(eta)}")
             window_start, window_steps = time.time(), 0
         if done % t.eval_interval == 0 or done == t.train_steps:

@@ -179,5 +179,5 @@ def begin(run: "EngineRun", summary: str, **event) -> None:
         os.remove(os.path.join(cfg.save, REQUEUE_MARKER))
     run.metrics.write({"event": "start", "kind": cfg.model_kind, "parameters": run.parameters,
                        "start_step": run.start_step, **event})
-    log(f"model {cfg.model_kind}: {run.parameters:,} parameters; {summary}; {run.num_microbatches} microbatches of "
+    log(f"model {cfg.model_kind}: {run.parameters:,} parameters; {summary}; {run.num_microbatches} microbatch{'es' if run.num_microbatches != 1 else ''} of "
         f"{cfg.training.micro_batch_size} x {cfg.model.seq_length} tokens per rank and step")
