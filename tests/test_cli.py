@@ -36,6 +36,10 @@ def test_fe_pretrain_without_arguments_asks_for_the_config():
     ("fe-data", ["Prepare pretraining data: train a sentencepiece tokenizer",
                  "pip install 'fe_megatron[hf]'"]),
     ("fe-demo", ["Pretrain a small FactorEngram model and the same-size Transformer"]),
+    ("fe-convert", ["fe-convert: Megatron checkpoints to Hugging Face and back"]),
+    ("fe-eval", ["fe-eval: evaluate a trained model"]),
+    ("fe-inspect", ["fe-inspect: what the memory of a trained model does on a text",
+                    "which checkpoint of a run directory", "read the text's first tokens up to about this many"]),
 ])
 def test_help_texts_read_as_plain_text(name, expected):
     out = run(command(name) + ["--help"]).stdout

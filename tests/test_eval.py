@@ -186,7 +186,7 @@ def trained_run(small_data, tmp_path_factory):
     return run
 
 
-def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(trained_run, tmp_path):
+def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(trained_run, tmp_path, capfd):
     from fe_megatron.convert.to_hf import mcore_to_hf
 
     run = trained_run
@@ -199,6 +199,11 @@ def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(tra
                         str(tmp_path / f"{name}.json")]) == 0
         outputs[name] = json.load(open(tmp_path / f"{name}.json"))["results"][0]
     assert outputs["run"]["token_ppl"] == pytest.approx(outputs["hf"]["token_ppl"], rel=1e-6)
+    long_text = write_jsonl(tmp_path / "long.jsonl", [{"text": " ".join(["We must do more for the Union."] * 60)}])
+    capfd.readouterr()
+    assert fe_eval(["ppl", "--load", str(tmp_path / "hf"), "--data", long_text, "--output",
+                    str(tmp_path / "long.json")]) == 0
+    assert "Token indices sequence length" not in capfd.readouterr().err  # fe-eval windows the text itself
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                            "fe_megatron.evaluation.cli", "ppl", "--load", run, "--data", text, "--stride", "32",

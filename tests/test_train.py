@@ -183,8 +183,10 @@ def test_keep_records_up_to_drops_what_a_start_writes_again(tmp_path):
                          ids=["dp2", "tp2-sp", "dp2-rows"])
 def test_torchrun_two_processes(small_data, tmp_path, parallel):
     save = str(tmp_path / "run")
-    out = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **{
-        "training.train_steps": 4, "training.save_interval": 4}) + parallel, nproc=2).stdout
+    proc = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **{
+        "training.train_steps": 4, "training.save_interval": 4}) + parallel, nproc=2)
+    out = proc.stdout
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in proc.stderr  # fe-pretrain sets it as Megatron-LM's scripts do
     dp = 1 if "parallel.tensor=2" in parallel else 2
     assert f"DP={dp}" in out
     if "parallel.table_sharding=rows" in parallel:  # the same parameter count as whole tables
@@ -264,7 +266,10 @@ def test_other_model_kinds_train(small_data, tmp_path, kind):
                       "memory.layers": "[1, 2]", "memory.heads_per_order": 2})
     else:
         extra["memory"] = "null"
-    run_pretrain(["--config", CONFIG, "--save", str(tmp_path)] + small_overrides(small_data, **extra))
+    extra["training.global_batch_size"] = 2  # one microbatch per step
+    out = run_pretrain(["--config", CONFIG, "--save", str(tmp_path)] + small_overrides(small_data, **extra)).stdout
+    assert "1 microbatch of 2 x 64 tokens" in out
+    assert ("| sparsity " in out) == (kind != "transformer")  # no sparsity column without memory
     rows = metrics(str(tmp_path))
     assert rows[0]["kind"] == kind and [r for r in rows if r.get("event") == "final"]
 
