@@ -40,14 +40,21 @@ class UpstreamMoved(RuntimeError):
 
 
 def megatron_core_version() -> str:
-    from megatron.core import package_info
+    """The installed release, as its package metadata names it (megatron-core's own ``package_info``
+    appends the git commit of the working directory)."""
+    from importlib import metadata
 
-    return package_info.__version__
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:  # a source checkout on the path
+        from megatron.core import package_info
+
+        return package_info.__version__
 
 
 def _version_tuple(version: str) -> tuple:
     parts = []
-    for piece in version.split(".")[:3]:
+    for piece in version.split("+")[0].split(".")[:3]:
         digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
         parts.append(int(digits))
     return tuple(parts)
