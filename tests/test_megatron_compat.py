@@ -56,14 +56,14 @@ def megatron_world():
     os.environ.update(saved)
 
 
-def _model(seed=3, clip_grad=1.0, memory_config=None):
+def _model(seed=3, clip_grad=1.0, memory_config=None, plain=False):
     from megatron.core.optimizer import OptimizerConfig
 
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
 
     torch.manual_seed(seed)
     cfg = tiny_transformer_config()
-    model = build_gpt_model(cfg, 128, 32, memory_config or tiny_memory_config())
+    model = build_gpt_model(cfg, 128, 32, None if plain else (memory_config or tiny_memory_config()))
     ddp = wrap_ddp(model, cfg)
     optimizer = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01,
                                                        clip_grad=clip_grad), table_lr_mult=2.0)
@@ -84,13 +84,15 @@ def _batches(n, seq=32, mbs=2, seed=0):
 
 
 @pytest.mark.parametrize("clip_grad", [0.05, 0.0], ids=["clipped", "unclipped"])
-def test_one_norm_per_step_updates_exactly_as_megatrons_own_step(megatron_world, clip_grad):
+@pytest.mark.parametrize("plain", [False, True], ids=["memory", "transformer"])
+def test_one_norm_per_step_updates_exactly_as_megatrons_own_step(megatron_world, clip_grad, plain):
     """`train_step` prepares the gradients and computes their norm once, and its update is Megatron's
-    ``optimizer.step()`` bit for bit (clipping active and not), over a few steps."""
+    ``optimizer.step()`` bit for bit (clipping active and not; a chain with the tables' member, and the
+    plain Transformer's optimizer), over a few steps."""
     from fe_megatron.megatron.step import run_microbatches, train_step
 
-    ours, ours_ddp, ours_opt = _model(clip_grad=clip_grad)
-    theirs, theirs_ddp, theirs_opt = _model(clip_grad=clip_grad)
+    ours, ours_ddp, ours_opt = _model(clip_grad=clip_grad, plain=plain)
+    theirs, theirs_ddp, theirs_opt = _model(clip_grad=clip_grad, plain=plain)
     calls = {"prepare_grads": 0, "get_grad_norm": 0}
     for name in calls:
         original = getattr(ours_opt, name)
