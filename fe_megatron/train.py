@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_train_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as err:  # ConfigError, invalid YAML, a missing file
-        if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: one message, not one per rank
+        # every rank reads the same config: one message, not one per rank (SLURM_PROCID under a bare srun)
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"fe-pretrain: error: {err}", file=sys.stderr)
         return 2
     if args.check:

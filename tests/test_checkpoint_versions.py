@@ -2,8 +2,8 @@
 
 * A run saved under megatron-core 0.16.1 resumes under 0.19 and continues the curve it would have
   followed.
-* The other way cannot work: from 0.17 on, dist_checkpointing keeps a checkpoint's common state
-  inside its torch_dist files, and 0.16.1 reads it only from ``common.pt``.  fe-pretrain refuses
+* The other way cannot work: 0.19's dist_checkpointing keeps a checkpoint's common state inside
+  its torch_dist files, and 0.16.1 reads it only from ``common.pt``.  fe-pretrain refuses
   such a checkpoint by name, before building anything.  The weights still carry over: ``fe-convert
   mcore-to-hf`` under the newer release, then ``hf-to-mcore`` under the older one.
 

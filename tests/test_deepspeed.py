@@ -216,6 +216,12 @@ def test_deepspeed_checkpoints_convert_to_the_megatron_runs_model(megatron_runs,
         got = FactorEngramForCausalLM.from_pretrained(ours).eval()(input_ids=ids).logits
         expected = FactorEngramForCausalLM.from_pretrained(theirs).eval()(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # hf-to-mcore carries the DeepSpeed run's settings into a config the Megatron engine accepts
+    from fe_megatron.convert.to_mcore import hf_to_mcore
+
+    carried = load_train_config(os.path.join(hf_to_mcore(ours, str(tmp_path / "back")), "train.yaml"))
+    assert carried.training.engine == "megatron" and carried.deepspeed is None
+    assert carried.parallel.table_sharding == ("rows" if mode == "rows" else "replicated")
     with pytest.raises(ValueError, match="Megatron engine"):
         deepspeed_to_hf(os.path.join(megatron_runs[reference], "iter_0000004"), str(tmp_path / "wrong"))
     # and the other way round: not "damaged", but a DeepSpeed run, with the command that converts it

@@ -304,6 +304,10 @@ def test_hf_to_mcore_carries_the_runs_training_settings_or_writes_short_placehol
     assert carried["data"]["train_data"] == [small_data["prefix"]] and carried["data"] | {"tokenizer_model": None} == \
         trained["data"] | {"tokenizer_model": None}
     assert "with the training settings of the run it was converted from" in text
+    assert carried["training"]["exit_after"] == 0 and carried["parallel"]["table_sharding"] == "replicated"
+    rows = yaml.safe_load(open(os.path.join(hf_to_mcore(hf_dir, str(tmp_path / "rows"), table_sharding="rows"),
+                                            "train.yaml")))
+    assert rows["parallel"]["table_sharding"] == "rows"  # the command line wins over the run's setting
     # a model that records no run (a Llama, a graft): short placeholders, and what to set
     grafted = graft(base_llama, "factorengram-tiny", str(tmp_path / "graft"), layers=[1, 2])
     text = open(os.path.join(grafted, "train.yaml")).read()
@@ -438,6 +442,8 @@ def write_multiple_choice_files(folder):
     for name, records in files.items():
         (folder / name).write_text("".join(json.dumps(record) + "\n" for record in records))
     return folder
+
+
 def test_lm_eval_runs_the_local_tasks_on_a_converted_model(trained_runs, tmp_path):
     pytest.importorskip("lm_eval", reason="needs lm-eval (the test extra installs it)")
     from fe_megatron.hf.lm_eval_tasks import write_tasks

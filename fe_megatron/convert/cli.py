@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     for sub in (to_mcore, graft_cmd):
         sub.add_argument("--tp", type=int, default=1, help="tensor-parallel size to train with (train.yaml)")
         sub.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to train with (train.yaml)")
-        sub.add_argument("--table-sharding", default="replicated", choices=MEGATRON_TABLE_SHARDINGS)
+        sub.add_argument("--table-sharding", default=None, choices=MEGATRON_TABLE_SHARDINGS,
+                         help="the tables' sharding to train with (train.yaml; default: the run's, else replicated)")
     args = parser.parse_args(argv)
     from fe_megatron.convert.graft import graft
     from fe_megatron.convert.to_hf import mcore_to_hf

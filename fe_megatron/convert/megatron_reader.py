@@ -4,6 +4,7 @@ TP/PP/DP layout that wrote it)."""
 
 from __future__ import annotations
 
+import pickle
 import re
 import warnings
 import torch
@@ -47,7 +48,8 @@ class DistCheckpoint:
         self.reader = dcp.FileSystemReader(folder)
         try:
             self.metadata = self.reader.read_metadata().state_dict_metadata
-        except (ValueError, TypeError, AttributeError, EOFError) as error:  # a pickle of another torch release
+        except (ValueError, TypeError, AttributeError, EOFError, ImportError, pickle.UnpicklingError) as error:
+            # a pickle of another torch release
             from fe_megatron.checkpoint.files import read_run_info
 
             stack = (read_run_info(folder) or {}).get("stack") or {}

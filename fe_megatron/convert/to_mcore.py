@@ -19,10 +19,11 @@ from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.convert.common import (TRAINING_SETTINGS, ConversionError, Progress, check_vocabulary, fresh_output,
                                         publish)
 from fe_megatron.hf import weights
+from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
 
 ROW_BLOCK_BYTES = 64 << 20  # tables are copied in blocks of rows of about this size
 
-def hf_to_mcore(input_dir: str, output: str, tp: int = 1, pp: int = 1, table_sharding: str = "replicated") -> str:
+def hf_to_mcore(input_dir: str, output: str, tp: int = 1, pp: int = 1, table_sharding: Optional[str] = None) -> str:
     """Convert a `FactorEngramForCausalLM` directory into a weights-only fe-pretrain run directory."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -91,7 +92,7 @@ def check_llama_like(config, where: str) -> None:
 
 
 def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,
-                       directory: str, final_directory: str, tp: int, pp: int, table_sharding: str,
+                       directory: str, final_directory: str, tp: int, pp: int, table_sharding: Optional[str],
                        settings: Optional[dict] = None) -> None:
     """Build the Megatron model in this process, copy ``source``'s weights (Hugging Face names) in,
     and save a weights-only checkpoint plus ``train.yaml`` into ``directory``.  The checkpoint's
@@ -130,7 +131,7 @@ def _write_megatron_run(source, backbone, memory, tokenizer_path, directory, fin
     from fe_megatron.training.config import DataArgs, ParallelArgs, TrainConfig
 
     written_tokenizer = os.path.join(final_directory, os.path.relpath(tokenizer_path, directory))
-    cfg = TrainConfig(model=backbone, memory=memory, parallel=ParallelArgs(table_sharding=table_sharding),
+    cfg = TrainConfig(model=backbone, memory=memory, parallel=ParallelArgs(table_sharding=table_sharding or "replicated"),
                       data=DataArgs(tokenizer_model=tokenizer_path))
     tconfig = transformer_config_for(cfg, on_gpu=False)
     tconfig.perform_initialization = False  # every weight is about to be copied in
@@ -166,7 +167,8 @@ def _write_megatron_run(source, backbone, memory, tokenizer_path, directory, fin
     info["config"]["data"]["tokenizer_model"] = os.path.abspath(written_tokenizer)
     save_checkpoint(directory, [model], None, None, iteration=0, run_info=info)
     with open(os.path.join(directory, "train.yaml"), "w") as fh:
-        fh.write(train_yaml(cfg, source, os.path.abspath(written_tokenizer), final_directory, tp, pp, settings))
+        fh.write(train_yaml(cfg, source, os.path.abspath(written_tokenizer), final_directory, tp, pp, settings,
+                            table_sharding))
 
 
 # A short run's settings, for a model that comes without a run of fe_megatron's (a Llama, a graft):
@@ -177,7 +179,8 @@ PLACEHOLDER_OPTIMIZER = {"warmup_steps": 100}
 PLACEHOLDER_SPLIT = "90,5,5"
 
 
-def train_yaml(cfg, source, tokenizer: str, run_directory: str, tp: int, pp: int, settings: Optional[dict]) -> str:
+def train_yaml(cfg, source, tokenizer: str, run_directory: str, tp: int, pp: int, settings: Optional[dict],
+               table_sharding: Optional[str] = None) -> str:
     """``train.yaml`` of a converted run: the model and memory of the weights, the parallel layout asked
     for, and either the training settings of the run the weights come from (``settings``: a
     transformers directory written by ``mcore-to-hf``/``deepspeed-to-hf`` records them) or short
@@ -195,10 +198,13 @@ def train_yaml(cfg, source, tokenizer: str, run_directory: str, tp: int, pp: int
         carried = settings.get("config") or {}
         for section in ("parallel", "optimizer", "training", "data"):
             train[section].update(carried.get(section) or {})
-        if carried.get("deepspeed") is not None:
-            train["deepspeed"] = carried["deepspeed"]
         engine = train["training"].get("engine", "megatron")
-        train["training"]["engine"] = "megatron"  # the weights are a Megatron checkpoint now
+        # the weights are a Megatron checkpoint now: the DeepSpeed engine's own settings do not carry over,
+        # and neither does a one-off stop of the run they come from
+        train["training"].update(engine="megatron", exit_after=0)
+        train["deepspeed"] = None
+        if train["parallel"].get("table_sharding") not in MEGATRON_TABLE_SHARDINGS:
+            train["parallel"]["table_sharding"] = "replicated"
         header = [f"Written by fe-convert from {source}, with the training settings of the run it was converted "
                   f"from ({settings.get('converted_from')}).",
                   "A new run starts from these weights at step 0 with a fresh optimizer and this schedule: "
@@ -220,6 +226,8 @@ def train_yaml(cfg, source, tokenizer: str, run_directory: str, tp: int, pp: int
                   f"{PLACEHOLDER_OPTIMIZER['warmup_steps']} and data.split={PLACEHOLDER_SPLIT}.",
                   f"Continue with: {command} data.train_data=[PREFIX]"]
     train["parallel"].update(tensor=tp, pipeline=pp)
+    if table_sharding is not None:  # given on the command line: it wins over the run's
+        train["parallel"]["table_sharding"] = table_sharding
     train["data"]["tokenizer_model"] = tokenizer
     return "".join(f"# {line}\n" for line in header) + yaml.safe_dump(train, sort_keys=False)
 

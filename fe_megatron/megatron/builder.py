@@ -65,8 +65,10 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
 
     The table learning rate is the group's ``max_lr`` / ``min_lr``; the group also carries
     ``lr_mult`` because Megatron's checkpoint loader tells groups apart by ``(wd_mult, lr_mult,
-    is_expert_parallel, is_decoupled_lr)`` (megatron.core's scheduler does not read ``lr_mult``).
-    Groups those keys cannot tell apart would load with the wrong parameters, so they are refused.
+    is_expert_parallel, is_decoupled_lr)`` (megatron.core's scheduler does not read ``lr_mult``; from
+    0.19 the loader also compares the groups' rates, which `compat.adopt_checkpoint_group_values`
+    reconciles).  Groups those four keys (`compat.STRUCTURAL_GROUP_KEYS`) cannot tell apart would
+    load with the wrong parameters on some release, so they are refused.
     """
     len1 = ParamPredicate(name="param_len_1", fn=lambda p: len(p.shape) == 1)
     overrides = {ParamKey(name="*.bias", predicate=len1): ParamGroupOverride(wd_mult=0.0)}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,8 +56,8 @@ def megatron_core_version() -> str:
 def _version_tuple(version: str) -> tuple:
     parts = []
     for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) or "0"
-        parts.append(int(digits))
+        digits = re.match(r"\d*", piece).group()  # "1rc2" -> 1
+        parts.append(int(digits or 0))
     return tuple(parts)
 
 
@@ -70,9 +71,11 @@ def unsupported_version_message() -> str | None:
     version = megatron_core_version()
     if is_supported_version(version):
         return None
+    problems = broken_contracts()
+    moved = ("; the internals fe_megatron relies on are where it expects them" if not problems
+             else ". Internals that moved: " + " | ".join(problems))
     return (f"megatron-core {version} is outside the range fe_megatron supports and was tested on "
-            f"({', '.join(SUPPORTED_MEGATRON_CORE)}; {OLDEST_TESTED} to {NEWEST_TESTED}). It may work: "
-            "`python -m pytest tests/test_megatron_compat.py` names every internal that moved")
+            f"({', '.join(SUPPORTED_MEGATRON_CORE)}; {OLDEST_TESTED} to {NEWEST_TESTED}){moved}")
 
 
 # --------------------------------------------------------------------------- TransformerLayer steps
@@ -119,7 +122,8 @@ def pre_mlp_layernorm(layer, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def post_mlp(layer, mlp_output_with_bias, residual: torch.Tensor) -> torch.Tensor:
     """``TransformerLayer._forward_post_mlp``: the MLP's bias-dropout-add onto the residual.  Where
-    a release has no such step, the same bias-dropout-add, as its ``_forward_mlp`` does it."""
+    a release has no such step, the same bias-dropout-add, as its ``_forward_mlp`` does it (without
+    0.19's pre-MLP-norm recompute and activation offloading, which fe_megatron does not turn on)."""
     if hasattr(layer, "_forward_post_mlp"):
         return layer._forward_post_mlp(mlp_output_with_bias, residual)
     from megatron.core.utils import make_viewless_tensor
@@ -231,7 +235,9 @@ def step_with_grad_norm(optimizer, grad_norm: float) -> bool:
     """The rest of ``optimizer.step()`` once ``prepare_grads()`` and ``get_grad_norm()`` have run:
     clip every member by ``grad_norm`` (as ``ChainedOptimizer.step`` does) and apply the update.
     Megatron's own ``step()`` would prepare the gradients and compute the norm a second time: two
-    passes over every gradient, the tables' included.  Returns whether the update was applied."""
+    passes over every gradient, the tables' included.  Returns whether the update was applied.
+    Not applied here, as fe_megatron sets neither: 0.19's ``grad_norm_skip_threshold`` (a step
+    skipped above a norm) and multi-token prediction's per-group clipping."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     takes_decoupled = "use_decoupled_grad" in inspect.signature(clip_grad_by_total_norm_fp32).parameters
@@ -303,7 +309,7 @@ def unreadable_checkpoint_problem(folder: str, written_by: str | None) -> str | 
     writer = f"megatron-core {written_by}" if written_by else "a newer megatron-core"
     return (f"{folder} was written by {writer}, which keeps a checkpoint's common state inside its torch_dist "
             f"files; megatron-core {megatron_core_version()}, installed here, reads it only from a common.pt "
-            "file and cannot load this checkpoint. Resume it with megatron-core 0.19 (docs/compatibility.md), or "
+            f"file and cannot load this checkpoint. Resume it with {writer} (docs/compatibility.md), or "
             "carry its weights over into a new run: fe-convert mcore-to-hf under the newer release, then fe-convert "
             "hf-to-mcore here, and --load the result")
 
@@ -334,7 +340,6 @@ CPU_BACKEND_MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.datasets.blended_megatron_dataset_builder",
-    "megatron.core.recompute",
 )
 # the modules above that every supported release has (the contract checks them)
 _CPU_BACKEND_REQUIRED = ("megatron.core.tensor_parallel.random", "megatron.core.distributed.param_and_grad_buffer",
@@ -350,11 +355,6 @@ def replace_device_rng_state_functions(get_state: Callable, set_state: Callable)
 
     mcore_random._get_cuda_rng_state = get_state
     mcore_random._set_cuda_rng_state = set_state
-    recompute = _optional_module("megatron.core.recompute")  # 0.18+: recompute has a module of its own
-    if recompute is not None:
-        for name, value in (("_get_cuda_rng_state", get_state), ("_set_cuda_rng_state", set_state)):
-            if hasattr(recompute, name):
-                setattr(recompute, name, value)
 
 
 def _optional_module(name: str):
@@ -429,9 +429,14 @@ def _check_optimizer_internals():
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     chained, fp32 = chained_optimizer_class(), fp32_optimizer_class()
-    for method in ("prepare_grads", "get_grad_norm", "step_with_ready_grads", "get_parameters"):
+    for method in ("prepare_grads", "get_grad_norm", "step_with_ready_grads", "get_parameters",
+                   "get_grad_stats_parallel_group"):
         _require(callable(getattr(chained, method, None)), f"ChainedOptimizer.{method} is gone")
         _require(callable(getattr(fp32, method, None)), f"FP32Optimizer.{method} is gone")
+    # the tables' member reduces its norm over its own groups (get_grad_stats_parallel_group() is None),
+    # which the chain then sums as the square root of the members' squares
+    _require(callable(getattr(chained, "grads_states_parallel_group_is_shared", None)),
+             "ChainedOptimizer.grads_states_parallel_group_is_shared is gone")
     _has_parameters(fp32.__init__, ("optimizer", "config", "init_state_fn"), "FP32Optimizer.__init__")
     _has_parameters(clip_grad_by_total_norm_fp32, ("parameters", "max_norm", "total_norm"),
                     "clip_grad_by_total_norm_fp32")

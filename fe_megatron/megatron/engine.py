@@ -131,6 +131,7 @@ def set_up(cfg) -> MegatronRun:
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from fe_megatron.megatron import compat
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.checkpointing import holds_weights_only, load_checkpoint
     from fe_megatron.megatron.parallel import initialize
@@ -140,6 +141,9 @@ def set_up(cfg) -> MegatronRun:
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding)
+    unsupported = compat.unsupported_version_message()
+    if unsupported:
+        log(f"warning: {unsupported}")
     on_gpu = torch.cuda.is_available()
     log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")

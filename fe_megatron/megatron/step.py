@@ -112,7 +112,7 @@ def train_step(model_chunks: list, optimizer, batches: list, seq_length: int, mi
     lm = mean_lm_loss(losses)
     sparsity = pop_sparsity_loss(model_chunks, len(batches))
     if optimizer.prepare_grads():  # a loss scaler found inf or nan (fp16): Megatron skips the step
-        return StepResult(lm, sparsity, math.nan, False)
+        return StepResult(lm, sparsity, math.nan, False, ["the loss scaler found inf or nan in the gradients"])
     grad_norm = float(optimizer.get_grad_norm())
     if check_finite and not (math.isfinite(lm) and math.isfinite(grad_norm)):
         return StepResult(lm, sparsity, grad_norm, False, _locate_nonfinite(losses, lm, grad_norm))

@@ -157,7 +157,7 @@ class TableChainedOptimizer(compat.chained_optimizer_class()):
     @torch.no_grad()
     def get_grad_norm(self):
         norm = super().get_grad_norm()
-        for member in self.chained_optimizers:
+        for member in compat.optimizer_members(self):
             if isinstance(member, TableOptimizer):
                 member.global_grad_norm = norm
         return norm
