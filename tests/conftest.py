@@ -79,6 +79,20 @@ def _fresh_seed(request):
     yield
 
 
+@pytest.fixture(scope="module")
+def megatron_world():
+    """megatron.core's process groups for one process (gloo, the CPU backend on a CPU machine), for
+    tests that build Megatron models in the test process."""
+    from fe_megatron.megatron.parallel import initialize, shutdown
+
+    saved = dict(os.environ)
+    initialize()
+    yield
+    shutdown()
+    os.environ.clear()
+    os.environ.update(saved)  # no RANK / MASTER_PORT leaks into later tests' subprocesses
+
+
 CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sotu.jsonl.gz")
 
 

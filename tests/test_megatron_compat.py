@@ -44,18 +44,6 @@ def test_a_moved_internal_is_named_with_the_release_and_the_file_to_adapt(monkey
     assert compat.megatron_core_version() in problems[0] and "fe_megatron/megatron/compat.py" in problems[0]
 
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    from fe_megatron.megatron.parallel import initialize, shutdown
-
-    saved = dict(os.environ)
-    initialize()
-    yield
-    shutdown()
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def _model(seed=3, clip_grad=1.0, memory_config=None, plain=False):
     from megatron.core.optimizer import OptimizerConfig
 

@@ -11,18 +11,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
 from common import tiny_memory_config, tiny_transformer_config  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    from fe_megatron.megatron.parallel import initialize, shutdown
-
-    saved = dict(os.environ)
-    initialize()
-    yield
-    shutdown()
-    os.environ.clear()
-    os.environ.update(saved)  # no RANK / MASTER_PORT leaks into later tests' subprocesses
-
-
 def build(memory_config=None, **transformer_overrides):
     from fe_megatron.megatron.builder import build_gpt_model
 
