@@ -145,7 +145,9 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
     state = dist_checkpointing.load(sharded, folder)
     model.load_state_dict(state["model"])
     _adapt_single_optimizer_state(state["optimizer"], optimizer)
-    before = compat.adopt_checkpoint_group_values(optimizer, state["optimizer"])
+    before = compat.adopt_checkpoint_group_values(
+        optimizer, [_torch_optimizer_state(member)["param_groups"] for member in _member_states(state["optimizer"],
+                                                                                                 optimizer)])
     with torch.no_grad():  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(state["optimizer"])
     if getattr(scheduler, "override_opt_param_scheduler", False):  # training.schedule_on_resume=config
@@ -156,6 +158,12 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
     if restore_rng and os.path.isfile(rng_file):
         set_rng_state(torch.load(rng_file, weights_only=False))
     return int(common["iteration"])
+
+
+def _member_states(state, optimizer) -> list:
+    """The loaded state of each member of ``optimizer``'s chain (one member's state is not keyed by index)."""
+    members = compat.optimizer_members(optimizer)
+    return [state[index] for index in range(len(members))] if len(members) > 1 else [state]
 
 
 def _torch_optimizer_state(state: dict) -> dict:
@@ -209,7 +217,7 @@ def _restore_adam_step_counts(state: dict, optimizer) -> None:
     """The step count a distributed optimizer on torch's Adam saved with its parameter groups, put
     back into every parameter's state (Megatron's loader leaves the count it started from there)."""
     for index, member in _torch_adam_members(optimizer):
-        saved = state[index] if len(compat.optimizer_members(optimizer)) > 1 else state
+        saved = _member_states(state, optimizer)[index]
         steps = {group["step"] for group in _torch_optimizer_state(saved)["param_groups"] if "step" in group}
         if len(steps) != 1:
             raise ValueError(f"the checkpoint's optimizer {index} holds step counts {sorted(steps)}; expected one")

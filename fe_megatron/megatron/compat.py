@@ -183,26 +183,19 @@ STRUCTURAL_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupl
 SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
-def _loaded_groups(state) -> list:
-    inner = state["optimizer"] if isinstance(state, dict) and "optimizer" in state else state
-    return inner["param_groups"]
-
-
-def adopt_checkpoint_group_values(optimizer, loaded_state) -> list:
-    """Give every current parameter group the values the checkpoint's group with the same
+def adopt_checkpoint_group_values(optimizer, loaded_groups: list) -> list:
+    """``loaded_groups``: the checkpoint's parameter groups of each member of ``optimizer``'s chain.
+    Give every current parameter group the values the checkpoint's group with the same
     `STRUCTURAL_GROUP_KEYS` holds for the other identifier keys (from 0.19: the schedule's max_lr,
     min_lr, start_wd, end_wd), so that megatron-core pairs the groups whatever the schedule asked for
     now; the loaded groups then carry the checkpoint's values, as 0.16 loads them.  Returns each
     group's schedule values (`SCHEDULE_GROUP_KEYS`) from before, for `restore_group_values` (to follow
     this config's schedule instead of the checkpoint's)."""
-    members = optimizer_members(optimizer)
     schedule_keys = [key for key in param_group_identifier_keys() if key not in STRUCTURAL_GROUP_KEYS]
     kept = sorted(set(schedule_keys) | set(SCHEDULE_GROUP_KEYS))
     before = []
-    for index, member in enumerate(members):
-        member_state = loaded_state[index] if len(members) > 1 else loaded_state
-        loaded = {tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS): group
-                  for group in _loaded_groups(member_state)}
+    for member, member_groups in zip(optimizer_members(optimizer), loaded_groups):
+        loaded = {tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS): group for group in member_groups}
         for group in member.optimizer.param_groups:
             before.append({key: group.get(key) for key in kept})
             match = loaded.get(tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS))
