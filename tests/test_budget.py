@@ -190,6 +190,17 @@ def test_fe_plan_takes_the_training_configs_layout_and_storage_and_flags_overrid
     assert int(re.search(r"rank_bytes=(\d+)", overridden).group(1)) > 2.4e10
 
 
+def test_fe_plan_plans_a_training_config_whose_data_is_still_to_be_set(tmp_path):
+    """fe-convert's placeholder train.yaml has no data.train_data yet; fe-plan reads no data."""
+    import yaml
+
+    config = yaml.safe_load(open(PAPER_CONFIG))
+    config["data"].pop("train_data")
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert "table_sharding=rows (config parallel.table_sharding)" in fe_plan("--config", str(path), "--dp", "8")
+
+
 def test_fe_plan_estimates_activations_the_checkpoint_on_disk_and_gradient_traffic():
     planned = fe_plan("--config", PAPER_CONFIG, "--dp", "8")
     assert "activations per rank: about " in planned and "fused attention" in planned

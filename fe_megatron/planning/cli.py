@@ -82,7 +82,9 @@ def _load(args):
     if isinstance(top, dict) and {"parallel", "training", "optimizer", "data"} & set(top):
         from fe_megatron.training.config import load_train_config
 
-        train_config = load_train_config(args.config)
+        # fe-plan reads no data: a config whose data is still to be set (fe-convert's placeholders) plans too
+        has_data = isinstance(top.get("data"), dict) and top["data"].get("train_data")
+        train_config = load_train_config(args.config, [] if has_data else ["data.train_data=[none]"])
         if train_config.memory is None:
             raise ValueError(f"{args.config} trains no memory (memory: null): there is nothing for fe-plan to plan")
         return train_config.memory, args.config, train_config
