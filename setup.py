@@ -125,5 +125,6 @@ setup(
         "fe-convert=fe_megatron.convert.cli:main",
         "fe-eval=fe_megatron.evaluation.cli:main",
         "fe-inspect=fe_megatron.evaluation.inspect:main",
+        "fe-megatron-lm-pretrain-gpt=fe_megatron.megatron_lm.pretrain_gpt:main",
     ]},
 )

@@ -330,11 +330,14 @@ class MemoryConfig:
         return _build(cls, values, where, "MemoryConfig")
 
     @classmethod
-    def from_yaml(cls, path: Union[str, Path], key: Optional[str] = None) -> "MemoryConfig":
+    def from_yaml(cls, path: Union[str, Path], key: Optional[str] = None, backbone: Optional[BackboneConfig] = None,
+                  **overrides: Any) -> "MemoryConfig":
         """Load from YAML: a mapping of fields, or (with ``key``, or when the file has a ``memory:``
         section, as a training config does) the mapping under that top-level key.  In a training
-        config the backbone is its ``model:`` section.  Errors name the file and line."""
+        config the backbone is its ``model:`` section; a ``backbone`` argument replaces the file's, and
+        ``overrides`` replace its fields.  Errors name the file and line."""
         top, top_where = read_yaml_mapping(path)
+        backbone_argument = backbone
         data, where, backbone = top, top_where, None
         if key is None and isinstance(top.get("memory"), dict):
             key = "memory"
@@ -346,7 +349,7 @@ class MemoryConfig:
                 backbone = BackboneConfig.from_dict(top["model"], top_where["model"])
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of MemoryConfig fields, got {type(data).__name__}")
-        return cls.from_dict(data, where, backbone=backbone)
+        return cls.from_dict({**data, **overrides}, where, backbone=backbone_argument or backbone)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

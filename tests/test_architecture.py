@@ -19,6 +19,7 @@ LAYERS = {
     "checkpoint": 3,
     "megatron": 4, "deepspeed": 4, "hf": 4,  # adapters and their engines
     "convert": 5, "evaluation": 5, "planning": 5,
+    "megatron_lm": 5,  # Megatron-LM's own trainer over the Megatron adapter (megatron-core 0.19 on)
     "train": 6, "demo": 6,  # command lines (and every */cli.py, below)
 }
 COMMAND_LINES = {"fe_megatron.data.cli", "fe_megatron.evaluation.cli", "fe_megatron.evaluation.inspect",

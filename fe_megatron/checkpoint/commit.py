@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fe_megatron.checkpoint.files import (MANIFEST, TRACKER, CheckpointError, checkpoint_files, checkpoint_problems, complete_iterations,
                                           file_digest, iteration_dir, prune, read_tracker, sync_directory,
-                                          write_manifest, write_tracker)
+                                          write_manifest, write_run_info, write_tracker)
 from fe_megatron.training import faults
 from fe_megatron.training.distributed import current_device
 
@@ -81,6 +81,24 @@ def commit(tmp: str, directory: str, iteration: int, keep: int = 0, before_track
         prune(directory, keep, protect=iteration)
     dist.barrier()
     return final
+
+
+def seal(folder: str, iteration: int, info: dict) -> None:
+    """Record run info in a checkpoint ``folder`` that another program wrote and committed (Megatron-LM's
+    trainer), then hash its files (all ranks, in shares) into a manifest, so that it reads and verifies as
+    one of fe-pretrain's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        write_run_info(folder, info)
+    dist.barrier()
+    names = [checkpoint_files(folder) if rank == 0 else None]
+    dist.broadcast_object_list(names, src=0)
+    mine = {name: file_digest(os.path.join(folder, name)) for i, name in enumerate(names[0]) if i % world == rank}
+    digests = [None] * world
+    dist.all_gather_object(digests, mine)
+    if rank == 0:
+        write_manifest(folder, {name: digest for part in digests for name, digest in part.items()}, iteration)
+    dist.barrier()
 
 
 def _uncommitted_newest(directory: str):

@@ -47,6 +47,8 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
     """Convert an fe-pretrain checkpoint into a transformers directory ``output``; returns it."""
     folder = find_run_checkpoint(load, iteration)
     info = read_run_info(folder)
+    if info.get("not_convertible"):
+        raise ConversionError(f"{folder}: {info['not_convertible']}")
     backbone, memory = configs_of(info)
     tokenizer_path = run_tokenizer(info, tokenizer)
     checkpoint = DistCheckpoint(folder)

@@ -54,6 +54,20 @@ def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,
     return ddp
 
 
+def table_group_overrides(lr: float, min_lr, table_lr_mult: float = 1.0, table_weight_decay_mult: float = 1.0) -> dict:
+    """``{ParamKey: ParamGroupOverride}`` of the memory tables' parameter group (empty when both
+    multipliers are 1: the tables then share the other weights' group), for megatron-core's
+    ``get_megatron_optimizer(config_overrides=...)``; see `build_optimizer`."""
+    table_override = ParamGroupOverride()
+    if table_weight_decay_mult != 1.0:
+        table_override["wd_mult"] = table_weight_decay_mult
+    if table_lr_mult != 1.0:
+        table_override["max_lr"] = lr * table_lr_mult
+        table_override["min_lr"] = (min_lr or 0.0) * table_lr_mult
+        table_override["lr_mult"] = table_lr_mult
+    return {ParamKey(attr="is_memory_table"): table_override} if table_override else {}
+
+
 def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table_lr_mult: float = 1.0,
                     table_weight_decay_mult: float = 1.0, tables=None):
     """Megatron's optimizer with the usual groups (no weight decay on norms and biases) plus one for
@@ -72,15 +86,8 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
     """
     len1 = ParamPredicate(name="param_len_1", fn=lambda p: len(p.shape) == 1)
     overrides = {ParamKey(name="*.bias", predicate=len1): ParamGroupOverride(wd_mult=0.0)}
-    table_override = ParamGroupOverride()
-    if table_weight_decay_mult != 1.0:
-        table_override["wd_mult"] = table_weight_decay_mult
-    if table_lr_mult != 1.0:
-        table_override["max_lr"] = optimizer_config.lr * table_lr_mult
-        table_override["min_lr"] = (optimizer_config.min_lr or 0.0) * table_lr_mult
-        table_override["lr_mult"] = table_lr_mult
-    if table_override:
-        overrides[ParamKey(attr="is_memory_table")] = table_override
+    overrides.update(table_group_overrides(optimizer_config.lr, optimizer_config.min_lr, table_lr_mult,
+                                           table_weight_decay_mult))
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)
     if tables is not None:
         optimizer = TableChainedOptimizer(compat.optimizer_members(optimizer) + [

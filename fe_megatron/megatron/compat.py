@@ -23,8 +23,10 @@ each end was tested with).  What changed inside that range and is answered here:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
 import re
 from dataclasses import dataclass
@@ -334,6 +336,14 @@ CPU_BACKEND_MODULES = (
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.datasets.blended_megatron_dataset_builder",
 )
+# megatron.training's modules (Megatron-LM's trainer, megatron-core 0.19 on) that assume CUDA; the CPU
+# backend patches them when `fe_megatron.megatron_lm` runs that trainer (`enable_cpu_backend(trainer=True)`)
+CPU_TRAINER_MODULES = (
+    "megatron.training.training", "megatron.training.initialize", "megatron.training.utils",
+    "megatron.training.utils.utils", "megatron.training.utils.common_utils", "megatron.training.checkpointing",
+    "megatron.training.arguments", "megatron.training.models.dist_utils", "megatron.training.dist_signal_handler",
+    "megatron.training.config.training_config", "megatron.core.num_microbatches_calculator",
+)
 # the modules above that every supported release has (the contract checks them)
 _CPU_BACKEND_REQUIRED = ("megatron.core.tensor_parallel.random", "megatron.core.distributed.param_and_grad_buffer",
                          "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
@@ -355,6 +365,100 @@ def _optional_module(name: str):
         return importlib.import_module(name)
     except ImportError:
         return None
+
+
+# --------------------------------------------------------------------------- Megatron-LM's trainer
+# megatron.training (megatron-core 0.19 on) as `fe_megatron.megatron_lm` runs it.
+TRAINER_MINIMUM = "0.19"
+
+
+def has_megatron_lm_trainer() -> bool:
+    """Whether the installed megatron-core ships the Megatron-LM trainer this project drives
+    (megatron.training with the config-container ``pretrain`` of 0.19)."""
+    from packaging.version import Version
+
+    return Version(megatron_core_version()) >= Version(TRAINER_MINIMUM) and \
+        importlib.util.find_spec("megatron.training") is not None
+
+
+@contextlib.contextmanager
+def building_gpt_model_as(model_class: Callable):
+    """Inside the block, Megatron-LM's `GPTModelBuilder.build_model` constructs ``model_class``
+    (called with GPTModel's keyword arguments) where it constructs ``GPTModel``."""
+    from megatron.training.models import gpt
+
+    original = gpt.GPTModel
+    gpt.GPTModel = model_class
+    try:
+        yield
+    finally:
+        gpt.GPTModel = original
+
+
+def add_trainer_param_group_overrides(overrides: dict) -> None:
+    """Megatron-LM's trainer builds its optimizer with ``overrides`` (``{ParamKey:
+    ParamGroupOverride}``) added to the standard ones it derives from the arguments
+    (``get_megatron_optimizer_config``: no weight decay on biases and norms, the decoupled LR)."""
+    from megatron.training import training
+
+    standard = training.get_megatron_optimizer_config
+
+    def with_overrides(args):
+        config, config_overrides = standard(args)
+        return config, {**(config_overrides or {}), **overrides}
+
+    training.get_megatron_optimizer_config = with_overrides
+
+
+def add_training_log_entries(entries: Callable[[], dict]) -> None:
+    """Megatron-LM's trainer logs ``entries()`` (``{name: 1-element tensor}``, called on every rank
+    after each step, where collectives are safe) beside ``lm loss``: averaged over the log interval,
+    printed and written to TensorBoard the same way."""
+    from megatron.training import training
+
+    training_log = training.training_log
+
+    def with_entries(loss_dict, *args, **kwargs):
+        return training_log({**loss_dict, **entries()}, *args, **kwargs)
+
+    training.training_log = with_entries
+
+
+def after_each_save(hook: Callable[[int], None]) -> None:
+    """``hook(iteration)`` on every rank after Megatron-LM's trainer has saved and committed a checkpoint."""
+    from megatron.training import training
+
+    save_checkpoint = training.save_checkpoint
+
+    def save_then_hook(iteration, *args, **kwargs):
+        result = save_checkpoint(iteration, *args, **kwargs)
+        hook(iteration)
+        return result
+
+    training.save_checkpoint = save_then_hook
+
+
+def run_trainer_on_host() -> None:
+    """Megatron-LM's trainer on a machine without CUDA: ``pretrain`` initializes Megatron without its
+    CUDA assertion (the CPU backend answers the rest, `cpu_backend.enable_cpu_backend(trainer=True)`)."""
+    from megatron.training import initialize, training
+
+    training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+
+
+def use_built_dataset_helpers() -> None:
+    """The megatron-core wheel ships its dataset index helpers built (``helpers_cpp``) but not the
+    Makefile that Megatron-LM's start-up runs to build them, which then fails: build them only where
+    they are missing."""
+    from megatron.core.datasets import utils
+
+    compile_helpers = utils.compile_helpers
+
+    def compile_if_missing():
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            compile_helpers()
+
+    utils.compile_helpers = compile_if_missing
 
 
 # --------------------------------------------------------------------------- contracts
@@ -464,6 +568,35 @@ def _check_cpu_backend_targets():
         _require(callable(getattr(mcore_random, name, None)), f"tensor_parallel.random.{name} is gone")
 
 
+def _check_trainer():
+    if not has_megatron_lm_trainer():
+        return  # fe_megatron.megatron_lm refuses to start and says which release it needs
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.training import initialize, training
+    from megatron.training.models import gpt
+
+    _require(inspect.getsource(gpt.GPTModelBuilder.build_model).count("GPTModel(") == 1,
+             "megatron.training.models.gpt.GPTModelBuilder.build_model no longer constructs GPTModel by that name")
+    _require(callable(getattr(training, "get_megatron_optimizer_config", None)),
+             "megatron.training.training.get_megatron_optimizer_config is gone")
+    _require("get_megatron_optimizer_config(args)" in inspect.getsource(training.setup_model_and_optimizer),
+             "setup_model_and_optimizer no longer builds its optimizer config with get_megatron_optimizer_config")
+    _has_parameters(initialize.initialize_megatron, ("allow_no_cuda",), "initialize_megatron")
+    _require(callable(getattr(training, "initialize_megatron", None)), "training.initialize_megatron is gone")
+    _has_parameters(training.pretrain, ("cfg_container", "train_valid_test_dataset_provider", "model_type",
+                                        "forward_step_func"), "megatron.training.pretrain")
+    _require(callable(getattr(dataset_utils, "compile_helpers", None)), "datasets.utils.compile_helpers is gone")
+    _has_parameters(training.training_log, ("loss_dict", "total_loss_dict"), "training.training_log")
+    _has_parameters(training.save_checkpoint, ("iteration",), "training.save_checkpoint")
+    from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+
+    _has_parameters(get_batch_on_this_tp_rank, ("batch", "has_cu_seqlens", "is_hybrid_cp", "broadcast_src_rank",
+                                                "pipeline_model_parallel_size", "mtp_on_this_rank"),
+                    "megatron.core.utils.get_batch_on_this_tp_rank")
+    _has_parameters(get_batch_on_this_cp_rank, ("batch", "is_hybrid_cp", "cp_group"),
+                    "megatron.core.utils.get_batch_on_this_cp_rank")
+
+
 CONTRACTS = (
     Contract("TransformerLayer forward steps", "megatron/transformer_layer.py", _check_layer_steps),
     Contract("TransformerLayer constructor", "megatron/transformer_layer.py", _check_layer_constructor),
@@ -473,6 +606,7 @@ CONTRACTS = (
              _check_optimizer_internals),
     Contract("checkpoint writer queue", "megatron/checkpointing.py", _check_checkpoint_writer_queue),
     Contract("CPU backend targets", "megatron/cpu_backend.py", _check_cpu_backend_targets),
+    Contract("Megatron-LM's trainer", "megatron_lm/", _check_trainer),
 )
 
 

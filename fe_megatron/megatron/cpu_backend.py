@@ -39,6 +39,7 @@ import torch
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "zeros_like",
               "ones_like", "empty_like", "full_like", "as_tensor")
 _enabled = False
+_trainer_enabled = False
 
 
 def _cpu_device(device):
@@ -132,6 +133,36 @@ class _CudaOnCpu:
         return getattr(torch.cuda, name)
 
 
+class _TrainerCudaOnCpu(_CudaOnCpu):
+    """``torch.cuda`` inside megatron.training (Megatron-LM's trainer): the host is its one device.
+
+    The trainer sets up process groups and seeds only where ``device_count() > 0``, and sets the
+    device, empties caches and reads memory statistics there; on the host these have nothing to do.
+    """
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def set_device(*_args, **_kwargs):
+        return None
+
+    @staticmethod
+    def empty_cache():
+        return None
+
+    @staticmethod
+    def get_device_name(*_args, **_kwargs) -> str:
+        return "cpu"
+
+    @staticmethod
+    def memory_allocated(*_args, **_kwargs) -> int:
+        return 0
+
+    max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
+
+
 class _TorchOnCpu:
     """A ``torch`` that creates CPU tensors where megatron.core asks for CUDA ones."""
 
@@ -149,6 +180,10 @@ class _TorchOnCpu:
         return attr
 
 
+class _TrainerTorchOnCpu(_TorchOnCpu):
+    cuda = _TrainerCudaOnCpu()
+
+
 def _get_device_rng_state(device=-1, clone=False, graph_safe=False):
     state = torch.get_rng_state()
     return state.clone() if clone else state
@@ -159,7 +194,7 @@ def _set_device_rng_state(new_state, device=-1, graph_safe=False):
 
 
 def _called_from_megatron() -> bool:
-    return sys._getframe(2).f_globals.get("__name__", "").startswith("megatron.core")
+    return sys._getframe(2).f_globals.get("__name__", "").startswith(("megatron.core", "megatron.training"))
 
 
 def _cpu_tensor_cuda(original):
@@ -183,23 +218,33 @@ def _cuda_style_type(original):
     return type_
 
 
-def enable_cpu_backend() -> bool:
-    """Make megatron.core run on CPU (gloo). Returns True if enabled, False on a CUDA machine."""
-    global _enabled
-    if torch.cuda.is_available():
-        return False
-    if _enabled:
-        return True
-    from fe_megatron.megatron import compat
-
-    proxy = _TorchOnCpu()
-    for name in compat.CPU_BACKEND_MODULES:
+def _patch_modules(names, proxy) -> None:
+    for name in names:
         try:
             module = importlib.import_module(name)
-        except ImportError:  # an optional part of megatron.core that this install lacks
+        except ImportError:  # an optional part of megatron that this install lacks
             continue
         if getattr(module, "torch", None) is torch:
             module.torch = proxy
+
+
+def enable_cpu_backend(trainer: bool = False) -> bool:
+    """Make megatron.core run on CPU (gloo). Returns True if enabled, False on a CUDA machine.
+
+    ``trainer=True`` also answers megatron.training's CUDA assumptions (Megatron-LM's trainer, run
+    by `fe_megatron.megatron_lm`; megatron-core 0.19 on): its modules in
+    `fe_megatron.megatron.compat.CPU_TRAINER_MODULES` see the host as their one device."""
+    global _enabled, _trainer_enabled
+    if torch.cuda.is_available():
+        return False
+    from fe_megatron.megatron import compat
+
+    if trainer and not _trainer_enabled:
+        _patch_modules(compat.CPU_TRAINER_MODULES, _TrainerTorchOnCpu())
+        _trainer_enabled = True
+    if _enabled:
+        return True
+    _patch_modules(compat.CPU_BACKEND_MODULES, _TorchOnCpu())
     from megatron.core.tensor_parallel import random as mcore_random
 
     compat.replace_device_rng_state_functions(_get_device_rng_state, _set_device_rng_state)
@@ -210,4 +255,3 @@ def enable_cpu_backend() -> bool:
     torch.Tensor.cuda = _cpu_tensor_cuda(torch.Tensor.cuda)
     _enabled = True
     return True
-

@@ -1,0 +1,113 @@
+"""FactorEngram's arguments on a Megatron-LM command line, and the combinations refused at start-up.
+
+`add_factorengram_arguments` is an ``extra_args_provider`` for megatron.training's parser. The
+memory configuration comes from a file (``--fe-memory-config``) or a preset (``--fe-memory-preset``);
+with neither, the command line trains the stock GPT model. The backbone is the command line's: the
+memory configuration's own ``model:``/``backbone`` section is replaced by the one the Megatron
+arguments describe (`backbone_from_megatron_args`), so a preset fits any model size.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from fe_megatron.config import BackboneConfig, MemoryConfig
+from fe_megatron.memory.sharding import stages_without_memory
+from fe_megatron.training.config import OptimizerArgs, ParallelArgs
+
+TABLE_SHARDINGS = ("replicated", "rows")
+
+
+def add_factorengram_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(title="FactorEngram (fe_megatron)")
+    group.add_argument("--fe-memory-config", default=None, metavar="YAML",
+                       help="the memory branch: a YAML file of MemoryConfig fields, or an fe-pretrain config "
+                            "(its memory: section). The backbone fields come from this command line")
+    group.add_argument("--fe-memory-preset", default=None, choices=MemoryConfig.preset_names(),
+                       help="the memory branch from a preset (e.g. factorengram-340m, engram-340m)")
+    group.add_argument("--fe-memory-layers", default=None, type=int, nargs="+", metavar="INDEX",
+                       help="0-based layers that carry the memory branch (overrides the config's layers; the "
+                            "paper's layers 10 and 12 of 24 are 10 12)")
+    group.add_argument("--fe-table-sharding", default=ParallelArgs.table_sharding, choices=TABLE_SHARDINGS,
+                       help="replicated: whole tables on every data-parallel rank; rows: the rows sharded over the "
+                            "data-parallel (x context-parallel) ranks, looked up with an all-to-all")
+    group.add_argument("--fe-table-dtype", default=None, choices=("fp32", "bf16"),
+                       help="the tables' storage dtype (overrides the config's table_dtype)")
+    group.add_argument("--fe-table-lr-mult", default=OptimizerArgs.table_lr_mult, type=float,
+                       help="the tables' learning rate = this x the learning rate (default %(default)s)")
+    group.add_argument("--fe-table-weight-decay-mult", default=OptimizerArgs.table_weight_decay_mult, type=float,
+                       help="the tables' weight decay = this x --weight-decay (default %(default)s, the paper's; 0 is "
+                            "Engram's exemption of the tables)")
+    return parser
+
+
+def uses_memory(args) -> bool:
+    return args.fe_memory_config is not None or args.fe_memory_preset is not None
+
+
+def backbone_from_megatron_args(args) -> BackboneConfig:
+    """The backbone a Megatron-LM command line describes, in fe_megatron's terms (``args`` after
+    megatron.training's validation, which fills ``padded_vocab_size`` and ``ffn_hidden_size``)."""
+    return BackboneConfig(
+        vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, init_std=args.init_method_std,
+        norm_eps=args.layernorm_epsilon, rope_base=float(args.rotary_base),
+        tie_embeddings=not args.untie_embeddings_and_output_weights, dropout=args.hidden_dropout)
+
+
+def memory_config_from_args(args) -> Optional[MemoryConfig]:
+    """The memory configuration of the command line, on its backbone (None: the stock GPT model)."""
+    if not uses_memory(args):
+        return None
+    if args.fe_memory_config is not None and args.fe_memory_preset is not None:
+        raise ValueError("give --fe-memory-config or --fe-memory-preset, not both")
+    overrides = {}
+    if args.fe_memory_layers is not None:
+        overrides["layers"] = list(args.fe_memory_layers)
+    if args.fe_table_dtype is not None:
+        overrides["table_dtype"] = args.fe_table_dtype
+    backbone = backbone_from_megatron_args(args)
+    if args.fe_memory_config is not None:
+        return MemoryConfig.from_yaml(args.fe_memory_config, backbone=backbone, **overrides)
+    return MemoryConfig.from_dict({"preset": args.fe_memory_preset, **overrides}, backbone=backbone)
+
+
+def refused_combinations(args, memory: MemoryConfig) -> list:
+    """Why the memory branch cannot honor this command line (empty: it can). Each entry names the
+    argument and what to do instead."""
+    refused = []
+    if getattr(args, "expert_model_parallel_size", 1) > 1:
+        refused.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}: the memory tables use "
+                       "Megatron's expert-parallel group as their own (replicated tables would be reduced over "
+                       "part of the data-parallel ranks only, row-sharded ones sharded over the experts' ranks); "
+                       "train MoE with --expert-model-parallel-size 1 beside the memory branch")
+    if args.fe_table_sharding == "rows" and args.context_parallel_size > 1:
+        refused.append("--fe-table-sharding rows with --context-parallel-size > 1: use fe-pretrain, or replicated "
+                       "tables")
+    if getattr(args, "mtp_num_layers", None):
+        refused.append(f"--mtp-num-layers {args.mtp_num_layers}: the multi-token prediction block refuses the "
+                       "decoder's context argument, which carries the memory indices")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        refused.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
+                       "the memory branch is built for one model chunk per pipeline stage")
+    if args.context_parallel_size > 1 and args.sequence_parallel:
+        refused.append("--context-parallel-size > 1 with --sequence-parallel: the memory branch cannot combine "
+                       "them yet")
+    if getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False):
+        refused.append("--sft / --dataloader-inter-document-masking: packed sequences would hash n-grams across "
+                       "document boundaries")
+    if memory.table_placement != "device" or memory.table_dtype not in ("fp32", "bf16"):
+        refused.append(f"table_placement={memory.table_placement}, table_dtype={memory.table_dtype}: tables in host "
+                       "memory or fp8 are trained by fe-pretrain's table stores, which Megatron-LM's trainer does "
+                       "not run; use fe-pretrain, or device tables in fp32/bf16")
+    custom_group = args.fe_table_lr_mult != 1.0 or args.fe_table_weight_decay_mult != 1.0
+    stages_without = stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size)
+    if custom_group and stages_without:
+        refused.append(f"--fe-table-lr-mult/--fe-table-weight-decay-mult other than 1 while pipeline stages "
+                       f"{stages_without} hold no memory layer: those stages would have no table parameter group, "
+                       "and a checkpoint's optimizer groups (written once for every rank) would not load there; "
+                       "keep both at 1 or place a memory layer on every stage")
+    return refused

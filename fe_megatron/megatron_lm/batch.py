@@ -1,0 +1,71 @@
+"""A microbatch for Megatron-LM's trainer, with the token ids where the memory layers need them.
+
+Megatron-LM's ``get_batch`` gives the tokens to the first pipeline stage (labels and loss mask
+to the last) and nothing to the stages between. A stage that holds a memory layer hashes the
+token ids itself, so `get_batch` reads the whole batch there. Under context parallelism the
+n-grams are hashed on the full sequence before the split (`hash_then_split_for_context_parallel`)
+and travel as ``memory_indices``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from megatron.core import mpu
+from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
+from megatron.training import get_args
+from megatron.training.utils import is_first_or_last_pipeline_stage
+
+from fe_megatron.megatron.hasher import hash_then_split_for_context_parallel
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+class Microbatch(NamedTuple):
+    tokens: Optional[torch.Tensor]
+    labels: Optional[torch.Tensor]
+    loss_mask: Optional[torch.Tensor]
+    attention_mask: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    memory_indices: Optional[dict]  # {layer_index: [s, b, branches]} hashed before a context-parallel split
+
+
+def stage_reads_data(vp_stage=None, holds_memory: bool = False) -> bool:
+    """Whether this pipeline stage reads the data: the first and last stages, as in Megatron-LM,
+    and every stage that holds a memory layer."""
+    return holds_memory or is_first_or_last_pipeline_stage(vp_stage)
+
+
+def get_batch(data_iterator, vp_stage=None, hasher=None) -> Microbatch:
+    """This rank's share of the next microbatch. ``hasher`` is the model's `MicrobatchHasher` on a
+    stage that holds memory layers (None elsewhere, and for the stock GPT model)."""
+    args = get_args()
+    if not stage_reads_data(vp_stage, hasher is not None):
+        return Microbatch(None, None, None, None, None, None)
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        sample = next(data_iterator)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        batch = {key: sample[key].to(device, non_blocking=True) if sample.get(key) is not None else None
+                 for key in BATCH_KEYS}
+    whole = hasher is not None  # every tensor, as a one-stage pipeline reads them
+    batch = get_batch_on_this_tp_rank(
+        batch, broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(), has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        cp_size=args.context_parallel_size, tp_rank=tp_rank, micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length, mtp_on_this_rank=False,
+        pipeline_model_parallel_size=1 if whole else args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
+    memory_indices = None
+    cp_size = args.context_parallel_size
+    if hasher is not None and cp_size > 1:
+        memory_indices = hash_then_split_for_context_parallel(hasher, batch["tokens"], cp_size,
+                                                              mpu.get_context_parallel_rank())
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
+    last = mpu.is_pipeline_last_stage()
+    return Microbatch(batch.get("tokens"), batch.get("labels") if last else None,
+                      batch.get("loss_mask") if last else None, batch.get("attention_mask"),
+                      batch.get("position_ids"), memory_indices)

@@ -1,0 +1,78 @@
+"""The model Megatron-LM's trainer builds: its own GPT builder, with the memory branch added.
+
+megatron.training (0.19) builds models from a ``GPTModelConfig`` through the builder class its
+``builder`` field names. `FactorEngramGPTModelConfig` names `FactorEngramGPTModelBuilder`, which
+runs Megatron-LM's `GPTModelBuilder` unchanged: the same layer spec from the same arguments
+(Transformer Engine or local, MoE, qk-layernorm, heterogeneous layers, ``--spec``), the same
+model arguments (rotary settings, untied embeddings, vocabulary padding, pre/post-process and
+virtual stages). Two things change: the layer spec gets the memory branch on the configured
+layers (`with_memory`), and the model is a `FactorEngramGPTModel`, which hashes the token ids
+once per microbatch for those layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Optional
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig, default_layer_spec
+
+from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron import compat
+from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
+from fe_megatron.megatron.transformer_layer import memory_layer_spec
+
+
+def with_memory(spec, memory_config: MemoryConfig, table_sharding: str):
+    """``spec`` (a layer spec, or a block spec of per-layer specs as MoE and heterogeneous models
+    have) with the memory branch on ``memory_config.layers``; every other submodule unchanged."""
+    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, submodules=with_memory(spec.submodules, memory_config, table_sharding))
+    if isinstance(spec, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, layer_specs=[memory_layer_spec(layer, memory_config, table_sharding)
+                                                      for layer in spec.layer_specs])
+    if isinstance(spec, ModuleSpec):
+        return memory_layer_spec(spec, memory_config, table_sharding)
+    raise TypeError(f"cannot add the memory branch to a layer spec of type {type(spec).__name__}; expected a "
+                    "ModuleSpec or TransformerBlockSubmodules (what --spec must name)")
+
+
+@dataclasses.dataclass(kw_only=True)
+class FactorEngramGPTModelConfig(GPTModelConfig):
+    """Megatron-LM's GPT model configuration plus the memory branch (``memory_config``, whose
+    backbone is the model's) and where its tables live."""
+
+    builder = "fe_megatron.megatron_lm.model.FactorEngramGPTModelBuilder"
+    memory_config: Optional[MemoryConfig] = None
+    table_sharding: str = "replicated"
+
+
+class FactorEngramGPTModelBuilder(GPTModelBuilder):
+    """`GPTModelBuilder` whose layer spec carries the memory branch and whose model class is
+    `FactorEngramGPTModel` (`compat.building_gpt_model_as`)."""
+
+    def __init__(self, model_config: FactorEngramGPTModelConfig):
+        if model_config.memory_config is None:
+            raise ValueError("FactorEngramGPTModelConfig.memory_config is not set")
+        stock_spec = model_config.transformer_layer_spec
+        memory, sharding = model_config.memory_config, model_config.table_sharding
+
+        def layer_spec_with_memory(config, vp_stage=None):
+            spec = stock_spec
+            if spec is None:
+                spec = default_layer_spec(config, vp_stage)
+            elif not isinstance(spec, (ModuleSpec, TransformerBlockSubmodules)) and callable(spec):
+                takes_vp = "vp_stage" in inspect.signature(spec).parameters
+                spec = spec(config, vp_stage=vp_stage) if takes_vp else spec(config)
+            return with_memory(spec, memory, sharding)
+
+        super().__init__(dataclasses.replace(model_config, transformer_layer_spec=layer_spec_with_memory))
+
+    def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+        config = self._model_config
+        with compat.building_gpt_model_as(functools.partial(FactorEngramGPTModel, memory_config=config.memory_config)):
+            return super().build_model(pg_collection, pre_process, post_process, vp_stage)

@@ -1,0 +1,139 @@
+"""``megatron.training.pretrain`` with the memory branch: what ``pretrain_gpt.py``'s main does, plus
+the FactorEngram pieces (see `fe_megatron.megatron_lm.pretrain_gpt`)."""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+
+from fe_megatron.megatron.cpu_backend import enable_cpu_backend
+
+# Megatron-LM's pretrain_gpt.py features this entry point does not carry (use that script for them)
+NOT_CARRIED = {"sft": "--sft", "fim_data": "--fim-data", "hybrid_context_parallel": "--hybrid-context-parallel",
+               "dataloader_inter_document_masking": "--dataloader-inter-document-masking"}
+
+
+def run(argv: list) -> int:
+    on_host = enable_cpu_backend(trainer=True)
+    from fe_megatron.megatron import compat
+
+    if on_host:
+        compat.run_trainer_on_host()
+    compat.use_built_dataset_helpers()
+    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    from fe_megatron.megatron_lm.arguments import add_factorengram_arguments, memory_config_from_args
+
+    sys.argv = [sys.argv[0]] + list(argv)  # megatron.training's parser reads sys.argv
+    args = parse_and_validate_args(extra_args_provider=add_factorengram_arguments,
+                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    try:
+        memory = memory_config_from_args(args)
+    except ValueError as error:
+        return _refuse([str(error)], args)
+    problems = [f"{flag}: not carried over from Megatron-LM's pretrain_gpt.py; use that script for it"
+                for name, flag in NOT_CARRIED.items() if getattr(args, name, False)]
+    if memory is None:
+        if problems:
+            return _refuse(problems, args)
+        model_config = gpt_config_from_args(args)
+    else:
+        from fe_megatron.megatron_lm.arguments import refused_combinations
+        from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
+
+        problems += refused_combinations(args, memory)
+        if args.calculate_per_token_loss:
+            problems.append("--calculate-per-token-loss: the sparsity term is scaled as a mean per microbatch; "
+                            "train without it")
+        if problems:
+            return _refuse(problems, args)
+        if args.fe_table_sharding == "rows":  # the tables' rows over the data-parallel (x CP) ranks
+            args.expert_model_parallel_size = args.data_parallel_size * args.context_parallel_size
+        compat.add_trainer_param_group_overrides(_table_group_overrides(args))
+        model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
+        model_config.memory_config = memory
+        model_config.table_sharding = args.fe_table_sharding
+    state = TrainerState(args, memory)
+    model_config.post_wrap_hooks.append(state.remember_model)
+    compat.add_training_log_entries(state.log_entries)
+    compat.after_each_save(state.seal_checkpoint)
+    return _pretrain(pretrain_cfg_container_from_args(args, model_config), state)
+
+
+def _pretrain(full_config, state) -> int:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    from fe_megatron.megatron_lm import steps
+
+    datasets = partial(steps.train_valid_test_datasets, state=state)
+    datasets.is_distributed = True  # as Megatron-LM's provider: built on the ranks that read data
+    pretrain(full_config, datasets, ModelType.encoder_or_decoder, partial(steps.forward_step, state=state),
+             get_embedding_ranks=steps.get_embedding_ranks)
+    return 0
+
+
+def _refuse(problems: list, args) -> int:
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return 2
+    if getattr(args, "rank", 0) == 0:
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+    return 2
+
+
+def _table_group_overrides(args) -> dict:
+    from fe_megatron.megatron.builder import table_group_overrides
+
+    return table_group_overrides(args.lr, args.min_lr, args.fe_table_lr_mult, args.fe_table_weight_decay_mult)
+
+
+class TrainerState:
+    """What the trainer's callbacks share: the arguments, the memory configuration, this rank's
+    model chunks (known once Megatron-LM has built them), and the run info its checkpoints carry."""
+
+    def __init__(self, args, memory):
+        self.args = args
+        self.memory = memory
+        self.model_chunks = []
+        self._run_info = None
+
+    def stage_holds_memory(self) -> bool:
+        from megatron.core import mpu
+
+        from fe_megatron.memory.sharding import stages_without_memory
+
+        without = stages_without_memory(self.memory.layers, self.args.num_layers,
+                                        self.args.pipeline_model_parallel_size)
+        return mpu.get_pipeline_model_parallel_rank() not in without
+
+    def remember_model(self, model_chunks: list) -> list:
+        self.model_chunks = list(model_chunks)
+        return model_chunks
+
+    def log_entries(self) -> dict:
+        """``sparsity loss`` (lambda x L_sparsity, Eq. 12-13) for the trainer's log, from every stage."""
+        if self.memory is None:
+            return {}
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        from fe_megatron.megatron.step import pop_sparsity_loss
+
+        value = pop_sparsity_loss(self.model_chunks, get_num_microbatches())
+        return {"sparsity loss": torch.tensor([value], dtype=torch.float32)}
+
+    def seal_checkpoint(self, iteration: int) -> None:
+        """Record the run info in the checkpoint Megatron-LM just wrote, with a manifest of its files
+        (what fe-convert reads and verifies)."""
+        from fe_megatron.checkpoint.commit import seal
+        from fe_megatron.checkpoint.files import iteration_dir
+        from fe_megatron.megatron_lm.run_info import run_info_of
+
+        if self.args.tokenizer_model is None:
+            return  # a run info names the tokenizer file (--tokenizer-model); without one there is nothing to convert
+        if self._run_info is None:
+            self._run_info = run_info_of(self.args, self.memory)
+        seal(iteration_dir(self.args.save, iteration), iteration, self._run_info)

@@ -1,0 +1,58 @@
+"""The run info (``fe_run.json``) of a Megatron-LM trainer run: its command line in fe-pretrain's
+configuration terms, so that ``fe-convert mcore-to-hf`` converts its checkpoints."""
+
+from __future__ import annotations
+
+from fe_megatron.training.config import DataArgs, OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
+from fe_megatron.megatron_lm.arguments import backbone_from_megatron_args
+
+
+def hf_conversion_problems(args) -> list:
+    """What in the backbone the Hugging Face model (RoPE, RMSNorm, SwiGLU, no biases) cannot hold."""
+    checks = {
+        "--swiglu": args.swiglu, "--normalization RMSNorm": args.normalization == "RMSNorm",
+        "--disable-bias-linear": not args.add_bias_linear, "--position-embedding-type rope":
+            args.position_embedding_type == "rope", "--rotary-percent 1.0": args.rotary_percent == 1.0,
+        "no --num-experts": not args.num_experts, "no --qk-layernorm": not args.qk_layernorm,
+        "no --multi-latent-attention": not args.multi_latent_attention,
+        "no --use-rope-scaling": not args.use_rope_scaling,
+    }
+    return [flag for flag, holds in checks.items() if not holds]
+
+
+def train_config_of(args, memory) -> TrainConfig:
+    """fe-pretrain's configuration for what the Megatron-LM arguments ``args`` train."""
+    return TrainConfig(
+        model=backbone_from_megatron_args(args), memory=memory,
+        parallel=ParallelArgs(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
+                              sequence_parallel=args.sequence_parallel,
+                              distributed_optimizer=args.use_distributed_optimizer,
+                              table_sharding=args.fe_table_sharding),
+        optimizer=OptimizerArgs(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                                beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
+                                clip_grad=args.clip_grad, warmup_steps=args.lr_warmup_iters,
+                                table_lr_mult=args.fe_table_lr_mult,
+                                table_weight_decay_mult=args.fe_table_weight_decay_mult),
+        training=TrainingArgs(train_steps=args.train_iters, micro_batch_size=args.micro_batch_size,
+                              global_batch_size=args.global_batch_size, seed=args.seed,
+                              precision="bf16" if args.bf16 else "fp32",
+                              transformer_impl="te" if args.transformer_impl == "transformer_engine" else "local",
+                              log_interval=args.log_interval, eval_interval=args.eval_interval,
+                              eval_steps=args.eval_iters),
+        data=DataArgs(tokenizer_model=args.tokenizer_model or "", train_data=list(args.data_path or []),
+                      split=args.split or "98,1,1"),
+        save=args.save, load=args.load, tensorboard_dir=args.tensorboard_dir)
+
+
+def run_info_of(args, memory) -> dict:
+    """``fe_run.json`` for a checkpoint of this run (`fe_megatron.checkpoint.run_info.run_info`), plus the
+    trainer that wrote it and, where the backbone has no Hugging Face form, why."""
+    from fe_megatron.checkpoint.run_info import run_info
+
+    info = run_info(train_config_of(args, memory), args.data_parallel_size)
+    info["trainer"] = "megatron-lm"
+    problems = hf_conversion_problems(args)
+    if problems:
+        info["not_convertible"] = ("the Hugging Face model is RoPE, RMSNorm, SwiGLU without biases; this run "
+                                   f"lacks {', '.join(problems)}")
+    return info
