@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 # The contract subset that `make test-newest` runs on the newest supported stack (docs/compatibility.md):
 # Megatron's internals, one-process training with save and exact resume, TP=2, PP=2 and DP=2 with
 # row-sharded tables against the single-process reference, DeepSpeed ZeRO-3 at 2 ranks, conversion
-# to Hugging Face with equal logits, cached generation, and checkpoints across megatron-core releases.
+# to Hugging Face with equal logits, cached generation, checkpoints across megatron-core releases, and
+# Megatron-LM's own trainer (megatron.training ships from 0.19 on).
 NEWEST_STACK_SUBSET = (
     "tests/test_megatron_compat.py",
     "tests/test_megatron_single.py",
@@ -31,6 +32,7 @@ NEWEST_STACK_SUBSET = (
     "tests/test_hf.py::test_converted_logits_equal_megatron[1]",
     "tests/test_hf.py::test_converted_logits_equal_megatron[rows]",
     "tests/test_hf.py::test_cached_greedy_generation_equals_full_recompute",
+    "tests/test_megatron_lm.py",
 )
 
 

@@ -410,16 +410,18 @@ def add_trainer_param_group_overrides(overrides: dict) -> None:
     training.get_megatron_optimizer_config = with_overrides
 
 
-def add_training_log_entries(entries: Callable[[], dict]) -> None:
-    """Megatron-LM's trainer logs ``entries()`` (``{name: 1-element tensor}``, called on every rank
-    after each step, where collectives are safe) beside ``lm loss``: averaged over the log interval,
-    printed and written to TensorBoard the same way."""
+def add_training_log_entries(entries: Callable[[dict, int], dict]) -> None:
+    """Megatron-LM's trainer logs ``entries(loss_dict, iteration)`` (``{name: 1-element tensor}``;
+    called on every rank after each step, where collectives are safe, with the step's reduced
+    losses) beside ``lm loss``: averaged over the log interval, printed and written to TensorBoard
+    the same way."""
     from megatron.training import training
 
     training_log = training.training_log
 
-    def with_entries(loss_dict, *args, **kwargs):
-        return training_log({**loss_dict, **entries()}, *args, **kwargs)
+    def with_entries(loss_dict, total_loss_dict, learning_rate, iteration, *args, **kwargs):
+        return training_log({**loss_dict, **entries(loss_dict, iteration)}, total_loss_dict, learning_rate,
+                            iteration, *args, **kwargs)
 
     training.training_log = with_entries
 
@@ -444,6 +446,15 @@ def run_trainer_on_host() -> None:
     from megatron.training import initialize, training
 
     training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
+    # The JIT warm-up draws random tensors on the device; on the host they would come from the CPU
+    # generator, which initializes the weights, and change them: keep that generator's state.
+    warm_up = initialize._warmup_jit_function
+
+    def warm_up_keeping_cpu_rng(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return warm_up(*args, **kwargs)
+
+    initialize._warmup_jit_function = warm_up_keeping_cpu_rng
 
 
 def use_built_dataset_helpers() -> None:
@@ -582,11 +593,13 @@ def _check_trainer():
     _require("get_megatron_optimizer_config(args)" in inspect.getsource(training.setup_model_and_optimizer),
              "setup_model_and_optimizer no longer builds its optimizer config with get_megatron_optimizer_config")
     _has_parameters(initialize.initialize_megatron, ("allow_no_cuda",), "initialize_megatron")
+    _require(callable(getattr(initialize, "_warmup_jit_function", None)), "initialize._warmup_jit_function is gone")
     _require(callable(getattr(training, "initialize_megatron", None)), "training.initialize_megatron is gone")
     _has_parameters(training.pretrain, ("cfg_container", "train_valid_test_dataset_provider", "model_type",
                                         "forward_step_func"), "megatron.training.pretrain")
     _require(callable(getattr(dataset_utils, "compile_helpers", None)), "datasets.utils.compile_helpers is gone")
-    _has_parameters(training.training_log, ("loss_dict", "total_loss_dict"), "training.training_log")
+    _has_parameters(training.training_log, ("loss_dict", "total_loss_dict", "learning_rate", "iteration"),
+                    "training.training_log")
     _has_parameters(training.save_checkpoint, ("iteration",), "training.save_checkpoint")
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import types
 
 import torch
 
@@ -159,6 +160,14 @@ class _TrainerCudaOnCpu(_CudaOnCpu):
     @staticmethod
     def memory_allocated(*_args, **_kwargs) -> int:
         return 0
+
+    @staticmethod
+    def get_device_capability(*_args, **_kwargs) -> tuple:
+        return (0, 0)  # no GPU architecture: the trainer takes its pre-Hopper paths
+
+    @staticmethod
+    def get_device_properties(*_args, **_kwargs):
+        return types.SimpleNamespace(name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=0)
 
     max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
 

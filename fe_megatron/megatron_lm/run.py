@@ -3,6 +3,8 @@ the FactorEngram pieces (see `fe_megatron.megatron_lm.pretrain_gpt`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from functools import partial
 
@@ -50,12 +52,14 @@ def run(argv: list) -> int:
                             "train without it")
         if problems:
             return _refuse(problems, args)
-        if args.fe_table_sharding == "rows":  # the tables' rows over the data-parallel (x CP) ranks
-            args.expert_model_parallel_size = args.data_parallel_size * args.context_parallel_size
         compat.add_trainer_param_group_overrides(_table_group_overrides(args))
         model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
         model_config.memory_config = memory
         model_config.table_sharding = args.fe_table_sharding
+        if args.fe_table_sharding == "rows":
+            # the tables' rows over the data-parallel (x CP) ranks: Megatron's expert-parallel group, whose size
+            # the process groups take from here (the model's TransformerConfig, which has no experts, keeps 1)
+            args.expert_model_parallel_size = args.data_parallel_size * args.context_parallel_size
     state = TrainerState(args, memory)
     model_config.post_wrap_hooks.append(state.remember_model)
     compat.add_training_log_entries(state.log_entries)
@@ -100,6 +104,10 @@ class TrainerState:
         self.memory = memory
         self.model_chunks = []
         self._run_info = None
+        self.metrics = None  # <save>/metrics.jsonl, on the rank that holds the losses (the last)
+        if args.save is not None and args.rank == args.world_size - 1:
+            os.makedirs(args.save, exist_ok=True)
+            self.metrics = open(os.path.join(args.save, "metrics.jsonl"), "a")
 
     def stage_holds_memory(self) -> bool:
         from megatron.core import mpu
@@ -114,16 +122,24 @@ class TrainerState:
         self.model_chunks = list(model_chunks)
         return model_chunks
 
-    def log_entries(self) -> dict:
-        """``sparsity loss`` (lambda x L_sparsity, Eq. 12-13) for the trainer's log, from every stage."""
-        if self.memory is None:
-            return {}
-        from megatron.core.num_microbatches_calculator import get_num_microbatches
+    def log_entries(self, loss_dict: dict, iteration: int) -> dict:
+        """``sparsity loss`` (lambda x L_sparsity, Eq. 12-13) for the trainer's log, from every stage;
+        each step's losses also go to ``<save>/metrics.jsonl`` (as fe-pretrain writes them)."""
+        entries = {}
+        if self.memory is not None:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-        from fe_megatron.megatron.step import pop_sparsity_loss
+            from fe_megatron.megatron.step import pop_sparsity_loss
 
-        value = pop_sparsity_loss(self.model_chunks, get_num_microbatches())
-        return {"sparsity loss": torch.tensor([value], dtype=torch.float32)}
+            value = pop_sparsity_loss(self.model_chunks, get_num_microbatches())
+            entries["sparsity loss"] = torch.tensor([value], dtype=torch.float32)
+        if self.metrics is not None and "lm loss" in loss_dict:
+            record = {"step": iteration, "lm_loss": float(loss_dict["lm loss"])}
+            if "sparsity loss" in entries:
+                record["sparsity_loss"] = float(entries["sparsity loss"])
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+        return entries
 
     def seal_checkpoint(self, iteration: int) -> None:
         """Record the run info in the checkpoint Megatron-LM just wrote, with a manifest of its files

@@ -1,0 +1,207 @@
+"""Megatron-LM's own trainer (`fe_megatron.megatron_lm.pretrain_gpt`) against fe-pretrain's Megatron engine.
+
+A Megatron-LM command line (SentencePiece tokenizer, a --data-path made by fe-data) trains 12 steps at
+each layout; its per-step losses equal fe-pretrain's on the same model, data, seed and layout. Runs on
+the newest stack (megatron-core 0.19: megatron.training); on an older one the entry point says which
+release it needs.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fe_megatron.megatron import compat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_trainer = pytest.mark.skipif(not compat.has_megatron_lm_trainer(), reason=(
+    f"megatron-core {compat.megatron_core_version()} has no Megatron-LM trainer (megatron.training, "
+    f"{compat.TRAINER_MINIMUM} on); `make test-newest` runs these tests"))
+
+STEPS = 12
+MEMORY = dict(ngram_orders=[1, 2, 3], heads_per_order=2, table_capacity=[512, 1009, 1013], coeff_width=48,
+              memory_dim=32, layers=[1, 3], conv_kernel_size=3, conv_dilation=2)
+BACKBONE = dict(vocab_size=512, hidden_size=64, num_layers=4, num_attention_heads=4, ffn_hidden_size=128,
+                seq_length=64)
+
+
+def megatron_lm_arguments(data, save, memory_yaml=None):
+    """An ordinary pretrain_gpt.py command line for the CPU (gloo, no fused kernels), plus the memory."""
+    args = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+            "--seq-length", "64", "--max-position-embeddings", "64", "--swiglu", "--normalization", "RMSNorm",
+            "--disable-bias-linear", "--position-embedding-type", "rope", "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--train-iters", str(STEPS), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", "2", "--weight-decay", "0.01", "--adam-beta2", "0.999", "--clip-grad", "1.0",
+            "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", data["tokenizer"],
+            "--data-path", data["prefix"], "--split", "90,5,5", "--eval-interval", "6", "--eval-iters", "1",
+            "--save", save, "--save-interval", "6", "--log-interval", "1",
+            "--distributed-backend", "gloo", "--transformer-impl", "local", "--use-cpu-initialization",
+            "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
+            "--no-bias-swiglu-fusion", "--no-rope-fusion"]
+    return args + (["--fe-memory-config", memory_yaml] if memory_yaml else [])
+
+
+def fe_pretrain_config(data, tmp_path, memory=MEMORY, **sections) -> str:
+    """fe-pretrain's configuration of the same model, data, optimizer and schedule."""
+    config = {"model": BACKBONE, "memory": memory,
+              "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2, "weight_decay": 0.01, "beta1": 0.9,
+                            "beta2": 0.999, "eps": 1e-8, "clip_grad": 1.0},
+              "training": {"train_steps": STEPS, "micro_batch_size": 2, "global_batch_size": 4, "log_interval": 1,
+                           "eval_interval": 6, "eval_steps": 1, "save_interval": 6, "seed": 1234},
+              "data": {"tokenizer_model": data["tokenizer"], "train_data": [data["prefix"]], "split": "90,5,5"}}
+    for section, values in sections.items():
+        config[section] = {**config.get(section, {}), **values}
+    path = tmp_path / "fe_pretrain.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return str(path)
+
+
+def memory_yaml(tmp_path, **changes) -> str:
+    path = tmp_path / "memory.yaml"
+    path.write_text(json.dumps({**MEMORY, **changes}))
+    return str(path)
+
+
+def launch(module_args: list, nproc: int, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "PYTHONWARNINGS")}
+    env.update(OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           *module_args]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                          start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(f"{module_args[0]} ran past 600 s:\n{stdout[-3000:]}{stderr[-3000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+    if expect_ok:
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return proc
+
+
+def losses(save: str) -> dict:
+    """``{step: (lm loss, sparsity loss)}`` from a run's metrics.jsonl (the last record of a step wins)."""
+    out = {}
+    with open(os.path.join(save, "metrics.jsonl")) as fh:
+        for line in fh:
+            record = json.loads(line)
+            if "lm_loss" in record:
+                out[record["step"]] = (record["lm_loss"], record.get("sparsity_loss"))
+    return out
+
+
+def assert_same_curve(got: dict, expected: dict, tolerance: float = 1e-5):
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1)), (sorted(got), sorted(expected))
+    worst = max(abs(got[step][0] - expected[step][0]) for step in got)
+    assert worst <= tolerance, {step: (got[step], expected[step]) for step in got}
+    if expected[1][1] is not None:
+        assert max(abs(got[step][1] - expected[step][1]) for step in got) <= tolerance
+    return worst
+
+
+@needs_trainer
+@pytest.mark.parametrize("layout", ["tp2", "pp2-memory-on-stage-2", "dp2-rows"])
+def test_layouts_match_fe_pretrain(small_data, tmp_path, layout):
+    """2 processes: TP=2; PP=2 with the only memory layer on the second stage; DP=2 with row-sharded tables."""
+    lm_extra, fe_sections, memory = [], {}, dict(MEMORY)
+    if layout == "tp2":
+        lm_extra, fe_sections = ["--tensor-model-parallel-size", "2"], {"parallel": {"tensor": 2}}
+    elif layout == "pp2-memory-on-stage-2":
+        memory["layers"] = [3]
+        lm_extra, fe_sections = ["--pipeline-model-parallel-size", "2"], {"parallel": {"pipeline": 2}}
+    else:
+        lm_extra, fe_sections = ["--fe-table-sharding", "rows"], {"parallel": {"table_sharding": "rows"}}
+    fe_save, lm_save = str(tmp_path / "fe"), str(tmp_path / "lm")
+    launch(["fe_megatron.train", "--config", fe_pretrain_config(small_data, tmp_path, memory, **fe_sections),
+            "--save", fe_save], nproc=2)
+    yaml_path = memory_yaml(tmp_path, layers=memory["layers"])
+    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, lm_save, yaml_path),
+                   *lm_extra], nproc=2)
+    worst = assert_same_curve(losses(lm_save), losses(fe_save))
+    print(f"{layout}: largest per-step lm loss difference against fe-pretrain {worst:.2e}")
+    assert "sparsity loss:" in proc.stdout
+
+
+@needs_trainer
+def test_one_process_matches_fe_pretrain_resumes_exactly_and_converts(small_data, tmp_path):
+    from tests.test_hf import megatron_logits
+    from fe_megatron.convert.to_hf import mcore_to_hf
+
+    fe_save, lm_save, resumed = str(tmp_path / "fe"), str(tmp_path / "lm"), str(tmp_path / "resumed")
+    launch(["fe_megatron.train", "--config", fe_pretrain_config(small_data, tmp_path), "--save", fe_save], nproc=1)
+    arguments = megatron_lm_arguments(small_data, lm_save, memory_yaml(tmp_path))
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments], nproc=1)
+    assert_same_curve(losses(lm_save), losses(fe_save))
+
+    # --load from the step-6 checkpoint ends on the uninterrupted curve
+    shutil.copytree(os.path.join(lm_save, "iter_0000006"), os.path.join(resumed, "iter_0000006"))
+    with open(os.path.join(resumed, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("6")
+    arguments = megatron_lm_arguments(small_data, resumed, memory_yaml(tmp_path)) + ["--load", resumed]
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments], nproc=1)
+    after = {step: value for step, value in losses(resumed).items()}
+    assert sorted(after) == list(range(7, STEPS + 1)), sorted(after)
+    assert all(after[step] == losses(lm_save)[step] for step in after), (after, losses(lm_save))
+
+    # fe-convert mcore-to-hf: the Hugging Face model's logits equal the Megatron model's
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = mcore_to_hf(resumed, str(tmp_path / "hf"))
+    tokens = torch.randint(0, 512, (2, 48))
+    expected = megatron_logits(resumed, tokens, 1, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    with torch.no_grad():
+        got = model(tokens).logits
+    assert (got - expected).abs().max() < 1e-5, (got - expected).abs().max()
+
+
+@needs_trainer
+def test_without_factorengram_arguments_it_trains_the_stock_gpt_model(small_data, tmp_path):
+    from fe_megatron.convert.megatron_reader import DistCheckpoint
+
+    stock, with_memory = str(tmp_path / "stock"), str(tmp_path / "memory")
+    short = ["--train-iters", "2", "--save-interval", "2", "--eval-iters", "0", "--lr-warmup-iters", "0"]
+    arguments = megatron_lm_arguments(small_data, stock) + short
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments], nproc=1)
+    arguments = megatron_lm_arguments(small_data, with_memory, memory_yaml(tmp_path)) + short
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments], nproc=1)
+    stock_keys = set(DistCheckpoint(os.path.join(stock, "iter_0000002")).weight_names())
+    memory_keys = set(DistCheckpoint(os.path.join(with_memory, "iter_0000002")).weight_names())
+    # a stock GPT checkpoint stacks its alike layers under decoder.layers.<name>; the memory model's
+    # layers differ, so they are stored one by one, decoder.layers.<i>.<name>
+    assert stock_keys and not any(".memory." in key for key in stock_keys)
+    assert not any(re.match(r"decoder\.layers\.\d", key) for key in stock_keys)
+    backbone_keys = {re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", key) for key in memory_keys
+                     if ".memory." not in key}
+    assert stock_keys == backbone_keys, stock_keys ^ backbone_keys
+    assert {key for key in memory_keys if ".memory." in key}
+
+
+@needs_trainer
+def test_arguments_the_memory_branch_cannot_honor_are_refused_by_name(small_data, tmp_path):
+    arguments = megatron_lm_arguments(small_data, str(tmp_path / "run"), memory_yaml(tmp_path, layers=[3]))
+    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, "--calculate-per-token-loss",
+                   "--pipeline-model-parallel-size", "2", "--fe-table-lr-mult", "2"], nproc=2, expect_ok=False)
+    assert proc.returncode != 0
+    assert "error: --calculate-per-token-loss" in proc.stderr, proc.stderr[-3000:]
+    assert "pipeline stages [0] hold no memory layer" in proc.stderr, proc.stderr[-3000:]
+    assert not os.path.exists(os.path.join(tmp_path, "run", "iter_0000001"))
+
+
+@pytest.mark.skipif(compat.has_megatron_lm_trainer(), reason="this megatron-core has the Megatron-LM trainer")
+def test_without_the_trainer_the_entry_point_names_the_release_it_needs():
+    proc = subprocess.run([sys.executable, "-m", "fe_megatron.megatron_lm.pretrain_gpt", "--num-layers", "2"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"megatron-core>={compat.TRAINER_MINIMUM}" in proc.stderr
+    assert compat.megatron_core_version() in proc.stderr
