@@ -205,3 +205,44 @@ def test_without_the_trainer_the_entry_point_names_the_release_it_needs():
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"megatron-core>={compat.TRAINER_MINIMUM}" in proc.stderr
     assert compat.megatron_core_version() in proc.stderr
+
+
+EXAMPLES = os.path.join(ROOT, "examples", "megatron_lm")
+CPU_DEVICE_ARGS = ("--distributed-backend gloo --transformer-impl local --use-cpu-initialization "
+                   "--no-gradient-accumulation-fusion --no-persist-layer-norm --no-masked-softmax-fusion "
+                   "--no-bias-swiglu-fusion --no-rope-fusion")
+
+
+def test_example_scripts_differ_in_the_launch_line_only():
+    """The documented change: pretrain_gpt_factorengram.sh is pretrain_gpt.sh with the launch line (and
+    the memory arguments' default) changed; every script parses."""
+    with open(os.path.join(EXAMPLES, "pretrain_gpt.sh")) as fh:
+        stock = fh.read().splitlines()
+    with open(os.path.join(EXAMPLES, "pretrain_gpt_factorengram.sh")) as fh:
+        factorengram = fh.read().splitlines()
+    changed = [line for line in factorengram if line not in stock and not line.startswith("#")]
+    assert changed == ['FE_MEMORY_ARGS=${FE_MEMORY_ARGS:---fe-memory-preset factorengram-340m}',
+                       'torchrun --nproc-per-node "$NPROC" -m fe_megatron.megatron_lm.pretrain_gpt $FE_MEMORY_ARGS \\'
+                       ], changed
+    for name in ("pretrain_gpt.sh", "pretrain_gpt_factorengram.sh", "pretrain_gpt_factorengram.sbatch"):
+        assert subprocess.run(["bash", "-n", os.path.join(EXAMPLES, name)]).returncode == 0, name
+
+
+@needs_trainer
+def test_the_documented_example_script_trains(small_data, tmp_path):
+    save = str(tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT", "PYTHONWARNINGS")}
+    env.update(NPROC="1", DATA_PATH=small_data["prefix"], TOKENIZER_MODEL=small_data["tokenizer"], SAVE=save,
+               DEVICE_ARGS=CPU_DEVICE_ARGS, FE_MEMORY_ARGS=f"--fe-memory-config {memory_yaml(tmp_path)}",
+               OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    small = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+             "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1", "--save-interval", "3",
+             "--eval-iters", "0", "--split", "90,5,5"]
+    proc = subprocess.run(["bash", os.path.join(EXAMPLES, "pretrain_gpt_factorengram.sh"), *small], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(losses(save)) == [1, 2, 3]
+    with open(os.path.join(save, "iter_0000003", "fe_run.json")) as fh:
+        assert json.load(fh)["config"]["memory"]["layers"] == MEMORY["layers"]
