@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import partial
 from typing import Optional
 
 
