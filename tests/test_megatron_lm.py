@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from fe_megatron.megatron import compat
+from tests.torchrun_util import clean_environment, run_in_own_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_trainer = pytest.mark.skipif(not compat.has_megatron_lm_trainer(), reason=(
@@ -70,22 +70,11 @@ def memory_yaml(tmp_path, **changes) -> str:
 
 
 def launch(module_args: list, nproc: int, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "PYTHONWARNINGS")}
-    env.update(OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
            *module_args]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                          start_new_session=True) as popen:
-        try:
-            stdout, stderr = popen.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            stdout, stderr = popen.communicate()
-            raise AssertionError(f"{module_args[0]} ran past 600 s:\n{stdout[-3000:]}{stderr[-3000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+    proc = run_in_own_session(cmd, clean_environment())
     if expect_ok:
-        assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 
@@ -231,11 +220,10 @@ def test_example_scripts_differ_in_the_launch_line_only():
 @needs_trainer
 def test_the_documented_example_script_trains(small_data, tmp_path):
     save = str(tmp_path / "run")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "PYTHONWARNINGS")}
-    env.update(NPROC="1", DATA_PATH=small_data["prefix"], TOKENIZER_MODEL=small_data["tokenizer"], SAVE=save,
-               DEVICE_ARGS=CPU_DEVICE_ARGS, FE_MEMORY_ARGS=f"--fe-memory-config {memory_yaml(tmp_path)}",
-               OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    env = clean_environment(NPROC="1", DATA_PATH=small_data["prefix"], TOKENIZER_MODEL=small_data["tokenizer"],
+                            SAVE=save, DEVICE_ARGS=CPU_DEVICE_ARGS,
+                            FE_MEMORY_ARGS=f"--fe-memory-config {memory_yaml(tmp_path)}",
+                            PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     small = ["--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
              "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "2",
              "--global-batch-size", "4", "--train-iters", "3", "--lr-warmup-iters", "1", "--save-interval", "3",

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from fe_megatron.config import ConfigError
 from fe_megatron.training.config import load_train_config
+from tests.torchrun_util import clean_environment, run_in_own_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")
@@ -34,20 +34,7 @@ def pretrain_cmd(nproc=1, python=sys.executable):
 
 
 def run_pretrain(args, nproc=1, check=True, extra_env=None, python=sys.executable):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
-    env.pop("PYTHONWARNINGS", None)
-    # A session of its own, so that a timeout kills torchrun's workers too (not only torchrun).
-    with subprocess.Popen(pretrain_cmd(nproc, python) + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env, cwd=ROOT, start_new_session=True) as popen:
-        try:
-            stdout, stderr = popen.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            stdout, stderr = popen.communicate()
-            raise AssertionError(f"fe-pretrain ran past 600 s:\n{stdout[-3000:]}{stderr[-3000:]}") from None
-    proc = subprocess.CompletedProcess(popen.args, popen.returncode, stdout, stderr)
+    proc = run_in_own_session(pretrain_cmd(nproc, python) + args, clean_environment(**(extra_env or {})))
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc

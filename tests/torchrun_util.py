@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 
@@ -15,3 +16,29 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     lines = [line for line in output.splitlines() if "FAIL" in line or "Error" in line or "checks" in line]
     assert proc.returncode == 0, "\n".join(lines[-40:]) or output[-4000:]
     return output
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_environment(**extra: str) -> dict:
+    """The test's environment for a command that starts its own processes: without the launcher
+    variables or PYTHONWARNINGS the test process may carry, one thread per process, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES + ("PYTHONWARNINGS",)}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def run_in_own_session(cmd: list, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repository root in a session of its own, so that a timeout kills torchrun's
+    workers too (not only torchrun); its output is captured."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                          start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(f"{' '.join(cmd[:6])} ran past {timeout} s:\n{stdout[-3000:]}{stderr[-3000:]}") \
+                from None
+    return subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)

@@ -62,16 +62,12 @@ def commit(tmp: str, directory: str, iteration: int, keep: int = 0, before_track
     and the tracker (an engine's own pointer, e.g. DeepSpeed's ``latest``).  Returns the final
     folder."""
     final = iteration_dir(directory, iteration)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    names = [checkpoint_files(tmp) if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    mine = {name: file_digest(os.path.join(tmp, name)) for i, name in enumerate(names[0]) if i % world == rank}
-    digests = [None] * world
-    dist.all_gather_object(digests, mine)
+    rank = dist.get_rank()
+    digests = _digests_in_shares(tmp)
     if faults.at("kill_during_save", iteration, rank):
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
-        write_manifest(tmp, {name: digest for part in digests for name, digest in part.items()}, iteration)
+        write_manifest(tmp, digests, iteration)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         sync_directory(directory)  # the rename itself is durable before the tracker names it
@@ -87,18 +83,26 @@ def seal(folder: str, iteration: int, info: dict) -> None:
     """Record run info in a checkpoint ``folder`` that another program wrote and committed (Megatron-LM's
     trainer), then hash its files (all ranks, in shares) into a manifest, so that it reads and verifies as
     one of fe-pretrain's."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     if rank == 0:
         write_run_info(folder, info)
     dist.barrier()
+    digests = _digests_in_shares(folder)
+    if rank == 0:
+        write_manifest(folder, digests, iteration)
+    dist.barrier()
+
+
+def _digests_in_shares(folder: str) -> dict:
+    """``{file: digest}`` of ``folder``'s files (`checkpoint_files`), each rank hashing its share; known on
+    every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     names = [checkpoint_files(folder) if rank == 0 else None]
     dist.broadcast_object_list(names, src=0)
     mine = {name: file_digest(os.path.join(folder, name)) for i, name in enumerate(names[0]) if i % world == rank}
     digests = [None] * world
     dist.all_gather_object(digests, mine)
-    if rank == 0:
-        write_manifest(folder, {name: digest for part in digests for name, digest in part.items()}, iteration)
-    dist.barrier()
+    return {name: digest for part in digests for name, digest in part.items()}
 
 
 def _uncommitted_newest(directory: str):

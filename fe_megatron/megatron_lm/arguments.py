@@ -96,9 +96,9 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
     if args.context_parallel_size > 1 and args.sequence_parallel:
         refused.append("--context-parallel-size > 1 with --sequence-parallel: the memory branch cannot combine "
                        "them yet")
-    if getattr(args, "sft", False) or getattr(args, "dataloader_inter_document_masking", False):
-        refused.append("--sft / --dataloader-inter-document-masking: packed sequences would hash n-grams across "
-                       "document boundaries")
+    if args.calculate_per_token_loss:
+        refused.append("--calculate-per-token-loss: the sparsity term is scaled as a mean per microbatch; "
+                       "train without it")
     if memory.table_placement != "device" or memory.table_dtype not in ("fp32", "bf16"):
         refused.append(f"table_placement={memory.table_placement}, table_dtype={memory.table_dtype}: tables in host "
                        "memory or fp8 are trained by fe-pretrain's table stores, which Megatron-LM's trainer does "

@@ -18,6 +18,7 @@ from megatron.training import get_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
 
 from fe_megatron.megatron.hasher import hash_then_split_for_context_parallel
+from fe_megatron.training.distributed import current_device
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -47,7 +48,7 @@ def get_batch(data_iterator, vp_stage=None, hasher=None) -> Microbatch:
     batch = {}
     if tp_rank == 0:
         sample = next(data_iterator)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = current_device()
         batch = {key: sample[key].to(device, non_blocking=True) if sample.get(key) is not None else None
                  for key in BATCH_KEYS}
     whole = hasher is not None  # every tensor, as a one-stage pipeline reads them

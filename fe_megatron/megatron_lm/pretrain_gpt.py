@@ -46,6 +46,9 @@ def _needs_trainer() -> Optional[str]:
 
 
 def main(argv: Optional[list] = None) -> int:
+    # as fe-pretrain and Megatron-LM's launch scripts set it (ordered tensor-parallel communication); a
+    # value the user set is kept
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     problem = _needs_trainer()
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
@@ -56,5 +59,4 @@ def main(argv: Optional[list] = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     sys.exit(main())

@@ -47,9 +47,6 @@ def run(argv: list) -> int:
         from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
 
         problems += refused_combinations(args, memory)
-        if args.calculate_per_token_loss:
-            problems.append("--calculate-per-token-loss: the sparsity term is scaled as a mean per microbatch; "
-                            "train without it")
         if problems:
             return _refuse(problems, args)
         compat.add_trainer_param_group_overrides(_table_group_overrides(args))
@@ -81,9 +78,8 @@ def _pretrain(full_config, state) -> int:
 
 
 def _refuse(problems: list, args) -> int:
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return 2
-    if getattr(args, "rank", 0) == 0:
+    """Every problem once (on global rank 0; process groups do not exist yet), and exit status 2."""
+    if args.rank == 0:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
     return 2
