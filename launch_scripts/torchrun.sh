@@ -12,6 +12,10 @@
 #   NNODES          nodes in the job (default 1)
 #   RDZV_ENDPOINT   host:port of the rendezvous, needed when NNODES > 1
 #   RDZV_ID         a name shared by the job's nodes (default fe-pretrain)
+#   RDZV_JOIN_TIMEOUT  seconds the rendezvous waits for all NNODES nodes, at the start and after
+#                   a restart (default 600, torch's); a node that never comes back ends the launch
+#                   after this long.  Under SLURM keep it above SlurmdTimeout, so that SLURM notices
+#                   a dead node first and requeues the job (docs/operations.md, "Many nodes")
 #   MAX_RESTARTS    how often torchrun restarts the workers after a failure (default 0); each
 #                   restart resumes from the last checkpoint when --load is given
 #   PYTHON          the interpreter with fe_megatron installed (default: the repository's
@@ -20,7 +24,8 @@
 #
 # Network settings for NCCL on GPU clusters (set them before calling this script):
 #   NCCL_SOCKET_IFNAME=ib0|eth0  the interface for NCCL's bootstrap and socket transport
-#   GLOO_SOCKET_IFNAME=...       the same for gloo (CPU runs, and torchrun's own rendezvous)
+#   GLOO_SOCKET_IFNAME=...       the same for gloo (CPU runs); without it gloo advertises the address
+#                                the host name resolves to (a job across hosts refuses a loopback one)
 #   NCCL_IB_HCA=mlx5             the InfiniBand adapters to use; NCCL_IB_DISABLE=1 without IB
 #   NCCL_DEBUG=WARN              INFO prints the chosen transports once, when a job hangs at start
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a rank whose collective fails or times out exits, so that
@@ -52,12 +57,18 @@ elif [ -z "${RDZV_ENDPOINT:-}" ]; then
     exit 2
 else
     rendezvous=(--nnodes="$NNODES" --rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT"
-                --rdzv-id="${RDZV_ID:-fe-pretrain}")
+                --rdzv-id="${RDZV_ID:-fe-pretrain}" --rdzv-conf="join_timeout=${RDZV_JOIN_TIMEOUT:-600}")
 fi
 
 # The configuration is checked once, in this process, before any worker starts: an error is one
 # message (naming the file line or the override), not one per rank under a launcher traceback.
 "$PYTHON" -m fe_megatron.train --check "$@" > /dev/null || exit 2
+
+# A fresh store for every attempt, hosted by its rank 0.  Otherwise torchrun's agents keep one store
+# across restarts, and the workers keep attempts apart by the restart count; but a node whose own
+# workers were healthy restarts them without counting when another node's worker failed, so the
+# nodes' counts differ and their restarted workers look for each other under different keys.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # SIGUSR1 asks the workers to save after the current step and stop (SLURM sends it before a
 # time limit or a preemption, to every process of the job step).  torchrun itself would die of

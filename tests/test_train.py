@@ -287,6 +287,7 @@ def test_missing_dataset_fails_at_start(small_data, tmp_path):
     (["memory.preset=nope"], "memory.preset"),
     (["training.kernel_backend=fortran"], "training.kernel_backend"),
     (["memory=null", "memory.layers=[1]"], "memory.layers"),
+    (["parallel.distributed_timeout_minutes=0"], "parallel.distributed_timeout_minutes"),
 ])
 def test_train_config_errors(overrides, field):
     with pytest.raises(ConfigError) as info:

@@ -18,7 +18,8 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     return output
 
 
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_RESTART_COUNT",
+                      "TORCHELASTIC_RESTART_COUNT")
 
 
 def clean_environment(**extra: str) -> dict:

@@ -45,6 +45,7 @@ def start_save(directory: str, iteration: int) -> str:
 def agree_on_failure(error, tmp: str, iteration: int) -> None:
     """Every rank reports ``error`` (None: its writes succeeded); when any rank failed, rank 0
     removes ``tmp`` and every rank raises a `CheckpointError`: the tracker is not moved."""
+    faults.hang_if_due("hang_during_save", iteration, dist.get_rank())
     failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=current_device())  # NCCL: on GPU
     dist.all_reduce(failed)
     if int(failed):

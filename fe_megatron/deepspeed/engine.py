@@ -38,6 +38,7 @@ import dataclasses
 import io
 import os
 import re
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -365,9 +366,10 @@ def import_deepspeed():
     return deepspeed
 
 
-def _init_distributed() -> None:
+def _init_distributed(timeout_minutes: float) -> None:
     """The process group from the launcher (torchrun, the deepspeed launcher, srun, or none):
-    nccl on GPU, gloo on CPU; DeepSpeed's communication wraps it."""
+    nccl on GPU, gloo on CPU, failing a collective after ``timeout_minutes`` without its peers;
+    DeepSpeed's communication wraps it."""
     deepspeed = import_deepspeed()
 
     from fe_megatron.training.distributed import init_process_group, launcher_environment
@@ -376,9 +378,16 @@ def _init_distributed() -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_minutes)
     with contextlib.redirect_stdout(io.StringIO()) as printed:
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
+    # ZeRO's collectives run on DeepSpeed's clone of the world group, which it would create with
+    # torch's default timeout (30 minutes under gloo): made here, it gets the run's timeout
+    from deepspeed.utils import groups
+
+    if groups._WORLD_GROUP is None:
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())),
+                                             timeout=timedelta(minutes=timeout_minutes))
     for line in printed.getvalue().splitlines():
         if not any(notice.match(line) for notice in KNOWN_DEEPSPEED_NOTICES):
             print(line, flush=True)
@@ -390,8 +399,8 @@ def set_up(cfg) -> DeepSpeedRun:
 
     from fe_megatron.deepspeed.tables import StoredTables
 
-    _init_distributed()
     t, o, p = cfg.training, cfg.optimizer, cfg.parallel
+    _init_distributed(p.distributed_timeout_minutes)
     on_gpu = torch.cuda.is_available()
     bf16 = use_bf16(t, on_gpu)
     dp = dist.get_world_size()

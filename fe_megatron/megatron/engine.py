@@ -140,7 +140,8 @@ def set_up(cfg) -> MegatronRun:
     from fe_megatron.training.run import describe_tables
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
-    initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding)
+    initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding,
+               timeout_minutes=p.distributed_timeout_minutes)
     unsupported = compat.unsupported_version_message()
     if unsupported:
         log(f"warning: {unsupported}")

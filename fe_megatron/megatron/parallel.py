@@ -14,8 +14,10 @@ from fe_megatron.megatron.cpu_backend import enable_cpu_backend
 
 
 def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 1234,
-               context_parallel_size: int = 1, table_sharding: str = "replicated") -> None:
+               context_parallel_size: int = 1, table_sharding: str = "replicated",
+               timeout_minutes: float = 10.0) -> None:
     """Start torch.distributed (nccl on GPU, gloo on CPU), megatron's groups and its RNG streams.
+    Every group's collectives fail after ``timeout_minutes`` without their peers.
 
     ``table_sharding="rows"`` makes Megatron's expert-parallel group the data-parallel group (times
     the context-parallel one): the memory-parallel group the tables' rows are sharded over
@@ -26,7 +28,7 @@ def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, s
     if on_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
-        init_process_group("nccl" if on_gpu else "gloo")
+        init_process_group("nccl" if on_gpu else "gloo", timeout_minutes)
     world = dist.get_world_size()
     model_parallel = tensor_parallel_size * pipeline_parallel_size * context_parallel_size
     if world % model_parallel:
@@ -36,7 +38,8 @@ def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, s
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
                                              pipeline_model_parallel_size=pipeline_parallel_size,
                                              context_parallel_size=context_parallel_size,
-                                             expert_model_parallel_size=memory_parallel)
+                                             expert_model_parallel_size=memory_parallel,
+                                             distributed_timeout_minutes=timeout_minutes)
     set_seed(seed)
 
 

@@ -39,6 +39,9 @@ class ParallelArgs:
     # replicated | rows: tables' rows sharded over the data-parallel ranks | zero (DeepSpeed: ZeRO partitions them)
     table_sharding: str = "replicated"
     prefetch_table_rows: bool = True  # rows: start every layer's row exchange at the start of the microbatch
+    # how long a rank waits for its peers in a collective (and at start-up) before it fails: a lost host
+    # stops the job after this long (docs/operations.md, "Many nodes"); Megatron-LM's --distributed-timeout-minutes
+    distributed_timeout_minutes: float = 10.0
 
 
 @dataclass
@@ -126,6 +129,9 @@ class TrainConfig:
         if self.parallel.table_sharding not in TABLE_SHARDINGS:
             fail("parallel", "table_sharding",
                  f"{self.parallel.table_sharding!r} is not one of {tuple(TABLE_SHARDINGS)}")
+        if not self.parallel.distributed_timeout_minutes > 0:
+            fail("parallel", "distributed_timeout_minutes",
+                 f"{self.parallel.distributed_timeout_minutes} must be > 0 (minutes; 10 is Megatron-LM's default)")
         if t.transformer_impl not in TRANSFORMER_IMPLS:
             fail("training", "transformer_impl", f"{t.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}")
         if t.on_corrupt_checkpoint not in ("error", "previous"):

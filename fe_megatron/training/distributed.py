@@ -41,26 +41,100 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_process_group(backend: str) -> None:
-    """``init_process_group`` from the launcher's environment, in a key space of this attempt's own.
+def init_process_group(backend: str, timeout_minutes: float = 10.0) -> None:
+    """``init_process_group`` from the launcher's environment, in a key space of this attempt's own,
+    with every collective of the group failing after ``timeout_minutes`` without its peers (a lost
+    host stops the job then, not after torch's default of 30 minutes for gloo).  Logs which host
+    each rank runs on.
 
     Under torchrun, workers connect to the store that torchrun's agent hosts, and torch adds no
     per-attempt prefix to its keys, assuming a new store for every restart.  torchrun reuses
     the store, so after ``--max-restarts`` restarts a group the restarted workers read the dead
     workers' addresses and fail in gloo's connectFullMesh ("Connection refused").  Prefixing the
-    keys with torchrun's restart count keeps every attempt apart.
+    keys with torchrun's restart count keeps every attempt apart on one node.  Across nodes the
+    counts can differ (an agent restarts its workers without counting when another node's
+    failure changed the membership), so ``launch_scripts/torchrun.sh`` sets
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: every attempt then gets a fresh store from its rank 0.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend)
-        return
-    from torch.distributed.constants import default_pg_timeout
+    from datetime import timedelta
 
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=default_pg_timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"/fe_megatron/attempt_{attempt}", store), rank=rank,
-                            world_size=world)
+    timeout = timedelta(minutes=timeout_minutes)
+    refuse_loopback_across_hosts()  # under NCCL too: megatron-core also makes gloo groups
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        if _spans_hosts() and os.environ.get("RANK") == "0":
+            print("note: torchrun's agents share one store across restarts, and after a node's failure the "
+                  "nodes' restart counts can differ, leaving the restarted workers waiting for each other; "
+                  "launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch_scripts/torchrun.sh sets it)", flush=True)
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"/fe_megatron/attempt_{attempt}", store), rank=rank,
+                                world_size=world, timeout=timeout)
+    if dist.get_world_size() > 1:
+        log(f"process group: {describe_hosts()}; collectives time out after {timeout_minutes:g} min "
+            "(parallel.distributed_timeout_minutes)")
+
+
+def _spans_hosts() -> bool:
+    """Whether this job's ranks run on more than one host (torchrun's LOCAL_WORLD_SIZE, or SLURM's node count)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None:
+        return int(local) < int(os.environ.get("WORLD_SIZE", local))
+    return int(os.environ.get("SLURM_JOB_NUM_NODES", os.environ.get("SLURM_NNODES", "1"))) > 1
+
+
+def _own_address() -> str:
+    """The IPv4 address this host's name resolves to: what gloo advertises to its peers unless
+    GLOO_SOCKET_IFNAME names an interface; "" when the name does not resolve."""
+    import socket
+
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return ""
+
+
+def refuse_loopback_across_hosts() -> None:
+    """A clear error, before any connection, when ranks on other hosts would be told to reach this
+    one on a loopback address: gloo advertises the address the host's name resolves to, and many
+    distributions map the name to 127.0.1.1 in /etc/hosts.  Peers would then fail to connect
+    (or hang until the timeout) with no hint why."""
+    import socket
+
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not _spans_hosts():
+        return
+    address, name = _own_address(), socket.gethostname()
+    fix = ("Set GLOO_SOCKET_IFNAME to the interface the hosts reach each other on (e.g. GLOO_SOCKET_IFNAME=eth0), "
+           "or map the host name to that interface's address in /etc/hosts")
+    if not address:
+        raise RuntimeError(f"this job spans several hosts, but this host's name {name!r} does not resolve to an "
+                           f"address: gloo could not tell its peers where to reach it. {fix}")
+    if address.startswith("127."):
+        raise RuntimeError(f"this job spans several hosts, but this host's name {name!r} resolves to {address}: "
+                           f"gloo would give its peers a loopback address. {fix}")
+
+
+def describe_hosts() -> str:
+    """Which ranks run on which host, and the address each host's gloo groups advertise (NCCL
+    picks its own interface, NCCL_SOCKET_IFNAME), gathered from every rank: "4 ranks on 2 hosts: node1 10.0.0.11 (ranks 0-1), node2 10.0.0.12 (ranks 2-3)"."""
+    import socket
+
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    mine = (socket.gethostname(), f"interface {interface}" if interface else _own_address() or "unresolved")
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    hosts = {}
+    for rank, host in enumerate(everyone):
+        hosts.setdefault(host, []).append(rank)
+    parts = []
+    for (name, address), ranks in hosts.items():
+        spans = f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1 \
+            else f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+        parts.append(f"{name} {address} ({spans})")
+    return f"{len(everyone)} ranks on {len(hosts)} host{'s' if len(hosts) > 1 else ''}: {', '.join(parts)}"
 
 
 def launcher_environment() -> None:
