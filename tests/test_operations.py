@@ -92,6 +92,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(small_data, uninterrupt
     assert proc.returncode == 2
     assert f"checkpoint {folder} is damaged" in proc.stderr and f"{victim}:" \
         in proc.stderr and fragment in proc.stderr and "training.on_corrupt_checkpoint=previous" in proc.stderr
+    if damage != "flip":
+        return  # the fallback does not depend on the kind of damage: run once
     # asked to, it falls back to the checkpoint before and ends on the uninterrupted curve
     out = train(small_data, run, "--load", run, **{"training.on_corrupt_checkpoint": "previous"}).stdout
     assert "trying the checkpoint before it" in out and "at iteration 4" in out
