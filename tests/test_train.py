@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -137,9 +138,11 @@ def test_a_run_extended_on_purpose_follows_the_new_schedule_and_by_default_keeps
     eight = str(tmp_path / "eight")  # the schedule asked for on resume: 8 steps at another peak rate
     run_pretrain(["--config", CONFIG, "--save", eight] + base + ["optimizer.lr=2e-3"])
     expected = {r["step"]: r["lr"] for r in metrics(eight) if "lr" in r}
+    four = str(tmp_path / "four")  # the run to extend, resumed once each way
+    run_pretrain(["--config", CONFIG, "--save", four] + base + ["training.train_steps=4"])
     for mode in ("checkpoint", "config"):
         save = str(tmp_path / mode)
-        run_pretrain(["--config", CONFIG, "--save", save] + base + ["training.train_steps=4"])
+        shutil.copytree(four, save)
         out = run_pretrain(["--config", CONFIG, "--save", save, "--load", save] + base +
                            [f"training.schedule_on_resume={mode}", "optimizer.lr=2e-3"]).stdout
         lr = {r["step"]: r["lr"] for r in metrics(save) if "lr" in r}
