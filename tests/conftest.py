@@ -15,8 +15,9 @@ if not torch.cuda.is_available():
 # The contract subset that `make test-newest` runs on the newest supported stack (docs/compatibility.md):
 # Megatron's internals, one-process training with save and exact resume, TP=2, PP=2 and DP=2 with
 # row-sharded tables against the single-process reference, DeepSpeed ZeRO-3 at 2 ranks, conversion
-# to Hugging Face with equal logits, cached generation, checkpoints across megatron-core releases, and
-# Megatron-LM's own trainer (megatron.training ships from 0.19 on).
+# to Hugging Face with equal logits, cached generation, torch.compile through the memory branch and the
+# kernels' torch.library operators, checkpoints across megatron-core releases, and Megatron-LM's own
+# trainer (megatron.training ships from 0.19 on).
 NEWEST_STACK_SUBSET = (
     "tests/test_megatron_compat.py",
     "tests/test_megatron_single.py",
@@ -32,6 +33,8 @@ NEWEST_STACK_SUBSET = (
     "tests/test_hf.py::test_converted_logits_equal_megatron[1]",
     "tests/test_hf.py::test_converted_logits_equal_megatron[rows]",
     "tests/test_hf.py::test_cached_greedy_generation_equals_full_recompute",
+    "tests/test_hf.py::test_torch_compile_runs_through_the_memory_branch_without_graph_breaks",
+    "tests/test_kernels.py::test_the_operators_pass_torch_library_opcheck",
     "tests/test_megatron_lm.py",
 )
 

@@ -37,6 +37,32 @@ def tiny_model(kind="factorengram", placement="before_attn", perturb=True):
     return model
 
 
+def test_torch_compile_runs_through_the_memory_branch_without_graph_breaks():
+    """The hash and the row gather are torch.library operators with fake implementations and an
+    autograd formula: torch.compile captures a training forward of the model as one graph (there
+    were 25 graph breaks in this model before), and the compiled loss and every gradient, the
+    tables' included, equal eager's."""
+    import torch._dynamo as dynamo
+
+    model = tiny_model().train()
+    ids = torch.randint(3, 256, (2, 32))
+    explain = dynamo.explain(lambda batch: model(input_ids=batch, labels=batch).loss)(ids)
+    assert explain.graph_break_count == 0, [str(reason.reason)[:200] for reason in explain.break_reasons]
+    dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    compiled_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    eager = model(input_ids=ids, labels=ids).loss
+    eager.backward()
+    assert torch.allclose(loss, eager, rtol=1e-6, atol=1e-6)
+    assert any(".memory.tables" in name for name in compiled_grads)
+    for name, param in model.named_parameters():
+        assert torch.allclose(compiled_grads[name], param.grad, rtol=1e-5, atol=1e-6), name
+    dynamo.reset()
+
+
 @pytest.mark.parametrize("kind", ["factorengram", "engram"])
 def test_a_model_from_its_config_initializes_every_memory_parameter(kind):
     """Engram's branch has no direct parameters; transformers must not skip it as initialized."""

@@ -463,3 +463,22 @@ def test_fused_table_update_refuses_what_it_cannot_update():
         ops.table_adamw_(p, torch.zeros(4, 3, dtype=torch.float16), torch.zeros(4, 3), torch.zeros(4, 3), *args)
     with pytest.raises(ValueError, match="the moments must share a dtype"):
         ops.table_adamw_(p, torch.zeros(4, 3), torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bfloat16), *args)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_the_operators_pass_torch_library_opcheck(backend):
+    """Schema, fake (meta) shapes, autograd registration and AOT dispatch of the fe_megatron::
+    operators agree with their implementations (torch.library.opcheck)."""
+    if backend not in ops.available_backends():
+        pytest.skip(f"the {backend} backend is not built")
+    weight = torch.randn(50, 8, requires_grad=True)
+    flat = torch.randint(0, 50, (37,))
+    token_ids = torch.randint(0, 100, (2, 9))
+    multipliers = torch.randint(1, 1 << 20, (4, 3))
+    multipliers[0, 1:] = 0
+    moduli, offsets = torch.tensor([101, 103, 107, 109]), torch.tensor([0, 101, 204, 311])
+    with ops.use_backend(backend):
+        torch.library.opcheck(torch.ops.fe_megatron.gather_rows.default, (weight, flat))
+        torch.library.opcheck(torch.ops.fe_megatron.ngram_hash.default, (token_ids, multipliers, moduli, offsets, 0))
+        torch.library.opcheck(torch.ops.fe_megatron.gather_rows_grad.default,
+                              (torch.randn(37, 8), flat, weight.detach(), backend, True))

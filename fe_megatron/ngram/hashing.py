@@ -147,7 +147,9 @@ def validate_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
     """Check dtype, shape and range of a ``[batch, seq]`` id tensor.
 
     Costs one host synchronisation (``bool(bad.any())``) per call; callers hash once per
-    microbatch, so this is once per microbatch, not once per layer.
+    microbatch, so this is once per microbatch, not once per layer.  Inside a graph that
+    torch.compile traces, the range check is a device-side assert (no synchronisation, and a
+    message without the position).
     """
     if not isinstance(token_ids, torch.Tensor):
         raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
@@ -157,6 +159,10 @@ def validate_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
     if token_ids.dim() != 2:
         raise ValueError(f"token_ids must have shape [batch, seq], got shape {tuple(token_ids.shape)}")
     bad = (token_ids < 0) | (token_ids >= vocab_size)
+    if torch.compiler.is_compiling():  # no host sync inside a compiled graph: a device-side assert instead
+        torch._assert_async(~bad.any(), f"token ids outside the vocabulary range [0, {vocab_size}) of "
+                                        f"MemoryConfig.vocab_size={vocab_size}")
+        return
     if bool(bad.any()):
         pos = bad.nonzero()[0].tolist()
         value = int(token_ids[pos[0], pos[1]])

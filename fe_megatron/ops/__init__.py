@@ -5,7 +5,9 @@ Backends: ``torch`` (`fe_megatron.ops.reference`, always present: it defines the
 semantics), ``cpp`` (OpenMP C++ built by setup.py on every machine), ``cuda`` (built
 where CUDA torch is installed) and ``triton`` (where Triton can launch: a GPU, or
 ``TRITON_INTERPRET=1`` on CPU).  With no forcing, the fastest backend available for the
-tensors' device is used; ``use_backend(name)`` forces one.
+tensors' device is used; ``use_backend(name)`` forces one.  The hash and the gather are
+``torch.library`` operators (``torch.ops.fe_megatron.*``) with fake implementations and an
+autograd formula, so that torch.compile traces a model through them without graph breaks.
 
 Two run-time switches, both off the hot path:
 
@@ -168,9 +170,84 @@ def _backend_for(device: torch.device, dtype: torch.dtype = None):
     return _backends[current_backend(device, dtype)].module
 
 
+# --- torch.library operators --------------------------------------------------------------------
+# The hash and the row gather (with its backward) are registered as operators ``fe_megatron::...``,
+# with fake (meta) implementations for their output shapes and the gather's autograd formula, so
+# that torch.compile traces a model through them as single nodes, without graph breaks.  Their
+# implementations run the backend that `current_backend` picks for the inputs (`use_backend`
+# forcing included), at run time.
+
+
+@torch.library.custom_op("fe_megatron::ngram_hash", mutates_args=())
+def _ngram_hash_op(token_ids: torch.Tensor, multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor,
+                   pad_id: int) -> torch.Tensor:
+    return _backend_for(token_ids.device).ngram_hash(token_ids, multipliers, moduli, offsets, pad_id)
+
+
+@_ngram_hash_op.register_fake
+def _ngram_hash_shape(token_ids, multipliers, moduli, offsets, pad_id):
+    return token_ids.new_empty((*token_ids.shape, multipliers.shape[0]), dtype=torch.int64)
+
+
+@torch.library.custom_op("fe_megatron::gather_rows", mutates_args=())
+def _gather_rows_op(weight: torch.Tensor, flat_indices: torch.Tensor) -> torch.Tensor:
+    if _settings["debug"]:
+        check_row_indices(flat_indices, weight.shape[0], tuple(flat_indices.shape))
+    return _backend_for(weight.device, weight.dtype).gather_rows_forward(weight, flat_indices)
+
+
+@_gather_rows_op.register_fake
+def _gather_rows_shape(weight, flat_indices):
+    return weight.new_empty((flat_indices.shape[0], weight.shape[1]))
+
+
+@torch.library.custom_op("fe_megatron::gather_rows_grad", mutates_args=())
+def _gather_rows_grad_op(grad_rows: torch.Tensor, flat_indices: torch.Tensor, weight: torch.Tensor, backend: str,
+                         deterministic: bool) -> torch.Tensor:
+    """The dense gradient of ``weight`` from the gathered rows' gradients."""
+    grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
+    _backends[backend].module.gather_rows_backward(grad_rows, flat_indices, grad_weight, deterministic)
+    return grad_weight
+
+
+@_gather_rows_grad_op.register_fake
+def _gather_rows_grad_shape(grad_rows, flat_indices, weight, backend, deterministic):
+    return torch.empty_like(weight)
+
+
+@torch.library.custom_op("fe_megatron::gather_rows_grad_into", mutates_args=("out",))
+def _gather_rows_grad_into_op(grad_rows: torch.Tensor, flat_indices: torch.Tensor, out: torch.Tensor, backend: str,
+                              deterministic: bool) -> None:
+    """``out[i] += `` the gradients of the rows gathered from row ``i`` (Megatron's ``main_grad``)."""
+    _backends[backend].module.gather_rows_backward(grad_rows, flat_indices, out, deterministic)
+
+
+def _gather_rows_setup(ctx, inputs, output) -> None:
+    weight, flat_indices = inputs
+    # chosen in the forward: autograd's backward thread has no use_backend in force
+    ctx.backend = current_backend(weight.device, weight.dtype)
+    ctx.save_for_backward(weight, flat_indices)
+
+
+def _gather_rows_backward(ctx, grad_rows):
+    """Each unique row's gradient reduced once.  Under Megatron's DDP the rows go straight into
+    ``main_grad`` and autograd gets a placeholder (`table_weight_gradient`); elsewhere a dense gradient."""
+    weight, flat_indices = ctx.saved_tensors
+    grad_rows = grad_rows.contiguous()
+    deterministic = deterministic_backward()
+    if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
+        return table_weight_gradient(weight, lambda out: torch.ops.fe_megatron.gather_rows_grad_into(
+            grad_rows, flat_indices, out, ctx.backend, deterministic)), None
+    return torch.ops.fe_megatron.gather_rows_grad(grad_rows, flat_indices, weight, ctx.backend, deterministic), None
+
+
+_gather_rows_op.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
+
+
 def ngram_hash(token_ids: torch.Tensor, multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor,
                pad_id: int) -> torch.Tensor:
-    """All branches of all insertion layers in one launch.  See `fe_megatron.ops.reference.ngram_hash`."""
+    """All branches of all insertion layers in one launch (the ``fe_megatron::ngram_hash`` operator).
+    See `fe_megatron.ops.reference.ngram_hash`."""
     for name, tensor in (("token_ids", token_ids), ("multipliers", multipliers), ("moduli", moduli),
                          ("offsets", offsets)):
         if tensor.dtype != torch.int64:
@@ -180,9 +257,8 @@ def ngram_hash(token_ids: torch.Tensor, multipliers: torch.Tensor, moduli: torch
         raise ValueError(f"ngram_hash: expected token_ids [B, T], multipliers [nb, K], moduli and offsets [nb]; got "
                          f"{tuple(token_ids.shape)}, {tuple(multipliers.shape)}, {tuple(moduli.shape)}, "
                          f"{tuple(offsets.shape)}")
-    backend = _backend_for(token_ids.device)
-    return backend.ngram_hash(token_ids.contiguous(), multipliers.contiguous(), moduli.contiguous(),
-                              offsets.contiguous(), int(pad_id))
+    return torch.ops.fe_megatron.ngram_hash(token_ids.contiguous(), multipliers.contiguous(), moduli.contiguous(),
+                                            offsets.contiguous(), int(pad_id))
 
 
 def check_row_indices(flat_indices: torch.Tensor, num_rows: int, shape: tuple) -> None:
@@ -270,40 +346,16 @@ def fused_update(backend: str, device: torch.device):
     return module.table_adamw_
 
 
-class _GatherRows(torch.autograd.Function):
-    """``weight[indices]`` whose backward reduces each unique row once.
-
-    Under Megatron's DDP the backward adds straight into ``main_grad``, touching only the
-    looked-up rows (`table_weight_gradient`).  Elsewhere it returns a dense gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, weight, indices):
-        flat = indices.reshape(-1)
-        if _settings["debug"]:
-            check_row_indices(flat, weight.shape[0], tuple(indices.shape))
-        # the backward runs on autograd's device thread, where use_backend is not in force: keep the choice
-        ctx.backend = current_backend(weight.device, weight.dtype)
-        rows = _backends[ctx.backend].module.gather_rows_forward(weight, flat)
-        ctx.save_for_backward(weight, flat)
-        return rows.view(*indices.shape, weight.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        weight, flat = ctx.saved_tensors
-        grad_rows = grad_output.reshape(flat.numel(), weight.shape[1]).contiguous()
-        deterministic = deterministic_backward()
-        backend = _backends[ctx.backend].module
-        return table_weight_gradient(
-            weight, lambda out: backend.gather_rows_backward(grad_rows, flat, out, deterministic)), None
-
-
 def gather_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``weight[indices]``: [rows, w] and [..., nb] int64 -> [..., nb, w], differentiable in ``weight``."""
+    """``weight[indices]``: [rows, w] and [..., nb] int64 -> [..., nb, w], differentiable in ``weight``
+    (the ``fe_megatron::gather_rows`` operator), each unique row's gradient reduced once."""
     if weight.dim() != 2:
         raise ValueError(f"gather_rows: weight must be [rows, width], got shape {tuple(weight.shape)}")
     if indices.dtype != torch.int64:
         raise TypeError(f"gather_rows: indices must be int64, got {indices.dtype}")
     if indices.device != weight.device:
         raise ValueError(f"gather_rows: indices on {indices.device} but weight on {weight.device}")
-    return _GatherRows.apply(weight.contiguous(), indices)
+    if _settings["debug"] and not torch.compiler.is_compiling():  # the position in the caller's shape
+        check_row_indices(indices.reshape(-1), weight.shape[0], tuple(indices.shape))
+    rows = torch.ops.fe_megatron.gather_rows(weight.contiguous(), indices.reshape(-1))
+    return rows.view(*indices.shape, weight.shape[1])
