@@ -480,5 +480,5 @@ def test_the_operators_pass_torch_library_opcheck(backend):
     with ops.use_backend(backend):
         torch.library.opcheck(torch.ops.fe_megatron.gather_rows.default, (weight, flat))
         torch.library.opcheck(torch.ops.fe_megatron.ngram_hash.default, (token_ids, multipliers, moduli, offsets, 0))
-        torch.library.opcheck(torch.ops.fe_megatron.gather_rows_grad.default,
-                              (torch.randn(37, 8), flat, weight.detach(), backend, True))
+        torch.library.opcheck(torch.ops.fe_megatron.gather_rows_grad_into.default,
+                              (torch.randn(37, 8), flat, torch.randn(50, 8), backend, True))

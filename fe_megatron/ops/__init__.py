@@ -171,7 +171,7 @@ def _backend_for(device: torch.device, dtype: torch.dtype = None):
 
 
 # --- torch.library operators --------------------------------------------------------------------
-# The hash and the row gather (with its backward) are registered as operators ``fe_megatron::...``,
+# The hash, the row gather and its backward are registered as operators ``fe_megatron::...``,
 # with fake (meta) implementations for their output shapes and the gather's autograd formula, so
 # that torch.compile traces a model through them as single nodes, without graph breaks.  Their
 # implementations run the backend that `current_backend` picks for the inputs (`use_backend`
@@ -201,24 +201,11 @@ def _gather_rows_shape(weight, flat_indices):
     return weight.new_empty((flat_indices.shape[0], weight.shape[1]))
 
 
-@torch.library.custom_op("fe_megatron::gather_rows_grad", mutates_args=())
-def _gather_rows_grad_op(grad_rows: torch.Tensor, flat_indices: torch.Tensor, weight: torch.Tensor, backend: str,
-                         deterministic: bool) -> torch.Tensor:
-    """The dense gradient of ``weight`` from the gathered rows' gradients."""
-    grad_weight = torch.zeros(weight.shape, dtype=weight.dtype, device=weight.device)
-    _backends[backend].module.gather_rows_backward(grad_rows, flat_indices, grad_weight, deterministic)
-    return grad_weight
-
-
-@_gather_rows_grad_op.register_fake
-def _gather_rows_grad_shape(grad_rows, flat_indices, weight, backend, deterministic):
-    return torch.empty_like(weight)
-
-
 @torch.library.custom_op("fe_megatron::gather_rows_grad_into", mutates_args=("out",))
 def _gather_rows_grad_into_op(grad_rows: torch.Tensor, flat_indices: torch.Tensor, out: torch.Tensor, backend: str,
                               deterministic: bool) -> None:
-    """``out[i] += `` the gradients of the rows gathered from row ``i`` (Megatron's ``main_grad``)."""
+    """``out[i] += `` the gradients of the rows gathered from row ``i`` (a dense gradient, or Megatron's
+    ``main_grad``: `table_weight_gradient`)."""
     _backends[backend].module.gather_rows_backward(grad_rows, flat_indices, out, deterministic)
 
 
@@ -235,10 +222,8 @@ def _gather_rows_backward(ctx, grad_rows):
     weight, flat_indices = ctx.saved_tensors
     grad_rows = grad_rows.contiguous()
     deterministic = deterministic_backward()
-    if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
-        return table_weight_gradient(weight, lambda out: torch.ops.fe_megatron.gather_rows_grad_into(
-            grad_rows, flat_indices, out, ctx.backend, deterministic)), None
-    return torch.ops.fe_megatron.gather_rows_grad(grad_rows, flat_indices, weight, ctx.backend, deterministic), None
+    return table_weight_gradient(weight, lambda out: torch.ops.fe_megatron.gather_rows_grad_into(
+        grad_rows, flat_indices, out, ctx.backend, deterministic)), None
 
 
 _gather_rows_op.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)

@@ -5,6 +5,7 @@ device, and logging from rank 0.  Both engines start here."""
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -34,8 +35,6 @@ def _env_from_slurm() -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -89,8 +88,6 @@ def _spans_hosts() -> bool:
 def _own_address() -> str:
     """The IPv4 address this host's name resolves to: what gloo advertises to its peers unless
     GLOO_SOCKET_IFNAME names an interface; "" when the name does not resolve."""
-    import socket
-
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -102,8 +99,6 @@ def refuse_loopback_across_hosts() -> None:
     one on a loopback address: gloo advertises the address the host's name resolves to, and many
     distributions map the name to 127.0.1.1 in /etc/hosts.  Peers would then fail to connect
     (or hang until the timeout) with no hint why."""
-    import socket
-
     if os.environ.get("GLOO_SOCKET_IFNAME") or not _spans_hosts():
         return
     address, name = _own_address(), socket.gethostname()
@@ -119,9 +114,8 @@ def refuse_loopback_across_hosts() -> None:
 
 def describe_hosts() -> str:
     """Which ranks run on which host, and the address each host's gloo groups advertise (NCCL
-    picks its own interface, NCCL_SOCKET_IFNAME), gathered from every rank: "4 ranks on 2 hosts: node1 10.0.0.11 (ranks 0-1), node2 10.0.0.12 (ranks 2-3)"."""
-    import socket
-
+    picks its own interface, NCCL_SOCKET_IFNAME), gathered from every rank:
+    "4 ranks on 2 hosts: node1 10.0.0.11 (ranks 0-1), node2 10.0.0.12 (ranks 2-3)"."""
     interface = os.environ.get("GLOO_SOCKET_IFNAME")
     mine = (socket.gethostname(), f"interface {interface}" if interface else _own_address() or "unresolved")
     everyone = [None] * dist.get_world_size()

@@ -25,6 +25,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+sys.path.insert(0, ROOT)  # run as a script: the tests' launch helpers
 CONFIG = os.path.join("examples", "configs", "demo_cpu.yaml")  # paths relative to the repository root
 CORPUS = os.path.join(ROOT, "data", "sotu.jsonl.gz")
 TOKENIZER = os.path.join(HERE, "tokenizer.model")
@@ -72,13 +73,6 @@ def overrides(mode: str, data_prefix: str, tokenizer: str = TOKENIZER) -> list:
     return [f"{key}={value}" for key, value in values.items()]
 
 
-def pretrain_command(nproc: int, python: str = sys.executable) -> list:
-    if nproc == 1:
-        return [python, "-m", "fe_megatron.train"]
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-            "fe_megatron.train"]
-
-
 def logged_steps(save: str, steps) -> dict:
     """{step: {lm_loss, sparsity_loss, val_loss (where logged)}} from a run's metrics.jsonl (last record wins)."""
     values = {}
@@ -95,15 +89,17 @@ def main() -> None:
     from fe_megatron.checkpoint.files import write_tracker
     from fe_megatron.deepspeed.engine import write_deepspeed_latest
 
+    from tests.test_train import pretrain_cmd
+    from tests.torchrun_util import clean_environment
+
     expected = {}
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_environment()
     work = tempfile.mkdtemp(prefix="fe_megatron_checkpoints_")
     tokenizer = shutil.copy(TOKENIZER, work)
     data = make_data(work, tokenizer)
     for mode, (nproc, _) in MODES.items():
         save = os.path.join(work, mode)
-        subprocess.run(pretrain_command(nproc) + ["--config", CONFIG, "--save", save]
+        subprocess.run(pretrain_cmd(nproc) + ["--config", CONFIG, "--save", save]
                        + overrides(mode, data, tokenizer), check=True, env=env, cwd=ROOT)
         target = os.path.join(HERE, mode)
         shutil.rmtree(target, ignore_errors=True)
