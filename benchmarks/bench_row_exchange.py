@@ -2,7 +2,7 @@
 
 Each memory layer of a row-sharded run looks up ``micro_batch x seq x branches`` rows per
 microbatch; it sends one request per *distinct* row to the row's owner, receives the row, and
-sends its gradient back (`fe_megatron.memory.row_exchange`).  This script tokenizes real text,
+sends its gradient back (`fe_megatron.tables.row_exchange`).  This script tokenizes real text,
 hashes it with the preset's addressing, and counts, per microbatch and layer, the positions and
 the distinct rows, and the bytes a rank sends and receives for them with ``N`` data-parallel
 ranks (a fraction ``(N - 1) / N`` of the rows lives elsewhere): 8 bytes per request id, and

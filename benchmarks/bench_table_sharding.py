@@ -2,11 +2,14 @@
 
     torchrun --nproc_per_node 2 benchmarks/bench_table_sharding.py [--size small] [--steps 5]
 
-Three runs in the same processes, on the same batches, with the same Megatron DDP + Adam path as
+Four runs in the same processes, on the same batches, with the same Megatron DDP + Adam path as
 fe-pretrain: ``replicated`` (whole tables, their gradients all-reduced), ``rows`` (rows sharded,
-looked up by all-to-all, each layer's exchange started at the start of the microbatch), and
+looked up by all-to-all, every memory layer of the stage in one exchange started at the start of
+the microbatch, `fe_megatron.tables.row_exchange.StageRowExchange`), ``rows-per-layer`` (each
+layer's own exchange started at the start of the microbatch, as before the stage exchange), and
 ``rows-no-prefetch`` (each layer starts its own exchange when it needs the rows).  The backbone
-and table sizes keep the paper's ratio of table to backbone parameters (about 3 to 1).
+and table sizes keep the paper's ratio of table to backbone parameters (about 3 to 1).  Each run
+also counts the all-to-alls per microbatch and the bytes they move per rank.
 """
 
 import argparse
@@ -30,14 +33,41 @@ SIZES = {
     "tiny": dict(backbone=dict(preset="tiny"), memory=dict(preset="factorengram-tiny"), micro_batch=8,
                  microbatches=2),
 }
-MODES = (("replicated", "replicated", True), ("rows", "rows", True), ("rows-no-prefetch", "rows", False))
+MODES = (("replicated", "replicated", True), ("rows", "rows", True), ("rows-per-layer", "rows", True),
+         ("rows-no-prefetch", "rows", False))
 
 
-def run(size: dict, table_sharding: str, prefetch: bool, steps: int) -> dict:
+def start_each_layer_alone(branches: dict, indices: dict, device=None) -> dict:
+    """The lookups as they were started before the stage exchange: each layer its own `RowLookup`."""
+    return {index: branches[index].start_lookup(value, device) if isinstance(value, torch.Tensor) else value
+            for index, value in indices.items()}
+
+
+class AllToAllCounter:
+    """Counts ``dist.all_to_all_single`` calls and the bytes each rank sends through them."""
+
+    def __init__(self):
+        self.calls, self.bytes, self._real = 0, 0, dist.all_to_all_single
+
+    def __enter__(self):
+        def counted(output, input, *args, **kwargs):
+            self.calls += 1
+            self.bytes += input.numel() * input.element_size()
+            return self._real(output, input, *args, **kwargs)
+
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._real
+
+
+def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: bool = False) -> dict:
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
 
     from fe_megatron.config import BackboneConfig, MemoryConfig
+    from fe_megatron.megatron import gpt_model
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, train_step
@@ -60,20 +90,28 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int) -> dict:
         tokens = torch.randint(0, backbone.vocab_size, (mbs, seq + 1), generator=gen)
         batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(mbs, seq),
                             position_ids=torch.arange(seq).expand(mbs, -1), attention_mask=causal_mask(seq)))
+    stage_lookups = gpt_model.start_stage_lookups
+    if per_layer:
+        gpt_model.start_stage_lookups = start_each_layer_alone
     for _ in range(2):
         train_step([ddp], opt, batches, seq, mbs)
     dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        train_step([ddp], opt, batches, seq, mbs)
-    dist.barrier()
-    elapsed = time.perf_counter() - start
+    with AllToAllCounter() as counter:
+        start = time.perf_counter()
+        for _ in range(steps):
+            train_step([ddp], opt, batches, seq, mbs)
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+    gpt_model.start_stage_lookups = stage_lookups
     tables = [layer.memory.tables.weight for layer in model.stage_memory_layers]
     state = [opt.chained_optimizers[-1].optimizer.state.get(t, {}) for t in tables]
     table_bytes = sum(t.numel() * 4 + t.main_grad.numel() * 4 for t in tables) + sum(
         v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     tokens_per_step = size["microbatches"] * mbs * seq * dist.get_world_size()
-    result = {"tokens_per_s": tokens_per_step * steps / elapsed, "table_bytes_per_rank": table_bytes}
+    microbatches = steps * size["microbatches"]
+    result = {"tokens_per_s": tokens_per_step * steps / elapsed, "table_bytes_per_rank": table_bytes,
+              "step_s": elapsed / steps, "all_to_alls_per_microbatch": counter.calls / microbatches,
+              "exchange_MB_per_microbatch": counter.bytes / microbatches / 2 ** 20}
     parallel_state.destroy_model_parallel()
     return result
 
@@ -83,7 +121,8 @@ def main():
     parser.add_argument("--size", choices=list(SIZES), default="small")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    results = {name: run(SIZES[args.size], sharding, prefetch, args.steps) for name, sharding, prefetch in MODES}
+    results = {name: run(SIZES[args.size], sharding, prefetch, args.steps, per_layer=name == "rows-per-layer")
+               for name, sharding, prefetch in MODES}
     if dist.get_rank() == 0:
         base = results["replicated"]
         print(json.dumps({"size": args.size, "ranks": dist.get_world_size(), "date": time.strftime("%Y-%m-%d"),
@@ -91,6 +130,13 @@ def main():
                           **{f"{name}_tokens_per_s": round(r["tokens_per_s"]) for name, r in results.items()},
                           **{f"{name}_table_MB_per_rank": round(r["table_bytes_per_rank"] / 2 ** 20)
                              for name, r in results.items()},
+                          **{f"{name}_step_s": round(r["step_s"], 3) for name, r in results.items()},
+                          **{f"{name}_all_to_alls_per_microbatch": r["all_to_alls_per_microbatch"]
+                             for name, r in results.items() if name != "replicated"},
+                          **{f"{name}_exchange_MB_per_microbatch": round(r["exchange_MB_per_microbatch"], 2)
+                             for name, r in results.items() if name != "replicated"},
+                          "stage_over_per_layer": round(results["rows"]["tokens_per_s"] /
+                                                        results["rows-per-layer"]["tokens_per_s"], 3),
                           "rows_over_replicated": round(results["rows"]["tokens_per_s"] / base["tokens_per_s"], 3),
                           "prefetch_gain": round(results["rows"]["tokens_per_s"] /
                                                  results["rows-no-prefetch"]["tokens_per_s"], 3)}))

@@ -63,7 +63,7 @@ def peak_rss_mb() -> float:
 
 def table_bytes(model, optimizer) -> int:
     """Bytes of every table, its gradient and its Adam moments, counted from the tensors."""
-    from fe_megatron.memory.managed_tables import memory_branches
+    from fe_megatron.memory.branch import memory_branches
 
     total = 0
     states = {}
@@ -86,7 +86,7 @@ def worker(size_name: str, storage: str, steps: int) -> dict:
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, train_step
     from fe_megatron.megatron.table_optimizer import manage_tables, tables_in_stores
-    from fe_megatron.memory.lookahead import HOST_TOKENS
+    from fe_megatron.tables.lookahead import HOST_TOKENS
     from fe_megatron.training.config import OptimizerArgs, TrainConfig
     from fe_megatron.training.distributed import current_device
 

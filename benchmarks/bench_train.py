@@ -1,9 +1,13 @@
 """Training tokens/s of FactorEngram against the plain Transformer with the same backbone.
 
-Both models are built and stepped in the same process, on the same random token batches,
-with the same Megatron DDP + optimizer + schedule path as fe-pretrain.
+The models are built and stepped in the same process, on the same random token batches,
+with the same Megatron DDP + optimizer + schedule path as fe-pretrain: the Transformer, then
+FactorEngram with each table update of ``--table-updates`` (``optimizer.table_update``:
+``adamw``, the default, updates every row as the engine's parameters; ``rowwise_adagrad`` and
+``lazy_adam`` update only the touched rows, from table stores, as fe-pretrain trains them).
 
-    python benchmarks/bench_train.py [--size tiny|small|340m-layer] [--steps 10]
+    python benchmarks/bench_train.py [--size tiny|small|340m-layer] [--steps 10] \
+        [--table-updates adamw,rowwise_adagrad,lazy_adam]
 
 On a GPU machine it runs in bf16; on CPU in fp32.
 """
@@ -40,11 +44,15 @@ def main():
     from fe_megatron.megatron.step import causal_mask, train_step
     from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.megatron.engine import transformer_config_for
-    from fe_megatron.training.config import TrainConfig
+    from fe_megatron.megatron.table_optimizer import manage_tables
+    from fe_megatron.tables.plan import TablePlan
+    from fe_megatron.training.config import OptimizerArgs, TrainConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--table-updates", default="adamw,rowwise_adagrad,lazy_adam",
+                        help="the FactorEngram variants to run, by optimizer.table_update")
     args = parser.parse_args()
     s = SIZES[args.size]
     backbone = BackboneConfig.from_dict(s["backbone"])
@@ -63,14 +71,23 @@ def main():
             position_ids=torch.arange(seq).expand(s["mbs"], -1)).items()} | {"attention_mask": mask})
     tokens_per_step = s["micro"] * s["mbs"] * seq
     results = {}
-    for kind, mc in (("transformer", None), ("factorengram", MemoryConfig.from_dict(s["memory"], backbone=backbone))):
+    memory = MemoryConfig.from_dict(s["memory"], backbone=backbone)
+    variants = [("transformer", None, None)] + [
+        ("factorengram" if update == "adamw" else f"factorengram_{update}", memory, update)
+        for update in args.table_updates.split(",")]
+    for kind, mc, update in variants:
         tconfig = transformer_config_for(cfg, on_gpu)
         model = build_gpt_model(tconfig, vocab, seq, mc)
+        tables = None
+        if mc is not None and TablePlan.resolve("megatron", mc.table_dtype, update=update,
+                                                bf16_run=tconfig.bf16).in_stores:
+            tables = manage_tables(model, OptimizerArgs(lr=1e-4), "fp32", "replicated", device, seed=1,
+                                   update=update)
         if on_gpu:
             model.cuda()
         ddp = wrap_ddp(model, tconfig)
         opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, bf16=tconfig.bf16,
-                                                     params_dtype=tconfig.params_dtype))
+                                                     params_dtype=tconfig.params_dtype), tables=tables)
         connect_schedule_hooks(tconfig, [ddp], opt)
         for _ in range(2):
             train_step([ddp], opt, batches, seq, s["mbs"])
@@ -82,12 +99,12 @@ def main():
         if on_gpu:
             torch.cuda.synchronize()
         results[kind] = tokens_per_step * args.steps / (time.perf_counter() - start)
-        del ddp, opt, model
+        del ddp, opt, model, tables
     device_name = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
     print(json.dumps({"size": args.size, "device": device_name, "date": time.strftime("%Y-%m-%d"),
-                      "transformer_tokens_per_s": round(results["transformer"]),
-                      "factorengram_tokens_per_s": round(results["factorengram"]),
-                      "ratio": round(results["factorengram"] / results["transformer"], 3)}))
+                      **{f"{kind}_tokens_per_s": round(value) for kind, value in results.items()},
+                      **{f"{kind}_ratio": round(value / results["transformer"], 3) for kind, value in results.items()
+                         if kind != "transformer"}}))
     shutdown()
 
 

@@ -33,9 +33,9 @@ from typing import Any, Optional, Sequence, Union
 PLACEMENTS = ("before_attn", "before_ffn", "inside_ffn")
 GATES = ("basis", "scalar", "none")
 MEMORY_KINDS = ("factorengram", "engram")
-# How the tables are stored (`fe_megatron.memory.table_storage`): fp32 and bf16 train; fp8 is for serving.
+# How the tables are stored (`fe_megatron.tables.storage`): fp32 and bf16 train; fp8 is for serving.
 TABLE_DTYPES = ("fp32", "bf16", "fp8")
-# Where a process keeps its tables (`fe_megatron.memory.table_store`): in accelerator memory, or in host
+# Where a process keeps its tables (`fe_megatron.tables.store`): in accelerator memory, or in host
 # memory with the rows each microbatch needs copied over ahead of use (docs/tables.md).
 TABLE_PLACEMENTS = ("device", "host")
 BACKBONE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",

@@ -13,7 +13,7 @@ PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # Each top-level part of the package and its layer: a module may import from its own layer and below.
 LAYERS = {
-    "fe_megatron": 0, "config": 0, "presets": 0, "ngram": 0, "ops": 0, "memory": 0,  # the core
+    "fe_megatron": 0, "config": 0, "presets": 0, "ngram": 0, "ops": 0, "tables": 0, "memory": 0,  # the core
     "data": 1,
     "training": 2,
     "checkpoint": 3,
@@ -25,6 +25,9 @@ LAYERS = {
 COMMAND_LINES = {"fe_megatron.data.cli", "fe_megatron.evaluation.cli", "fe_megatron.evaluation.inspect",
                  "fe_megatron.convert.cli", "fe_megatron.convert.__main__", "fe_megatron.planning.cli"}
 CORE = {name for name, layer in LAYERS.items() if layer == 0}
+# Inside the core, imports run one way too: the tables (where rows live, how they move and learn) sit
+# below the memory branches (the equations), which read rows through them.
+CORE_ORDER = {"config": 0, "presets": 0, "ngram": 1, "ops": 1, "tables": 2, "memory": 3, "fe_megatron": 4}
 FORBIDDEN_IN_CORE = ("megatron", "deepspeed", "transformers")
 
 
@@ -100,6 +103,18 @@ def test_the_core_imports_no_framework(graph):
     bad = [f"{name} imports {lib}" for name, (_, outside) in sorted(edges.items())
            if layer_of(name) == 0 for lib in sorted(outside) if lib in FORBIDDEN_IN_CORE]
     assert not bad, "\n".join(bad)
+
+
+def test_inside_the_core_the_tables_sit_below_the_memory_branches(graph):
+    _, edges = graph
+
+    def rank(name):
+        parts = name.split(".")
+        return CORE_ORDER[parts[1] if len(parts) > 1 else parts[0]]
+
+    upward = [f"{name} imports {target}" for name, (inside, _) in sorted(edges.items()) if layer_of(name) == 0
+              for target in sorted(inside) if rank(target) > rank(name)]
+    assert not upward, "\n".join(upward)
 
 
 def test_no_import_cycle(graph):

@@ -110,38 +110,47 @@ def test_table_storage_choices_count_every_way_of_keeping_the_tables():
     c = MemoryConfig.from_preset("factorengram-340m")
     tables = sum(memory_layer_budget(c, layer).tables for layer in c.layers)
     rows = tables / c.branch_width  # at TP=2 each rank holds half of every row, and each row's fp8 scale
-    got = {(x.use, x.table_dtype, x.state_dtype, x.placement, x.sharding): x.tables
+    got = {(x.use, x.table_dtype, x.state_dtype, x.placement, x.update, x.sharding): x.tables
            for x in table_storage_choices(c, 2, 1, 8, "bf16")}
-    train = {(dtype, state, placement): per_parameter * tables / 2 for dtype, state, placement, per_parameter in (
-        ("fp32", "fp32", "device", 16), ("bf16", "fp32", "device", 14), ("bf16", "bf16", "device", 8),
-        ("fp32", "fp32", "host", 16), ("bf16", "bf16", "host", 8))}
+    rowwise = 2 + 4 / (c.branch_width / 2)  # bf16 rows, no dense gradient, one fp32 state per (half) row
+    train = {tuple(key): per_parameter * tables / 2 for *key, per_parameter in (
+        ("fp32", "fp32", "device", "adamw", 16), ("bf16", "fp32", "device", "adamw", 14),
+        ("bf16", "bf16", "device", "adamw", 8), ("fp32", "fp32", "host", "adamw", 16),
+        ("bf16", "bf16", "host", "adamw", 8), ("bf16", "fp32", "device", "rowwise_adagrad", rowwise),
+        ("bf16", "fp32", "host", "rowwise_adagrad", rowwise))}
     expected = {("train", *key, "whole"): value for key, value in train.items()}
     expected.update({("train", *key, "rows"): value / 8 for key, value in train.items()})
-    expected.update({("serve", "fp32", "-", "device", "whole"): 4 * tables / 2,
-                     ("serve", "bf16", "-", "device", "whole"): 2 * tables / 2,
-                     ("serve", "fp8", "-", "device", "whole"): tables / 2 + 4 * rows})
+    expected.update({("serve", "fp32", "-", "device", "-", "whole"): 4 * tables / 2,
+                     ("serve", "bf16", "-", "device", "-", "whole"): 2 * tables / 2,
+                     ("serve", "fp8", "-", "device", "-", "whole"): tables / 2 + 4 * rows})
     assert got == expected
 
 
 def test_fe_plan_at_the_engram_papers_table_scale_shows_where_each_choice_stops_fitting():
-    """38.5B table parameters at DP=8: only row-sharded tables train, and of those fp32 and bf16
-    tables with fp32 state only from the host; whole tables do not fit even the host tier's node."""
+    """38.5B table parameters at DP=8: with AdamW only row-sharded tables train, and of those fp32
+    and bf16 tables with fp32 state only from the host, and whole tables do not fit even the host
+    tier's node; row-wise AdaGrad (no dense gradient, 4 bytes of state per row) trains whole bf16
+    tables from the host and row-sharded ones on the device."""
     exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
     config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "plan",
                           "engram_scale.yaml")
     out = subprocess.run([exe, "--config", config, "--dp", "8", "--table-sharding", "rows"], capture_output=True,
                          text=True, check=True).stdout
     assert "total_params=39841994368" in out  # 38.5B of them in the tables
-    fits = {" ".join(line.split()[:5]): line.split()[-1] for line in out.splitlines()
+    fits = {" ".join(line.split()[:6]): line.split()[-1] for line in out.splitlines()
             if line.startswith(("train ", "serve "))}
-    assert fits == {"train fp32 fp32 device whole": "no", "train bf16 fp32 device whole": "no",
-                    "train bf16 bf16 device whole": "no", "train fp32 fp32 host whole": "no",
-                    "train bf16 bf16 host whole": "no",
-                    "train fp32 fp32 device rows/8": "no", "train bf16 fp32 device rows/8": "no",
-                    "train bf16 bf16 device rows/8": "yes", "train fp32 fp32 host rows/8": "yes",
-                    "train bf16 bf16 host rows/8": "yes",
-                    "serve fp32 - device whole": "no", "serve bf16 - device whole": "yes",
-                    "serve fp8 - device whole": "yes"}
+    assert fits == {"train fp32 fp32 device adamw whole": "no", "train bf16 fp32 device adamw whole": "no",
+                    "train bf16 bf16 device adamw whole": "no", "train fp32 fp32 host adamw whole": "no",
+                    "train bf16 bf16 host adamw whole": "no",
+                    "train bf16 fp32 device rowwise_adagrad whole": "no",
+                    "train bf16 fp32 host rowwise_adagrad whole": "yes",
+                    "train fp32 fp32 device adamw rows/8": "no", "train bf16 fp32 device adamw rows/8": "no",
+                    "train bf16 bf16 device adamw rows/8": "yes", "train fp32 fp32 host adamw rows/8": "yes",
+                    "train bf16 bf16 host adamw rows/8": "yes",
+                    "train bf16 fp32 device rowwise_adagrad rows/8": "yes",
+                    "train bf16 fp32 host rowwise_adagrad rows/8": "yes",
+                    "serve fp32 - device - whole": "no", "serve bf16 - device - whole": "yes",
+                    "serve fp8 - device - whole": "yes"}
 
 
 def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():

@@ -400,3 +400,33 @@ def test_deepspeed_checkpoints_are_committed_and_verified_like_megatrons(start, 
                          "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"]), nproc=2, check=False)
     assert proc.returncode != 0 and "loaded the weights" not in proc.stdout
     assert f"{victim}: its sha256 differs from the manifest's" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_a_sparse_table_update_trains_alike_in_both_engines_and_resumes_on_fewer_ranks(start, megatron_runs):
+    """optimizer.table_update=rowwise_adagrad with row-sharded tables: the DeepSpeed engine (ZeRO-3,
+    the tables outside it) follows the Megatron engine's curve from the same weights (unclipped,
+    as test_rows_mode_matches_the_megatron_engine_without_clipping), its step-2 checkpoint (the
+    row-wise state in the tables' files) resumes on one rank, and a change to another rule is
+    refused by name."""
+    sparse = {"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0, "optimizer.table_update": "rowwise_adagrad"}
+    megatron = str(start["base"] / "megatron_rowwise")
+    proc = run_pretrain(["--config", CONFIG, "--load", start["mcore"], "--save", megatron]
+                        + overrides(start["data"], **sparse), nproc=2)
+    assert "updated by rowwise_adagrad (touched rows only)" in proc.stdout
+    assert losses(megatron) != losses(megatron_runs["unclipped"])  # another rule: another curve
+    save = deepspeed_run(start, "rows3_rowwise", 3, **sparse)
+    assert_same_curve(losses(save), losses(megatron))
+    half = str(start["base"] / "rowwise_on_one_rank")
+    shutil.copytree(os.path.join(save, "iter_0000002"), os.path.join(half, "iter_0000002"))
+    with open(os.path.join(half, "latest"), "w") as fh:
+        fh.write("iter_0000002")
+    run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
+                 + overrides(start["data"], **sparse), nproc=1)
+    assert_same_curve(losses(half), losses(save)[2:])
+    refused = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
+                            "deepspeed={zero_optimization: {stage: 3}}"]
+                           + overrides(start["data"], **dict(sparse, **{"optimizer.table_update": "lazy_adam",
+                                                                        "training.train_steps": 6})), check=False)
+    assert refused.returncode != 0
+    assert "optimizer.table_update is 'rowwise_adagrad' in the checkpoint and 'lazy_adam' now" in refused.stderr

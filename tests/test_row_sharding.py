@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fe_megatron.memory.row_exchange import RowPartition
+from fe_megatron.tables.row_exchange import RowPartition
 from tests.torchrun_util import torchrun
 
 
@@ -100,4 +100,14 @@ def test_rows_checkpoint_resumes_in_other_layouts(reference, nproc, tables, tp):
     out = torchrun("check_row_sharding.py", "--tables", tables, "--tp", str(tp), "--load", str(r / "rows_step1"),
                    "--steps", "1:3", "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"),
                    nproc=nproc)
+    assert "0 failures" in out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_a_stage_s_layers_share_one_exchange(nproc):
+    """Three layers' lookups in one `StageRowExchange`: the rows and every shard's gradient equal the
+    whole tables' (plain parameters, DDP's main_grad and stores), with 3 all-to-alls in forward and
+    one in backward for all of them."""
+    out = torchrun("check_stage_exchange.py", nproc=nproc)
     assert "0 failures" in out

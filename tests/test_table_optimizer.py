@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fe_megatron import ops
-from fe_megatron.memory.table_optimizer import TableAdamW, TableLayout
-from fe_megatron.memory.table_storage import rounding_keys
+from fe_megatron.tables.optimizer import TableAdamW, TableLayout
+from fe_megatron.tables.storage import rounding_keys
 from fe_megatron.ops.reference import counter_noise, stochastic_round_to_bf16
 from fe_megatron.ops import reference
 

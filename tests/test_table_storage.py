@@ -1,4 +1,4 @@
-"""Table storage formats (`fe_megatron.memory.table_storage`): bf16 and fp8 rows for serving, and
+"""Table storage formats (`fe_megatron.tables.storage`): bf16 and fp8 rows for serving, and
 the storage settings training accepts.
 
 The quantization error stays within each format's rounding bound, a quantized branch gathers
@@ -11,7 +11,7 @@ import torch
 
 from fe_megatron.config import ConfigError
 from fe_megatron.memory import build_memory
-from fe_megatron.memory.table_storage import FP8_MAX, dequantize_rows, quantize_table
+from fe_megatron.tables.storage import FP8_MAX, dequantize_rows, quantize_table
 from tests.conftest import small_config
 
 
@@ -47,7 +47,7 @@ def test_a_quantized_branch_gathers_its_stored_rows(table_dtype):
     quantized.reset_parameters(seed=11)  # the same draw, then stored
     stored = quantize_table(full.tables.weight, table_dtype)
     assert torch.equal(quantized.tables.weight.float(), stored["weight"].float())
-    assert not quantized.tables.weight.requires_grad  # trained bf16 tables live in stores (managed_tables.py)
+    assert not quantized.tables.weight.requires_grad  # trained bf16 tables live in stores (tables/managed.py)
     indices = torch.randint(0, full.tables.weight.shape[0], (3, 17, small_config().num_branches))
     flat = indices.reshape(-1)
     expected = dequantize_rows(stored["weight"][flat], stored["row_scale"][flat] if table_dtype == "fp8" else None)

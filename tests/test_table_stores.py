@@ -1,4 +1,4 @@
-"""Training from table stores (`fe_megatron.memory.table_store`, `managed_tables`): bf16 tables,
+"""Training from table stores (`fe_megatron.tables.store`, `managed`): bf16 tables,
 bf16 optimizer state, the host tier, and every table of a bf16 run.
 
 A store gathers and accumulates exactly what the table parameter would; the host tier fetches
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from fe_megatron.memory import FactorEngram
-from fe_megatron.memory.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
-from fe_megatron.memory.managed_tables import ManagedTables
+from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.tables.managed import ManagedTables
 from fe_megatron.training.config import OptimizerArgs
 from tests.conftest import small_config
 from tests.test_train import CONFIG, metrics, run_pretrain, small_overrides
@@ -72,7 +72,7 @@ def test_module_casts_and_moves_leave_a_store_as_it_is():
 def test_host_gradients_are_added_in_arrival_order():
     """The worker thread adds the host tier's row gradients in the order they arrive: the result is
     bit for bit that of adding them at once, once `wait_for_gradients` returns."""
-    from fe_megatron.memory.table_store import TableStore
+    from fe_megatron.tables.store import TableStore
 
     host, direct = TableStore(torch.zeros(50, 8), "host"), torch.zeros(50, 8)
     host.allocate_gradient(torch.float32)

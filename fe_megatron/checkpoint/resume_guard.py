@@ -81,12 +81,19 @@ def compare(saved: Optional[dict], current: dict, weights_only: bool = False) ->
         old, new = _get(saved, section, name), _get(current, section, name)
         if old != new:
             refused.append(f"{section}.{name} is {old!r} in the checkpoint and {new!r} now; it sets {why}")
+    if saved_memory is not None and current_memory is not None and not weights_only:
+        old, new = (_get(saved, "optimizer", "table_update") or "adamw"), _get(current, "optimizer", "table_update")
+        if old != new and "rowwise_adagrad" in (old, new):  # adamw and lazy_adam keep the same two moments
+            refused.append(f"optimizer.table_update is {old!r} in the checkpoint and {new!r} now; rowwise_adagrad "
+                           "keeps one accumulator per row where the Adam rules keep two moments per parameter, so "
+                           "the tables' optimizer state does not carry over")
     flat_old = _flatten(saved.get("config"))
     flat_new = _flatten(current["config"])
     guarded = {f"{section}.{name}" for section, name in GUARDED}
     changed = [f"{key}: {flat_old.get(key)!r} -> {flat_new.get(key)!r}" for key in sorted(set(flat_old) | set(flat_new))
                if flat_old.get(key) != flat_new.get(key) and not key.startswith("memory.backbone.")
-               and key not in guarded and key not in ("load", "save")]
+               and key not in guarded and key not in ("load", "save")
+               and not (key == "optimizer.table_update" and flat_old.get(key) is None and flat_new.get(key) == "adamw")]
     return refused, changed
 
 

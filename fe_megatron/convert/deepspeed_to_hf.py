@@ -78,7 +78,7 @@ class _DeepSpeedWeights:
 
     def _partition(self, name: str):
         """The row partition of table ``name`` (its layer's hashing layout, at the run's ranks)."""
-        from fe_megatron.memory.row_exchange import RowPartition
+        from fe_megatron.tables.row_exchange import RowPartition
         from fe_megatron.ngram import NgramHasher
 
         if name not in self._partitions:

@@ -21,7 +21,7 @@ from fe_megatron.convert.common import (TRAINING_SETTINGS, ConversionError, Prog
                                         find_run_checkpoint, fresh_output, training_settings,
                                         publish, run_tokenizer)
 from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
-from fe_megatron.memory.table_storage import ROW_SCALE, STORAGE, has_row_scale, quantize_table
+from fe_megatron.tables.storage import ROW_SCALE, STORAGE, has_row_scale, quantize_table
 
 TABLE_WEIGHT = "memory.tables.weight"  # the end of every table's name in a transformers directory
 
@@ -68,7 +68,7 @@ def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[M
     config of ``backbone`` and ``memory``, the tokenizer, the modeling files, and the weights that
     ``produce(source)`` returns source by source as ``groups`` plans them
     (`fe_megatron.hf.safetensors_stream.write_shards`), with the tables stored as ``table_dtype``
-    (`fe_megatron.memory.table_storage`; None: as trained, ``memory.table_dtype``).  The model holds
+    (`fe_megatron.tables.storage`; None: as trained, ``memory.table_dtype``).  The model holds
     its tables where it runs: the host tier is a training placement, so the config says ``device``.
     ``settings`` (`fe_megatron.convert.common.training_settings`), the training settings of the run
     the weights come from, go to ``fe_training.json`` for ``hf-to-mcore``."""

@@ -11,7 +11,7 @@ same samples the Megatron engine reads at the same data-parallel size):
   boundary); the learning rate of each parameter group is set first from `fe_megatron.training.lr_schedule`;
 * with the tables outside ZeRO (row-sharded, or whole in stores), their own optimizer runs after
   the boundary (`fe_megatron.deepspeed.tables`); with the host tier each microbatch's rows are
-  fetched one microbatch ahead (`fe_megatron.memory.lookahead`).
+  fetched one microbatch ahead (`fe_megatron.tables.lookahead`).
 
 The optimizer is torch's AdamW with Megatron's parameter groups (no weight decay on biases and
 1-D tensors; the tables' learning-rate and weight-decay multipliers), handed to DeepSpeed as a
@@ -52,14 +52,14 @@ from fe_megatron.checkpoint.resume import start_point
 from fe_megatron.checkpoint.run_info import run_info
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
-from fe_megatron.memory.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.memory.loss import weighted_sparsity
-from fe_megatron.memory.managed_tables import storage_needs_stores
+from fe_megatron.tables.plan import TablePlan
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.training.distributed import current_device, log
 from fe_megatron.training.loop import MetricsWriter
 from fe_megatron.training.lr_schedule import learning_rate
-from fe_megatron.training.run import (EngineRun, StepResult, begin, describe_tables, freeze_backbone,
+from fe_megatron.training.run import (EngineRun, StepResult, begin, freeze_backbone,
                                       load_run_tokenizer, microbatches_per_rank, run_datasets, use_bf16)
 
 
@@ -259,16 +259,16 @@ def saved_data_parallel_size(saved_info, default: int) -> int:
     return int(((saved_info or {}).get("layout") or {}).get("data", default))
 
 
-def table_mode(table_sharding: str, memory: dict, table_state_dtype: str) -> str:
-    """How this engine keeps the tables: ``zero`` (ZeRO's parameters), ``rows`` (row-sharded outside
-    ZeRO) or ``replicated`` (whole, in stores outside ZeRO; `fe_megatron.deepspeed.tables`), for
-    the memory config's fields ``memory`` (None: no memory)."""
-    if table_sharding == ROW_SHARDED:
-        return ROW_SHARDED
-    if table_sharding == "replicated" and memory is not None and storage_needs_stores(
-            memory.get("table_dtype", "fp32"), memory.get("table_placement", "device"), table_state_dtype):
-        return "replicated"
-    return "zero"
+def table_mode(table_sharding: str, memory: dict, optimizer: dict) -> str:
+    """How this engine keeps the tables (`TablePlan.mode`): ``zero`` (ZeRO's parameters), ``rows``
+    (row-sharded outside ZeRO) or ``replicated`` (whole, in stores outside ZeRO;
+    `fe_megatron.deepspeed.tables`), for a config's ``memory`` and ``optimizer`` sections as
+    dicts (a saved run's; ``memory`` None: no memory)."""
+    if memory is None:
+        return ROW_SHARDED if table_sharding == ROW_SHARDED else "zero"
+    return TablePlan.resolve("deepspeed", memory.get("table_dtype", "fp32"), optimizer.get("table_state_dtype", "fp32"),
+                             memory.get("table_placement", "device"), table_sharding,
+                             optimizer.get("table_update", "adamw")).mode
 
 
 def refuse_table_mode_change(folder: str, saved_info, tables_mode: str) -> None:
@@ -278,7 +278,7 @@ def refuse_table_mode_change(folder: str, saved_info, tables_mode: str) -> None:
     sharding = layout.get("table_sharding")
     if sharding is None or config.get("memory") is None:
         return
-    saved = table_mode(sharding, config["memory"], (config.get("optimizer") or {}).get("table_state_dtype", "fp32"))
+    saved = table_mode(sharding, config["memory"], config.get("optimizer") or {})
     if saved != tables_mode:
         raise CheckpointError(f"{folder} was saved with its tables {_TABLE_MODES[saved]}, and this run keeps them "
                               f"{_TABLE_MODES[tables_mode]}: resume with the table settings it was saved with "
@@ -288,8 +288,8 @@ def refuse_table_mode_change(folder: str, saved_info, tables_mode: str) -> None:
 
 _TABLE_MODES = {"zero": "as ZeRO parameters (parallel.table_sharding zero, or replicated with fp32 tables)",
                 ROW_SHARDED: "row-sharded outside ZeRO (parallel.table_sharding rows)",
-                "replicated": "whole outside ZeRO (parallel.table_sharding replicated with bf16 tables, the host tier "
-                              "or bf16 table state)"}
+                "replicated": "whole outside ZeRO (parallel.table_sharding replicated with bf16 tables, the host tier, "
+                              "bf16 table state or a sparse table update)"}
 
 
 # ----------------------------------------------------------------------------- model
@@ -406,8 +406,8 @@ def set_up(cfg) -> DeepSpeedRun:
     dp = dist.get_world_size()
     ds_config = resolve(cfg, dp, bf16)
     stage = zero_stage(ds_config)
-    tables_mode = table_mode(p.table_sharding, dataclasses.asdict(cfg.memory) if cfg.memory else None,
-                             o.table_state_dtype)
+    plan = TablePlan.for_run(cfg) if cfg.memory is not None else None
+    tables_mode = plan.mode if plan is not None else table_mode(p.table_sharding, None, {})
     tokenizer = load_run_tokenizer(cfg)
     info = run_info(cfg, dp, {"engine": "deepspeed", "zero_stage": stage})
     start_at = start_point(cfg, "deepspeed", find_deepspeed_checkpoint(cfg), log)
@@ -427,7 +427,8 @@ def set_up(cfg) -> DeepSpeedRun:
     if kind == "hf":
         load_hf_weights(model, where)
     # before .to(device): tables in host memory never reach the GPU
-    tables = StoredTables(model, o, o.table_state_dtype, current_device(), seed=t.seed) if outside_zero else None
+    tables = StoredTables(model, o, o.table_state_dtype, current_device(), seed=t.seed,
+                          update=plan.update) if outside_zero else None
     model.to(current_device())
     if t.recompute == "full":
         model.gradient_checkpointing_enable()
@@ -467,8 +468,8 @@ def set_up(cfg) -> DeepSpeedRun:
                        parameters=parameters, step_index=start)
     where_tables = {"zero": "tables as ZeRO parameters", ROW_SHARDED: "tables row-sharded outside ZeRO",
                     "replicated": "tables whole outside ZeRO"}[tables_mode]
-    if outside_zero:
-        where_tables += "; " + describe_tables(cfg, True)
+    if plan is not None:
+        where_tables += "; " + plan.describe()
     begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, {where_tables}",
           world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
     return run

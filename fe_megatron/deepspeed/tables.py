@@ -1,19 +1,20 @@
 """The DeepSpeed engine's tables outside ZeRO (`StoredTables`).
 
 ``parallel.table_sharding: rows``: the branches are built with their rows sharded over the
-data-parallel group (`fe_megatron.memory.row_exchange`; lookups and gradients travel by
+data-parallel group (`fe_megatron.tables.row_exchange`; lookups and gradients travel by
 all-to-all), so each rank already holds only ``1/N`` of every table.  ZeRO must not partition
 those shards again (ZeRO-3 would all-gather them for every forward) nor average their gradients
 (the row exchange already delivered every rank's gradient to the row's owner).
 
 ``parallel.table_sharding: replicated`` with table stores (bf16 tables, ``table_placement: host``
-or ``optimizer.table_state_dtype: bf16``; `fe_megatron.memory.managed_tables.uses_table_stores`):
+``optimizer.table_state_dtype: bf16`` or a sparse ``optimizer.table_update``;
+`fe_megatron.tables.plan.TablePlan`):
 every rank holds whole tables, whose gradients are all-reduced over the ranks.  (With fp32 tables
 on the device and fp32 state, ``replicated`` keeps meaning what it always did under this engine:
 the tables are ZeRO's parameters, as with ``zero``.)
 
 Either way `StoredTables` takes the tables out of the module tree that DeepSpeed sees and trains
-them with `fe_megatron.memory.managed_tables.ManagedTables`: in stores on the device or on the host,
+them with `fe_megatron.tables.managed.ManagedTables`: in stores on the device or on the host,
 their gradients averaged as DeepSpeed averages its own, with `TableAdamW` and the optimizer
 section's learning-rate and weight-decay multipliers.
 
@@ -34,7 +35,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from fe_megatron.memory.managed_tables import ManagedTables, memory_branches
+from fe_megatron.memory.branch import memory_branches
+from fe_megatron.tables.managed import ManagedTables
 
 
 def tables_file(folder: str, rank: int) -> str:
@@ -43,11 +45,11 @@ def tables_file(folder: str, rank: int) -> str:
 
 class StoredTables:
     """The tables of ``model`` (Hugging Face names), detached from its module tree and trained in
-    stores (on ``device``, or the host per ``memory.table_placement``); ``group``: the data-parallel
-    ranks (default: all)."""
+    stores (on ``device``, or the host per ``memory.table_placement``) by rule ``update``
+    (``optimizer.table_update``); ``group``: the data-parallel ranks (default: all)."""
 
     def __init__(self, model: torch.nn.Module, optimizer_args, state_dtype: str = "fp32", device=None,
-                 group=None, seed: int = 0):
+                 group=None, seed: int = 0, update: str = "adamw"):
         self.group = group
         branches = memory_branches(model)
         if not branches:
@@ -61,7 +63,7 @@ class StoredTables:
         self.tables = ManagedTables(branches, optimizer_args, state_dtype, device,
                                     replica_group=None if self.row_sharded else ranks,
                                     norm_groups=[ranks] if self.row_sharded else [],
-                                    gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed)
+                                    gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed, update=update)
         self.optimizer = self.tables.optimizer
         self.clip_grad = optimizer_args.clip_grad
 

@@ -38,6 +38,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPr
                                                       LlamaRotaryEmbedding)
 
 from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memory, layer_sparsity, weighted_sparsity
+from fe_megatron.memory.branch import start_stage_lookups
 
 from .configuration_fe_megatron import FactorEngramConfig
 
@@ -255,6 +256,11 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
                                          attention_mask=attention_mask, position_ids=position_ids,
                                          **{CACHE_KEYWORD: cache})
         decodings = self._decodings(input_ids, attention_mask, cache)
+        if memory_lookups is None and self.training and not decodings and not getattr(self, "gradient_checkpointing", False) \
+                and any(self.layers[index].memory.row_partition is not None for index in self.memory_layers):
+            # row-sharded tables: every layer's rows requested at once, in one exchange (not under recompute,
+            # where each checkpointed layer looks its rows up again)
+            memory_lookups = self.start_memory_lookups(input_ids, input_ids.device)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         sparsity_terms: list = []
@@ -277,8 +283,9 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         """``{layer_index: started lookup}`` of every memory layer for ``input_ids`` ([b, s]), hashed where
         the ids are (the host tier hashes on the host) with the rows bound for ``device``; pass the
         result to ``forward`` as ``memory_lookups``."""
-        return {index: self.layers[index].memory.start_lookup(self.layers[index].memory.hasher.indices(input_ids),
-                                                              device) for index in self.memory_layers}
+        branches = {index: self.layers[index].memory for index in self.memory_layers}
+        return start_stage_lookups(branches, {index: branch.hasher.indices(input_ids) for index, branch in
+                                              branches.items()}, device)
 
     def _decodings(self, input_ids, attention_mask, cache) -> dict:
         """``{layer_index: Decoding}``: the padding of the new positions and, with a cache, each

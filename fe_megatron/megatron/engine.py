@@ -54,7 +54,7 @@ def count_parameters(model) -> int:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    from fe_megatron.memory.managed_tables import memory_branches
+    from fe_megatron.memory.branch import memory_branches
 
     local = torch.zeros(2, dtype=torch.float64, device=current_device())  # [whole on this stage, row-sharded]
     for name, param in model.named_parameters():
@@ -136,8 +136,9 @@ def set_up(cfg) -> MegatronRun:
     from fe_megatron.megatron.checkpointing import holds_weights_only, load_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask
-    from fe_megatron.megatron.table_optimizer import manage_tables, refuse_table_optimizer_change, tables_in_stores
-    from fe_megatron.training.run import describe_tables
+    from fe_megatron.megatron.table_optimizer import manage_tables, refuse_table_optimizer_change
+    from fe_megatron.memory.sharding import stages_without_memory
+    from fe_megatron.tables.plan import TablePlan
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding,
@@ -150,9 +151,10 @@ def set_up(cfg) -> MegatronRun:
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
     tokenizer = load_run_tokenizer(cfg)
     dp = parallel_state.get_data_parallel_world_size()
-    in_stores = tables_in_stores(cfg, use_bf16(t, on_gpu))
+    plan = None if cfg.memory is None else TablePlan.for_run(
+        cfg, use_bf16(t, on_gpu), bool(stages_without_memory(cfg.memory.layers, m.num_layers, p.pipeline)))
     info = run_info(cfg, dp)  # a layout without "engine" is the Megatron engine's
-    info["tables"] = "stores" if in_stores else "parameters"  # how the tables are trained (table_optimizer.py)
+    info["tables"] = plan.mode if plan else "parameters"  # how the tables are trained (table_optimizer.py)
     start_at = start_point(cfg, "megatron", find_megatron_checkpoint(cfg), log)
     resume_from = start_at.folder
     weights_only = resume_from is not None and holds_weights_only(resume_from)
@@ -169,8 +171,9 @@ def set_up(cfg) -> MegatronRun:
                             share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
                             table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
     tables = None
-    if in_stores:  # before .cuda(): host tables never reach the GPU
-        tables = manage_tables(model, o, o.table_state_dtype, p.table_sharding, current_device(), t.seed)
+    if plan is not None and plan.in_stores:  # before .cuda(): host tables never reach the GPU
+        tables = manage_tables(model, o, o.table_state_dtype, p.table_sharding, current_device(), t.seed,
+                               update=plan.update)
     if tconfig.bf16:
         # every parameter in bf16, as Megatron-LM's Float16Module makes them (its mixed-precision optimizer keeps
         # the fp32 copies and cannot checkpoint fp32 parameters beside bf16 ones); tables in stores keep their dtype
@@ -210,8 +213,7 @@ def set_up(cfg) -> MegatronRun:
                       attention_mask=causal_mask(m.seq_length, current_device()),
                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, start), start_step=start,
                       parameters=count_parameters(model))
-    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f", {describe_tables(cfg, tables is not None)}"
-                                                            if cfg.memory is not None else ""),
+    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f", {plan.describe()}" if plan is not None else ""),
           world_size=torch.distributed.get_world_size(), dp=dp, tp=p.tensor, pp=p.pipeline)
     return run
 

@@ -8,6 +8,7 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.memory.branch import start_stage_lookups
 from fe_megatron.megatron.hasher import MicrobatchHasher
 from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
 
@@ -80,17 +81,18 @@ class FactorEngramGPTModel(GPTModel):
 
     def _start_lookups(self, memory_indices: dict) -> dict:
         """Start every memory layer's lookup now (prefetch) where there is one to start: row-sharded
-        tables send their row requests, tables in stores gather their rows, which then arrive while
-        the layers before them compute; each layer waits only for its own.  Lookups started earlier
+        tables send their row requests (every layer of the stage in one exchange,
+        `fe_megatron.tables.row_exchange.StageRowExchange`), tables in stores gather their rows, which
+        then arrive while the layers before them compute; each layer waits only for its own.  Lookups started earlier
         (`start_memory_lookups`, the host tier's one-microbatch lookahead) are kept.  (Not under full
         recompute, whose checkpointed chunks take the indices as tensor inputs: the lookup then runs
         inside the layer, and again in the recomputation.)"""
         if not self.prefetch_table_rows:
             return memory_indices
+        branches = {layer.layer_index: layer.memory for layer in self.stage_memory_layers}
         started = dict(memory_indices)
-        for layer in self.stage_memory_layers:
-            if layer.layer_index in started and isinstance(started[layer.layer_index], torch.Tensor):
-                started[layer.layer_index] = layer.memory.start_lookup(started[layer.layer_index])
+        started.update(start_stage_lookups(branches, {index: value for index, value in memory_indices.items()
+                                                      if index in branches}))
         return started
 
     def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
@@ -100,9 +102,8 @@ class FactorEngramGPTModel(GPTModel):
         ``memory_indices``."""
         if self.hasher is None:
             return {}
-        layers = {layer.layer_index: layer for layer in self.stage_memory_layers}
-        return {index: layers[index].memory.start_lookup(indices, device)
-                for index, indices in self.hasher(input_ids).items()}
+        branches = {layer.layer_index: layer.memory for layer in self.stage_memory_layers}
+        return start_stage_lookups(branches, self.hasher(input_ids), device)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the

@@ -96,7 +96,7 @@ def _cp_chunk_location(chunk: int, size: int):
 class MegatronParallelHooks(ParallelHooks):
     """TP (with or without SP) and CP communication for one memory branch, sequence-first; with
     ``memory_parallel_group`` the tables' rows are sharded over it (the row exchange itself is
-    `fe_megatron.memory.row_exchange`, shared with every engine)."""
+    `fe_megatron.tables.row_exchange`, shared with every engine)."""
 
     sequence_dim = 0
 

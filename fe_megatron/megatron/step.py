@@ -11,7 +11,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
-from fe_megatron.memory.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.training.distributed import current_device
 from fe_megatron.training.run import StepResult
 

@@ -1,7 +1,7 @@
-"""The Megatron engine's tables in stores: bf16 tables, the host tier, bf16 optimizer state, and
-every table of a bf16 run.
+"""The Megatron engine's tables in stores: bf16 tables, the host tier, bf16 optimizer state, a
+sparse table update, and every table of a bf16 run.
 
-When the run's tables are in stores (`tables_in_stores`) `manage_tables` moves every memory
+When the run's tables are in stores (`fe_megatron.tables.plan.TablePlan`) `manage_tables` moves every memory
 branch of this pipeline stage into one before the model goes to the GPU, so host-resident tables
 never touch it.  The tables are then buffers, not parameters:
 Megatron's DDP neither buckets nor all-reduces them and its optimizer keeps no fp32 copy of them.
@@ -27,22 +27,9 @@ import torch
 from megatron.core import parallel_state
 
 from fe_megatron.megatron import compat
-from fe_megatron.memory.managed_tables import ManagedTables, memory_branches, uses_table_stores
-from fe_megatron.memory.sharding import ROW_SHARDED, stages_without_memory
-
-
-def tables_in_stores(cfg, bf16: bool) -> bool:
-    """Whether this run's tables are trained from stores: as the storage asks
-    (`fe_megatron.memory.managed_tables.uses_table_stores`); always in a bf16 run, whose
-    mixed-precision optimizer would otherwise hold the tables as bf16 weights with fp32 copies
-    (18 bytes per table parameter) instead of ``memory.table_dtype``; and when a pipeline stage
-    holds no memory layer (the paper's layers 10 and 12 of 24 at PP=4), where Megatron would build
-    its table optimizer on some stages only, and a checkpoint, whose optimizer structure global rank
-    0 writes for every rank, would not load into the others."""
-    if cfg.memory is None:
-        return False
-    stage_without_memory = bool(stages_without_memory(cfg.memory.layers, cfg.model.num_layers, cfg.parallel.pipeline))
-    return bf16 or stage_without_memory or uses_table_stores(cfg.memory, cfg.optimizer.table_state_dtype)
+from fe_megatron.memory.branch import memory_branches
+from fe_megatron.memory.sharding import ROW_SHARDED
+from fe_megatron.tables.managed import ManagedTables
 
 
 def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> None:
@@ -73,9 +60,11 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
                           "(fe-convert mcore-to-hf, then hf-to-mcore, and --load the output)")
 
 
-def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int) -> ManagedTables:
+def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int,
+                  update: str = "adamw") -> ManagedTables:
     """Every memory branch of this pipeline stage's ``model`` in a store (on ``device`` or the host,
-    as its ``table_placement`` says), with the groups and averaging of Megatron's layout."""
+    as its ``table_placement`` says), with the groups and averaging of Megatron's layout, trained by
+    rule ``update``."""
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
     norm_groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()]
     rows = table_sharding == ROW_SHARDED
@@ -83,7 +72,8 @@ def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, 
         norm_groups.append(parallel_state.get_expert_model_parallel_group())
     return ManagedTables(memory_branches(model), optimizer_args, state_dtype, device,
                          replica_group=None if rows else data_parallel, norm_groups=norm_groups,
-                         gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed)
+                         gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed,
+                         update=update, row_group=parallel_state.get_tensor_model_parallel_group())
 
 
 class TableOptimizer(compat.fp32_optimizer_class()):
@@ -137,10 +127,18 @@ class TableOptimizer(compat.fp32_optimizer_class()):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         """As `FP32Optimizer`'s, over the tables (which `get_parameters` does not list), with the
         step count always written, from the counter every stage keeps: only global rank 0 writes a
-        checkpoint's common part, and its stage may hold no table."""
+        checkpoint's common part, and its stage may hold no table.  ``rowwise_adagrad``'s one value
+        per row is written repeated across the row's columns, so that it shards and reshards with the
+        table's own layout (tensor-parallel columns, row shards) in megatron-core's machinery; it
+        is read back from the first column."""
         if is_loading:
             self.optimizer.initialize_state()
         state_dict = self.state_dict()
+        for index, state in list(state_dict["state"].items()):  # rowwise_adagrad's [rows] state, as the table's
+            if "momentum" in state:  # (a new dict: torch's state_dict shares the live state's)
+                momentum, width = state["momentum"], self.tables.weights[index].shape[1]
+                state_dict["state"][index] = dict(state, momentum=momentum.new_zeros(momentum.shape[0], width)
+                                                  if is_loading else momentum.unsqueeze(1).expand(-1, width).contiguous())
         compat.optimizer_state_sharding(state_dict, model_sharded_state_dict, self.tables.weights, exclude_keys="step")
         state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
         return state_dict

@@ -14,15 +14,16 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
-from fe_megatron.memory.row_exchange import RowLookup, RowPartition
+from fe_megatron.tables.row_exchange import LayerRowLookup, RowLookup, RowPartition, StageRowExchange
 from fe_megatron.memory.sharding import local_shape, param_sharding
 from fe_megatron.memory.short_conv import ShortConv
-from fe_megatron.memory.table_store import StoreLookup
+from fe_megatron.tables.store import StoreLookup
 from fe_megatron.memory.tables import NgramTables
 from fe_megatron.ngram import NgramHasher
 
 
-STARTED_LOOKUPS = (RowLookup, StoreLookup)  # what `MemoryBranch.start_lookup` returns for tables to fetch from
+# what `MemoryBranch.start_lookup` and `start_stage_lookups` return for tables to fetch from
+STARTED_LOOKUPS = (RowLookup, StoreLookup, LayerRowLookup)
 
 
 @dataclass(frozen=True)
@@ -199,3 +200,36 @@ class MemoryBranch(nn.Module):
         if got is not None and got != expected:
             raise ValueError(f"token ids / indices of shape {tuple((token_ids if indices is None else indices).shape)} "
                              f"do not match hidden_states [batch, seq] = {expected}")
+
+
+def memory_branches(model: nn.Module) -> dict:
+    """``{module name: branch}`` of every memory branch in ``model``."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, MemoryBranch)}
+
+
+def start_stage_lookups(branches: dict, indices: dict, device=None) -> dict:
+    """``{layer_index: started lookup}`` of a pipeline stage's memory ``branches``
+    (``{layer_index: branch}``) for one microbatch's ``indices`` (``{layer_index: [.., branches]}``).
+    The layers whose tables are row-sharded over the same group share one `StageRowExchange`
+    (one set of all-to-alls for all of them); the others start their own (`MemoryBranch.start_lookup`),
+    and indices that are not tensors (lookups started earlier) are kept."""
+    started, sharded = {}, {}
+    for index, value in indices.items():
+        branch = branches[index]
+        if not isinstance(value, torch.Tensor):
+            started[index] = value
+        elif branch.row_partition is not None:
+            sharded.setdefault(id(branch.parallel.memory_parallel_group), []).append(index)
+        else:
+            started[index] = branch.start_lookup(value, device)
+    for layers in sharded.values():
+        if len(layers) == 1:
+            started[layers[0]] = branches[layers[0]].start_lookup(indices[layers[0]], device)
+            continue
+        group = [branches[index] for index in layers]
+        exchange = StageRowExchange(
+            [b.tables.store if b.tables.store is not None else b.tables.weight for b in group],
+            [indices[index].to(device if device is not None else indices[index].device) for index in layers],
+            [b.row_partition for b in group], group[0].parallel.memory_parallel_group)
+        started.update({index: exchange.layer_lookup(position) for position, index in enumerate(layers)})
+    return started

@@ -22,7 +22,7 @@ class ParallelHooks:
     Attributes:
       tensor_parallel_size, tensor_parallel_rank: the column split of the tables (shapes only).
       memory_parallel_group: the process group the tables' rows are sharded over
-        (`fe_megatron.memory.row_exchange`), or None when every rank holds whole tables.
+        (`fe_megatron.tables.row_exchange`), or None when every rank holds whole tables.
       sequence_dim: 1 for ``[batch, seq, ...]`` tensors (the default), 0 for Megatron's
         sequence-first ``[seq, batch, ...]``.
     """

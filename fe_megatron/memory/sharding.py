@@ -16,7 +16,7 @@ the same name.  Splits:
   of D.  ``None``: whole on every tensor-parallel rank.  Those parameters see only the rank's
   own tokens under sequence parallelism, so their gradients are summed over the TP group.
 * ``row_parallel``: with row sharding on (``parallel.table_sharding: rows``), the rows are split
-  over the memory-parallel group, per branch, as `fe_megatron.memory.row_exchange.RowPartition`
+  over the memory-parallel group, per branch, as `fe_megatron.tables.row_exchange.RowPartition`
   says; lookups then go through the all-to-all row exchange.  This composes with the column
   split: a rank holds about ``rows / N x columns / tp``.
 * ``is_table``: an n-gram table (learning-rate and weight-decay multipliers, `docs/training.md`).

@@ -2,7 +2,7 @@
 
 The rows are FactorEngram's coefficients z or Engram's dense embeddings; both are addressed
 the same way, by n-gram (`fe_megatron.ngram`).  They are stored as ``MemoryConfig.table_dtype``
-says (`fe_megatron.memory.table_storage`): fp32, bf16 or fp8 (for serving, where only the gathered
+says (`fe_megatron.tables.storage`): fp32, bf16 or fp8 (for serving, where only the gathered
 rows are dequantized).  A table trained by fe_megatron's own optimizer lives in a `TableStore`
 (`manage`): device or host memory, outside the module's parameters.
 """
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 
 from fe_megatron import ops
-from fe_megatron.memory.table_storage import ROW_SCALE, STORAGE, dequantize_rows, has_row_scale, quantize_table
-from fe_megatron.memory.table_store import StoreLookup, TableStore
+from fe_megatron.tables.storage import ROW_SCALE, STORAGE, dequantize_rows, has_row_scale, quantize_table
+from fe_megatron.tables.store import StoreLookup, TableStore
 
 
 class NgramTables(nn.Module):

@@ -88,7 +88,7 @@ def format_budget(config: MemoryConfig, name: str = "") -> str:
 
 
 def serving_table_bytes(config: MemoryConfig) -> dict:
-    """``{table_dtype: bytes}`` of all tables stored in each format (`fe_megatron.memory.table_storage`)."""
+    """``{table_dtype: bytes}`` of all tables stored in each format (`fe_megatron.tables.storage`)."""
     tables = sum(memory_layer_budget(config, layer).tables for layer in config.layers)
     rows = tables // config.branch_width
     return {"fp32": 4 * tables, "bf16": 2 * tables, "fp8": tables + 4 * rows}

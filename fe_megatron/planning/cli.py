@@ -6,6 +6,7 @@ import sys
 from fe_megatron.config import TABLE_PLACEMENTS, ConfigError, MemoryConfig
 from fe_megatron.planning.budget import format_budget
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
+from fe_megatron.tables.sparse_update import TABLE_UPDATES
 from fe_megatron.planning.rank_memory import (DTYPE_BYTES, TableStorage, format_rank_memory,
                                               format_table_storage_choices)
 from fe_megatron.planning.run_estimates import format_run_estimates
@@ -38,6 +39,7 @@ SETTINGS = (
     ("table_dtype", "memory.table_dtype", "fp32"),
     ("table_state_dtype", "optimizer.table_state_dtype", "fp32"),
     ("table_placement", "memory.table_placement", "device"),
+    ("table_update", "optimizer.table_update", "adamw"),
 )
 
 
@@ -127,6 +129,9 @@ def main(argv=None) -> int:
                          help="optimizer.table_state_dtype: the tables' gradient and Adam moments (default fp32)")
     storage.add_argument("--table-placement", choices=TABLE_PLACEMENTS, default=None,
                          help="memory.table_placement (default device)")
+    storage.add_argument("--table-update", choices=TABLE_UPDATES, default=None,
+                         help="optimizer.table_update: adamw (every row, default), or a sparse rule that keeps no "
+                              "dense gradient (rowwise_adagrad: one fp32 state per row; lazy_adam)")
     args = parser.parse_args(argv)
     try:
         config, name, train_config = _load(args)
@@ -150,7 +155,8 @@ def main(argv=None) -> int:
                 saves = -(-t.train_steps // t.save_interval)
                 sequence_parallel = train_config.parallel.sequence_parallel
                 fused_attention = t.transformer_impl == "te"
-            storage = TableStorage(value["table_dtype"], value["table_state_dtype"], value["table_placement"])
+            storage = TableStorage(value["table_dtype"], value["table_state_dtype"], value["table_placement"],
+                                   value["table_update"])
             print(format_settings(settings))
             print(format_rank_memory(config, tp, pp, dp, value["table_sharding"], value["distributed_optimizer"],
                                      value["precision"], value["micro_batch_size"], value["seq_length"],

@@ -6,7 +6,7 @@ reported):
 * the tables: weights, gradients and Adam's two moments.  Held by the engine's optimizer (fp32
   tables and state, device memory, fp32 precision) that is 4 + 4 + 8 = 16 bytes per parameter,
   with the moments of whole tables split over the data-parallel ranks by the distributed
-  optimizer.  In table stores (`fe_megatron.memory.managed_tables`: bf16 tables, bf16 state, the
+  optimizer.  In table stores (`fe_megatron.tables.managed`: bf16 tables, bf16 state, the
   host tier, every bf16 run, and every run with a pipeline stage that holds no memory layer) it
   is the table dtype's bytes + the state dtype's for the gradient and each moment: 16 (fp32, fp32
   state), 14 (bf16 tables), 8 (bf16 tables and bf16 state), and the distributed optimizer does
@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.tables.plan import TablePlan
 from fe_megatron.memory.sharding import (MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, pipeline_stage_layers,
                                          stages_without_memory)
 from fe_megatron.planning.budget import layer_params, memory_layer_budget
@@ -77,13 +78,29 @@ class TableStorage:
     table_dtype: str = "fp32"
     state_dtype: str = "fp32"  # optimizer.table_state_dtype: the gradient and the two moments
     placement: str = "device"
+    update: str = "adamw"  # optimizer.table_update
+
+    def plan(self, precision: str, stage_without_memory: bool = False,
+             table_sharding: str = "replicated") -> TablePlan:
+        """The Megatron engine's `TablePlan` for this storage (who trains the tables, what state they keep)."""
+        return TablePlan.resolve("megatron", self.table_dtype, self.state_dtype, self.placement, table_sharding,
+                                 self.update, precision == "bf16", stage_without_memory)
 
     def in_stores(self, precision: str, stage_without_memory: bool = False) -> bool:
-        """Trained by fe_megatron's table optimizer (`fe_megatron.megatron.table_optimizer.tables_in_stores`)."""
-        return precision == "bf16" or stage_without_memory or self != TableStorage()
+        """Trained by fe_megatron's table optimizer (`TablePlan.in_stores`)."""
+        return self.plan(precision, stage_without_memory).in_stores
 
-    def bytes_per_parameter(self) -> int:
-        return DTYPE_BYTES[self.table_dtype] + 3 * DTYPE_BYTES[self.state_dtype]
+    def describe_state(self) -> str:
+        if self.update == "rowwise_adagrad":
+            return "gradients of the touched rows only, rowwise_adagrad's one fp32 state per row"
+        if self.update == "lazy_adam":
+            return f"gradients of the touched rows only, {self.state_dtype} Adam moments (lazy_adam)"
+        return f"{self.state_dtype} gradients and Adam moments"
+
+    def bytes_per_parameter(self, width: int = 128) -> float:
+        """Weight, gradient and optimizer state per table parameter (rows of ``width`` columns on a rank)."""
+        plan = self.plan("fp32")
+        return DTYPE_BYTES[self.table_dtype] + plan.gradient_bytes_per_parameter() + plan.state_bytes_per_parameter(width)
 
 
 def _stage_params(config: MemoryConfig, pp: int, stage: int) -> tuple:
@@ -112,9 +129,9 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
         raise ValueError(f"precision {precision!r} is not one of fp32, bf16")
     if config.num_layers % pp:
         raise ValueError(f"pipeline size {pp} does not divide num_layers={config.num_layers}")
-    in_stores = storage.in_stores(precision, bool(stages_without_memory(config.layers, config.num_layers, pp)))
-    split_table_moments = distributed_optimizer and table_sharding == "replicated" and not in_stores
-    state = DTYPE_BYTES[storage.state_dtype]
+    plan = storage.plan(precision, bool(stages_without_memory(config.layers, config.num_layers, pp)), table_sharding)
+    split_table_moments = distributed_optimizer and table_sharding == "replicated" and not plan.in_stores
+    gradient, state = plan.gradient_bytes_per_parameter(), plan.state_bytes_per_parameter(config.branch_width // tp)
     rest_bytes = 2 if precision == "bf16" else 4
 
     def stage_memory(stage: int) -> RankMemory:
@@ -122,8 +139,8 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
         tables /= tp * (dp if table_sharding == ROW_SHARDED else 1)
         rest /= tp
         rest_optimizer = rest * (8 + (4 if precision == "bf16" else 0))
-        return RankMemory(table_weights=tables * DTYPE_BYTES[storage.table_dtype], table_grads=tables * state,
-                          table_optimizer=tables * 2 * state / (dp if split_table_moments else 1),
+        return RankMemory(table_weights=tables * DTYPE_BYTES[storage.table_dtype], table_grads=tables * gradient,
+                          table_optimizer=tables * state / (dp if split_table_moments else 1),
                           rest_weights=rest * rest_bytes, rest_grads=rest * 4,
                           rest_optimizer=rest_optimizer / (dp if distributed_optimizer else 1),
                           tables_on_host=storage.placement == "host")
@@ -132,7 +149,9 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
 
 
 TRAINING_STORAGES = (TableStorage(), TableStorage("bf16"), TableStorage("bf16", "bf16"),
-                     TableStorage(placement="host"), TableStorage("bf16", "bf16", "host"))
+                     TableStorage(placement="host"), TableStorage("bf16", "bf16", "host"),
+                     TableStorage("bf16", update="rowwise_adagrad"), TableStorage("bf16", placement="host",
+                                                                                  update="rowwise_adagrad"))
 
 
 @dataclass(frozen=True)
@@ -143,6 +162,7 @@ class StorageChoice:
     table_dtype: str
     state_dtype: str  # the gradient and Adam's moments ("-" when serving)
     placement: str
+    update: str  # optimizer.table_update ("-" when serving)
     sharding: str  # whole | rows
     bytes_per_parameter: float
     tables: float
@@ -161,16 +181,16 @@ def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, preci
         for storage in TRAINING_STORAGES:
             m = rank_memory(config, tp, pp, dp, sharding, distributed_optimizer, precision, storage)
             choices.append(StorageChoice("train", storage.table_dtype, storage.state_dtype, storage.placement,
-                                         "whole" if sharding == "replicated" else "rows",
+                                         storage.update, "whole" if sharding == "replicated" else "rows",
                                          m.tables / (m.table_weights / DTYPE_BYTES[storage.table_dtype])
-                                         if m.table_weights else storage.bytes_per_parameter(), m.tables,
-                                         m.device, m.host))
+                                         if m.table_weights else storage.bytes_per_parameter(config.branch_width // tp),
+                                         m.tables, m.device, m.host))
     whole = rank_memory(config, tp, pp, 1, "replicated", False, precision)
     table_params = whole.table_weights / 4  # this stage's tables, split by tensor parallelism
     rows = table_params / (config.branch_width / tp)
     for dtype, per_param, per_row in (("fp32", 4, 0), ("bf16", 2, 0), ("fp8", 1, 4)):
         table_bytes = table_params * per_param + rows * per_row
-        choices.append(StorageChoice("serve", dtype, "-", "device", "whole", table_bytes / table_params, table_bytes,
+        choices.append(StorageChoice("serve", dtype, "-", "device", "-", "whole", table_bytes / table_params, table_bytes,
                                      table_bytes + whole.rest_weights, 0.0))
     return choices
 
@@ -181,20 +201,22 @@ def format_table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int
     gib = 2 ** 30
     lines = [f"# the tables' storage choices at TP={tp} PP={pp} DP={dp}, the rest of the model in {precision} (per "
              f"rank, GiB{', the heaviest pipeline stage' if pp > 1 else ''}).  dtype: the tables' (memory.table_dtype); state: their "
-             "gradient and Adam's two moments (optimizer.table_state_dtype); B/p: bytes per table parameter; "
+             "gradient and Adam's two moments (optimizer.table_state_dtype); update: optimizer.table_update (the sparse "
+             "rules keep no dense gradient; rowwise_adagrad one fp32 state per row); B/p: bytes per table parameter; "
              "'device' adds the rest of the model; 'host': the host tier's share of one rank; fits: the device "
              f"within {device_gib:g} GiB (before activations) and {ranks_per_node} ranks' host shares within a node's "
              f"{host_gib:g} GiB",
-             f"{'':<6}{'dtype':<6}{'state':<6}{'placement':<10}{'sharding':<10}{'B/p':>5}{'tables':>9}{'device':>9}"
+             f"{'':<6}{'dtype':<6}{'state':<6}{'placement':<10}{'update':<16}{'sharding':<10}{'B/p':>5}{'tables':>9}"
+             f"{'device':>9}"
              f"{'host':>9}  fits"]
     for c in table_storage_choices(config, tp, pp, dp, precision, distributed_optimizer):
         sharding = c.sharding if c.sharding == "whole" else f"rows/{dp}"
         fits = c.device <= device_gib * gib and c.host * ranks_per_node <= host_gib * gib
-        lines.append(f"{c.use:<6}{c.table_dtype:<6}{c.state_dtype:<6}{c.placement:<10}{sharding:<10}"
+        lines.append(f"{c.use:<6}{c.table_dtype:<6}{c.state_dtype:<6}{c.placement:<10}{c.update:<16}{sharding:<10}"
                      f"{c.bytes_per_parameter:>5.1f}{c.tables / gib:>9.2f}{c.device / gib:>9.2f}{c.host / gib:>9.2f}  "
                      f"{'yes' if fits else 'no'}")
-    lines.append("(train with memory.table_dtype, optimizer.table_state_dtype, memory.table_placement and "
-                 "parallel.table_sharding; serve with fe-convert --table-dtype; docs/tables.md)")
+    lines.append("(train with memory.table_dtype, optimizer.table_state_dtype, memory.table_placement, "
+                 "optimizer.table_update and parallel.table_sharding; serve with fe-convert --table-dtype; docs/tables.md)")
     return "\n".join(lines)
 
 
@@ -221,8 +243,9 @@ def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sh
     lines = [f"# per rank: TP={tp} PP={pp} DP={dp}, tables {table_sharding}, the rest of the model in {precision}"
              f"{', distributed optimizer' if distributed_optimizer else ''}"
              f"{' (the heaviest pipeline stage)' if pp > 1 else ''}",
-             f"# counted in: tables {storage.table_dtype} weights, {storage.state_dtype} gradients and Adam moments "
-             f"({storage.bytes_per_parameter()} bytes per parameter), in {storage.placement} memory; rest {rest_dtype}",
+             f"# counted in: tables {storage.table_dtype} weights, {storage.describe_state()} "
+             f"({storage.bytes_per_parameter(config.branch_width // tp):g} bytes per parameter), in "
+             f"{storage.placement} memory; rest {rest_dtype}",
              f"{'':<8}{'weights':>10}{'grads':>10}{'optimizer':>11}{'total':>10}  (GiB)",
              f"{'tables':<8}{m.table_weights / gib:>10.2f}{m.table_grads / gib:>10.2f}{m.table_optimizer / gib:>11.2f}"
              f"{m.tables / gib:>10.2f}{'  (host)' if m.tables_on_host else ''}",
@@ -231,9 +254,7 @@ def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sh
              f"rank_bytes={int(m.tables + m.rest)} (device {int(m.device)}, host {int(m.host)})"]
     stage_without_memory = bool(stages_without_memory(config.layers, config.num_layers, pp))
     if distributed_optimizer and table_sharding == "replicated" and storage.in_stores(precision, stage_without_memory):
-        why = [reason for reason, holds in (("this table storage", storage != TableStorage()),
-                                            ("a bf16 run", precision == "bf16"),
-                                            ("a pipeline stage holds no memory layer", stage_without_memory)) if holds]
+        why = storage.plan(precision, stage_without_memory).reasons
         lines.append(f"the tables' Adam moments are not split over DP: the tables train from stores ({', '.join(why)}),"
                      " which the distributed optimizer does not shard (docs/tables.md)")
     if table_sharding == ROW_SHARDED:

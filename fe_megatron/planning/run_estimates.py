@@ -63,7 +63,8 @@ def checkpoint_bytes(config: MemoryConfig, precision: str, storage: TableStorage
         sum(memory_layer_budget(config, layer).dense.values()) for layer in config.layers)
     rest = total_params(config) - table_params
     rest_bytes = rest * ((2 + 4) if precision == "bf16" else 4) + rest * 8
-    table_bytes = table_params * (DTYPE_BYTES[storage.table_dtype] + 2 * DTYPE_BYTES[storage.state_dtype])
+    state = storage.plan(precision).state_bytes_per_parameter(config.branch_width)
+    table_bytes = table_params * (DTYPE_BYTES[storage.table_dtype] + state)
     return rest_bytes + table_bytes
 
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, load_yaml, read_yaml_mapping
-from fe_megatron.memory.managed_tables import uses_table_stores
 from fe_megatron.memory.sharding import TABLE_SHARDINGS
-from fe_megatron.memory.table_optimizer import STATE_DTYPES
+from fe_megatron.tables.optimizer import STATE_DTYPES
+from fe_megatron.tables.plan import TablePlan
+from fe_megatron.tables.sparse_update import TABLE_UPDATES
 from fe_megatron.ops import BACKEND_NAMES
 
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
@@ -57,6 +58,9 @@ class OptimizerArgs:
     table_lr_mult: float = 1.0
     table_weight_decay_mult: float = 1.0  # the paper's: decay the tables like every weight; 0 = Engram-style exemption
     table_state_dtype: str = "fp32"  # fp32 | bf16: the tables' gradient accumulators and Adam moments (docs/tables.md)
+    # adamw (every row, the paper's) | rowwise_adagrad | lazy_adam: the sparse rules update only the rows a step
+    # touched (fe_megatron.tables.sparse_update, docs/tables.md)
+    table_update: str = "adamw"
 
 
 @dataclass
@@ -161,20 +165,20 @@ class TrainConfig:
         o, memory = self.optimizer, self.memory
         if o.table_state_dtype not in TABLE_STATE_DTYPES:
             fail("optimizer", "table_state_dtype", f"{o.table_state_dtype!r} is not one of {TABLE_STATE_DTYPES}")
+        if o.table_update not in TABLE_UPDATES:
+            fail("optimizer", "table_update", f"{o.table_update!r} is not one of {TABLE_UPDATES}")
         if memory is None:
             return
         if memory.table_dtype == "fp8":
             fail("memory", "table_dtype", "'fp8' is a serving format (fe-convert --table-dtype fp8); fe-pretrain "
                                           "trains fp32 or bf16 tables: set memory.table_dtype=fp32 or bf16")
-        if self.training.engine == "deepspeed" and self.parallel.table_sharding == "zero" \
-                and uses_table_stores(memory, o.table_state_dtype):
-            field, value = next((f, v) for f, v in (("memory.table_dtype", memory.table_dtype),
-                                                     ("memory.table_placement", memory.table_placement),
-                                                     ("optimizer.table_state_dtype", o.table_state_dtype))
-                                if v not in ("fp32", "device"))
-            fail("parallel", "table_sharding", f"'zero' keeps the tables as ZeRO's parameters, which cannot hold "
-                                               f"{field}={value}; use table_sharding rows (or replicated: whole "
-                                               "tables outside ZeRO) for bf16 tables, the host tier or bf16 state")
+        if self.training.engine == "deepspeed" and self.parallel.table_sharding == "zero":
+            plan = TablePlan.for_run(self)
+            if plan.in_stores:
+                fail("parallel", "table_sharding", f"'zero' keeps the tables as ZeRO's parameters, which cannot hold "
+                                                   f"{plan.reasons[0]}; use table_sharding rows (or replicated: whole "
+                                                   "tables outside ZeRO) for bf16 tables, the host tier, bf16 state "
+                                                   "or a sparse table update")
 
     def _validate_engine(self, fail) -> None:
         t, p = self.training, self.parallel

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from fe_megatron.memory.lookahead import HOST_TOKENS
+from fe_megatron.tables.lookahead import HOST_TOKENS
 from fe_megatron.training.distributed import current_device, log
 
 REQUEUE_MARKER = "requeue_requested"
@@ -78,7 +78,7 @@ class EngineRun:
     @property
     def fetches_rows_ahead(self) -> bool:
         """Whether each microbatch's table rows are fetched from host memory one microbatch ahead
-        (`fe_megatron.memory.lookahead`): the host tier, except under full recompute, whose layers
+        (`fe_megatron.tables.lookahead`): the host tier, except under full recompute, whose layers
         look their rows up themselves."""
         memory = self.cfg.memory
         return memory is not None and memory.table_placement == "host" and self.cfg.training.recompute != "full"
@@ -148,17 +148,6 @@ def freeze_backbone(model) -> None:
     if not trainable:
         raise ValueError("training.freeze_backbone=true but the model has no memory branch to train "
                          "(memory: null); set freeze_backbone=false")
-
-
-def describe_tables(cfg, in_stores: bool) -> str:
-    """How the run keeps its tables, for the start line: e.g. ``tables bf16 (state bf16) in stores in
-    host memory, rows``."""
-    memory, o = cfg.memory, cfg.optimizer
-    if not in_stores:
-        return f"tables {memory.table_dtype} as the engine's parameters, {cfg.parallel.table_sharding}"
-    state = f" (state {o.table_state_dtype})" if o.table_state_dtype != "fp32" else ""
-    where = "in host memory" if memory.table_placement == "host" else "on the device"
-    return f"tables {memory.table_dtype}{state} in stores {where}, {cfg.parallel.table_sharding}"
 
 
 def use_bf16(training, on_gpu: bool) -> bool:

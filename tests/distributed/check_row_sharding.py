@@ -4,6 +4,7 @@ state) against tables held as parameters, through fe-pretrain's own checkpoints.
 Run (one phase per invocation; tests/test_row_sharding.py and tests/test_table_storage.py chain them):
   torchrun --nproc_per_node N tests/distributed/check_row_sharding.py --tables rows|replicated --tp T --pp P \
       [--placement device|host] [--table-dtype fp32|bf16] [--state-dtype fp32|bf16] \
+      [--table-update adamw|rowwise_adagrad|lazy_adam] \
       [--init DIR | --save-init DIR] [--load DIR] --steps A:B [--record F | --compare F [--tol X]] \
       [--save-step K DIR] [--save-final DIR | --compare-final DIR] [--check-memory]
 
@@ -29,8 +30,8 @@ from fe_megatron.checkpoint.commit import find_checkpoint  # noqa: E402
 from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, train_step
-from fe_megatron.memory.lookahead import HOST_TOKENS
-from fe_megatron.memory.managed_tables import memory_branches
+from fe_megatron.tables.lookahead import HOST_TOKENS
+from fe_megatron.memory.branch import memory_branches
 
 SEQ, GLOBAL_BATCH, STEPS = 32, 4, 3
 
@@ -77,12 +78,13 @@ def my_batches(step: int):
     return batches
 
 
-def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtype: str = "fp32"):
+def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtype: str = "fp32",
+          update: str = "adamw"):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from fe_megatron.megatron.table_optimizer import manage_tables
-    from fe_megatron.memory.managed_tables import uses_table_stores
+    from fe_megatron.tables.plan import TablePlan
     from fe_megatron.training.config import OptimizerArgs
 
     initialize(tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=7, table_sharding=tables)
@@ -96,8 +98,9 @@ def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtyp
             layer.memory.conv.weight.normal_(std=0.1)
     args = OptimizerArgs(lr=1e-2, min_lr=1e-3, weight_decay=0.01, beta1=0.9, beta2=0.999, clip_grad=0.5,
                          table_lr_mult=2.0)
-    stores = manage_tables(model, args, state_dtype, tables, torch.device("cpu"), seed=7) \
-        if uses_table_stores(mc, state_dtype) else None
+    plan = TablePlan.resolve("megatron", mc.table_dtype, state_dtype, mc.table_placement, tables, update)
+    stores = manage_tables(model, args, state_dtype, tables, torch.device("cpu"), seed=7, update=update) \
+        if plan.in_stores else None
     ddp = wrap_ddp(model, cfg)
     opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01,
                                                  clip_grad=0.5), table_lr_mult=2.0, tables=stores)
@@ -164,12 +167,14 @@ def main():
     parser.add_argument("--placement", choices=["device", "host"], default="device")
     parser.add_argument("--table-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--table-update", choices=["adamw", "rowwise_adagrad", "lazy_adam"], default="adamw")
     parser.add_argument("--tol", type=float, default=1e-5, help="relative tolerance of every comparison")
     args = parser.parse_args()
     STORAGE.update(table_dtype=args.table_dtype, table_placement=args.placement)
     first, last = (int(x) for x in args.steps.split(":"))
     check = Checker()
-    model, ddp, opt, sched = build(args.tables, args.tp, args.pp, args.recompute, args.state_dtype)
+    model, ddp, opt, sched = build(args.tables, args.tp, args.pp, args.recompute, args.state_dtype,
+                                   args.table_update)
     if args.save_init:
         save_model(model, args.save_init)
     if args.init:

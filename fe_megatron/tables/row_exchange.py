@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron import ops
-from fe_megatron.memory.table_store import TableStore
+from fe_megatron.tables.store import TableStore
 
 
 @dataclass(frozen=True)
@@ -206,3 +206,156 @@ class _RowShardedGather(torch.autograd.Function):
             lookup.anchor, lambda out: ops.gather_rows_backward(received, lookup.requested, out, deterministic,
                                                                 lookup.backend),
             dense_dtype=torch.float32), None
+
+
+class StageRowExchange:
+    """The row lookups of every memory layer of a pipeline stage for one microbatch, exchanged
+    together: one all-to-all of counts (the one device synchronization), one of requests and one
+    of rows in forward, and one of gradients in backward, whatever the number of layers.
+
+    Each layer's indices are deduplicated against themselves (each layer has its own tables); the
+    requests of all layers travel in one buffer, grouped by owner and, within an owner, by layer.
+    An owner serves each layer's requests from that layer's shard.  `layer_lookup` gives each
+    layer its view (`LayerRowLookup`), which the layer's branch takes as a started lookup.
+
+    Backward: each layer sums its positions' gradients per unique row when autograd reaches it.
+    Where every shard can receive its gradient after its layer's backward has returned (a
+    `TableStore`, or a parameter whose gradient goes to ``main_grad`` under Megatron's DDP), the
+    sums wait until the last layer of the stage (the first in forward order) has delivered its own,
+    and one all-to-all sends them all to their owners.  Otherwise (a plain parameter, whose
+    autograd gradient must be returned at once) each layer sends its own.
+    """
+
+    def __init__(self, sources: list, indices: list, partitions: list, group: dist.ProcessGroup):
+        self.stores = [source if isinstance(source, TableStore) else None for source in sources]
+        self.weights = [store.weight if store is not None else source for store, source in zip(self.stores, sources)]
+        widths, dtypes = {w.shape[1] for w in self.weights}, {w.dtype for w in self.weights}
+        if len(widths) != 1 or len(dtypes) != 1:
+            raise ValueError(f"the layers exchanged together must share the tables' width and dtype; got widths "
+                             f"{sorted(widths)} and dtypes {sorted(map(str, dtypes))}")
+        self.width, self.indices, self.partitions, self.group = widths.pop(), indices, partitions, group
+        layers, world = len(sources), partitions[0].size
+        self.layers, self.world = layers, world
+        device = indices[0].device
+        self.inverses, self.unique_counts, owners, locals_ = [], [], [], []
+        for flat, partition in zip((i.reshape(-1) for i in indices), partitions):
+            unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            owner, local = partition.locate(unique)
+            self.inverses.append(inverse)
+            self.unique_counts.append(unique.numel())
+            owners.append(owner)
+            locals_.append(local)
+        owner = torch.cat(owners)
+        layer_of = torch.repeat_interleave(torch.arange(layers, device=device),
+                                           torch.tensor(self.unique_counts, device=device))
+        key = owner * layers + layer_of  # requests grouped by owner, then by layer
+        self.order = torch.argsort(key, stable=True)
+        self.layer_orders = [torch.argsort(o, stable=True) for o in owners]  # each layer's own, for a per-layer backward
+        self.send_counts = torch.bincount(key, minlength=world * layers)  # [owner x layer]
+        self.recv_counts = torch.empty_like(self.send_counts)
+        dist.all_to_all_single(self.recv_counts, self.send_counts, group=group)
+        send, recv = self.send_counts.view(world, layers), self.recv_counts.view(world, layers)
+        self.send_split, self.recv_split = send.sum(1).tolist(), recv.sum(1).tolist()
+        self.layer_splits = [(send[:, l].tolist(), recv[:, l].tolist()) for l in range(layers)]
+        self.requested = torch.empty(sum(self.recv_split), dtype=torch.int64, device=device)
+        dist.all_to_all_single(self.requested, torch.cat(locals_)[self.order].contiguous(), self.recv_split,
+                               self.send_split, group=group)
+        recv_layer = torch.repeat_interleave(torch.arange(layers, device=device).repeat(world), self.recv_counts)
+        self.served_positions = [(recv_layer == l).nonzero().flatten() for l in range(layers)]
+        self.backend = ops.current_backend(device, self.weights[0].dtype)
+        with torch.no_grad():
+            served = torch.empty(self.requested.numel(), self.width, dtype=self.weights[0].dtype, device=device)
+            for l, positions in enumerate(self.served_positions):
+                ids = self.requested.index_select(0, positions)
+                rows = (self.stores[l].fetch(ids, device).wait() if self.stores[l] is not None
+                        else ops.gather_rows_forward(self.weights[l].detach(), ids, self.backend))
+                served.index_copy_(0, positions, rows)
+        self._received = served.new_empty((sum(self.unique_counts), self.width))
+        self._work = dist.all_to_all_single(self._received, served, self.send_split, self.recv_split, group=group,
+                                            async_op=True)
+        self._unique_rows = None
+        self.deferred = all(store is not None or (getattr(w, "main_grad", None) is not None
+                                                  and getattr(w, "grad_added_to_main_grad", None) is not None)
+                            for store, w in zip(self.stores, self.weights))
+        self._pending_grads = [None] * layers
+        self.exchanges = {"forward": 3, "backward": 0}  # all-to-alls issued (for tests and benchmarks)
+
+    def layer_lookup(self, layer: int) -> "LayerRowLookup":
+        return LayerRowLookup(self, layer)
+
+    def unique_rows(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s unique rows, ``[unique, width]`` in sorted-id order (blocks until they arrived)."""
+        if self._unique_rows is None:
+            self._work.wait()
+            self._unique_rows = torch.empty_like(self._received)
+            self._unique_rows[self.order] = self._received
+            self._received, self._work = None, None
+        start = sum(self.unique_counts[:layer])
+        return self._unique_rows[start:start + self.unique_counts[layer]]
+
+    def backward(self, layer: int, grad_rows: torch.Tensor, deterministic: bool):
+        """Layer ``layer``'s positions' gradients ([positions, width] fp32): sent to the rows' owners (now,
+        or with the stage's last layer), added into their shards; returns the anchor's gradient."""
+        unique_grad = torch.zeros(self.unique_counts[layer], self.width, dtype=torch.float32, device=grad_rows.device)
+        ops.gather_rows_backward(grad_rows, self.inverses[layer], unique_grad, deterministic, self.backend)
+        if not self.deferred:
+            send, recv = self.layer_splits[layer]
+            received = torch.empty(sum(recv), self.width, dtype=torch.float32, device=grad_rows.device)
+            dist.all_to_all_single(received, unique_grad[self.layer_orders[layer]].contiguous(), recv, send,
+                                   group=self.group)
+            self.exchanges["backward"] += 1
+            ids = self.requested.index_select(0, self.served_positions[layer])
+            return self._add_to_shard(layer, ids, received, deterministic)
+        self._pending_grads[layer] = unique_grad
+        if all(grad is not None for grad in self._pending_grads):
+            grads, self._pending_grads = torch.cat(self._pending_grads), [None] * self.layers
+            received = torch.empty(self.requested.numel(), self.width, dtype=torch.float32, device=grads.device)
+            dist.all_to_all_single(received, grads[self.order].contiguous(), self.recv_split, self.send_split,
+                                   group=self.group)
+            self.exchanges["backward"] += 1
+            for l, positions in enumerate(self.served_positions):
+                self._add_to_shard(l, self.requested.index_select(0, positions), received.index_select(0, positions),
+                                   deterministic)
+        if self.stores[layer] is not None:
+            return None
+        return ops.table_weight_gradient(self.weights[layer], lambda out: None)  # added above, or by the last layer
+
+    def _add_to_shard(self, layer: int, ids: torch.Tensor, grad_rows: torch.Tensor, deterministic: bool):
+        store, weight = self.stores[layer], self.weights[layer]
+        if store is not None:
+            store.accumulate(ids, grad_rows, deterministic, self.backend)
+            return None
+        if self.deferred:
+            ops.gather_rows_backward(grad_rows, ids, weight.main_grad, deterministic, self.backend)
+            return None
+        return ops.table_weight_gradient(
+            weight, lambda out: ops.gather_rows_backward(grad_rows, ids, out, deterministic, self.backend),
+            dense_dtype=torch.float32)
+
+
+class LayerRowLookup:
+    """One layer's part of a `StageRowExchange`: what `RowLookup` is for a layer exchanged alone."""
+
+    def __init__(self, exchange: StageRowExchange, layer: int):
+        self.exchange, self.layer = exchange, layer
+        self.indices = exchange.indices[layer]
+        store = exchange.stores[layer]
+        self.anchor = store.anchor if store is not None else exchange.weights[layer]
+
+    def rows(self) -> torch.Tensor:
+        return _StageGather.apply(self.anchor, self)
+
+
+class _StageGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, lookup: LayerRowLookup):
+        ctx.lookup = lookup
+        exchange, layer = lookup.exchange, lookup.layer
+        rows = exchange.unique_rows(layer).index_select(0, exchange.inverses[layer])
+        return rows.view(*lookup.indices.shape, exchange.width).float()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        lookup = ctx.lookup
+        grad_rows = grad_output.reshape(-1, lookup.exchange.width).float().contiguous()
+        return lookup.exchange.backward(lookup.layer, grad_rows, ops.deterministic_backward()), None

@@ -3,14 +3,14 @@
 The update is torch's AdamW (decoupled weight decay, bias-corrected moments), computed in fp32
 a block of rows at a time, so the scratch is a block's, not a table's.  An fp32 table with fp32
 moments takes it as torch's single-tensor AdamW does, to the bit.  What is stored in bf16 is read
-as fp32, updated and written back with stochastic rounding (`fe_megatron.memory.table_storage`),
+as fp32, updated and written back with stochastic rounding (`fe_megatron.tables.storage`),
 so updates far below a bf16 step still move the rows in expectation; rounding to nearest would
 drop them.
 
 Optimizer state precision (``state_dtype``, ``optimizer.table_state_dtype``): fp32 moments, as
 FBGEMM's and TorchRec's low-precision tables keep by default (8 bytes per table parameter), or
 bf16 moments (4 bytes), stochastically rounded like the rows.  The gradient is read from
-``main_grad`` (the accumulator of `fe_megatron.memory.table_store.TableStore`) when the
+``main_grad`` (the accumulator of `fe_megatron.tables.store.TableStore`) when the
 parameter has one, else from ``grad``; it may be fp32 or bf16.
 
 The rounding's random bits are a counter-based function of the training seed, the table, the
@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from fe_megatron import ops
-from fe_megatron.memory.table_storage import rounding_keys
+from fe_megatron.tables.storage import rounding_keys
 from fe_megatron.ops import reference
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

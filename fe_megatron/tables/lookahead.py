@@ -4,7 +4,7 @@ A microbatch's table rows depend only on its token ids (Eq. 1), which a step kno
 microbatches before the first forward.  `MicrobatchLookups` walks a step's microbatches for an
 engine: it hashes each one's token ids on the host, starts its lookups (`start`: the unique rows
 gathered from host memory and copied to the device on a side stream,
-`fe_megatron.memory.table_store`) as soon as the previous microbatch's forward has been issued
+`fe_megatron.tables.store`) as soon as the previous microbatch's forward has been issued
 (`start_next`, called by the engine right after that forward), and hands them to the forward
 that uses them.  The copies then overlap the previous microbatch's compute.  Lookups never cross
 a step: the tables change at the optimizer step, so the first microbatch's rows are fetched when

@@ -7,7 +7,7 @@
   row keeps 3 mantissa bits relative to its own range (about a quarter of the bytes of fp32).
 
 fp32 and bf16 are training formats: bf16 rows are updated in fp32 and written back with
-`fe_megatron.ops.reference.stochastic_round_to_bf16` (`fe_megatron.memory.table_optimizer`).  bf16 and fp8 are serving
+`fe_megatron.ops.reference.stochastic_round_to_bf16` (`fe_megatron.tables.optimizer`).  bf16 and fp8 are serving
 formats too, written by ``fe-convert mcore-to-hf --table-dtype`` and read by the Hugging Face
 model, which dequantizes only the rows a step gathers.  `quantize_table` is the one place a table
 is quantized (the converter and a quantized model's initialization).

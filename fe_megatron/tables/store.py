@@ -1,6 +1,6 @@
 """TableStore: a trained table kept outside the module's parameters, where its storage puts it.
 
-The tables that fe_megatron's own optimizer trains (`fe_megatron.memory.managed_tables`: bf16
+The tables that fe_megatron's own optimizer trains (`fe_megatron.tables.managed`: bf16
 tables, the host tier, bf16 optimizer state) are not parameters of the training framework, whose
 optimizers would keep fp32 copies of bf16 weights and whose wrappers would move every parameter to
 the accelerator.  A `TableStore` holds such a table instead:
@@ -9,7 +9,11 @@ the accelerator.  A `TableStore` holds such a table instead:
   memory (``"host"``, ordinary pageable memory: only the small per-microbatch copies are pinned,
   since torch's pinned allocator would round a table up to the next power of two and never
   return it);
-* ``main_grad`` beside it once training allocates one (`allocate_gradient`), fp32 or bf16;
+* ``main_grad`` beside it once training allocates one (`allocate_gradient`), fp32 or bf16: a
+  dense accumulator, for the rules that update every row (AdamW); or, for the sparse rules
+  (``optimizer.table_update``: ``rowwise_adagrad``, ``lazy_adam``), ``row_gradients``: a
+  `RowGradients`, which keeps only the rows a step touched, so neither the accumulator nor its
+  clearing costs a table's size;
 * ``anchor``: a zero-size tensor that requires grad.  A lookup passes it to its autograd function
   so that autograd runs the lookup's backward, which adds the row gradients into ``main_grad``
   and returns nothing for the anchor (FBGEMM's table-batched embeddings use the same device).
@@ -24,7 +28,7 @@ arrived (so the result is the same as adding them at once); `wait_for_gradients`
 every addition is done, and must run before ``main_grad`` is read.
 
 `StoreLookup` is one microbatch's lookup in a whole (not row-sharded) store; row-sharded stores
-are read through the row exchange (`fe_megatron.memory.row_exchange`), which calls `fetch` and
+are read through the row exchange (`fe_megatron.tables.row_exchange`), which calls `fetch` and
 `accumulate` on the rows each rank owns.
 """
 
@@ -90,6 +94,46 @@ def copy_to_device(host: torch.Tensor, device: torch.device) -> RowsInFlight:
     return RowsInFlight(rows, event, staging)
 
 
+class RowGradients:
+    """One step's gradient of a table kept by row: the pieces added during the step (each a
+    microbatch's unique rows and their fp32 sums), coalesced into one sorted set of rows by
+    `coalesce` (idempotent until `clear`).  Memory and work grow with the rows touched, not with
+    the table."""
+
+    def __init__(self, width: int, device: torch.device):
+        self.width, self.device = width, device
+        self.pieces: list = []
+        self.ids: Optional[torch.Tensor] = None  # [U] int64, sorted local row ids (after coalesce)
+        self.rows: Optional[torch.Tensor] = None  # [U, width] fp32
+
+    def add(self, ids: torch.Tensor, grad_rows: torch.Tensor) -> None:
+        if self.ids is not None:
+            raise RuntimeError("row gradients were added after the step's gradients were coalesced")
+        self.pieces.append((ids, grad_rows))
+
+    def coalesce(self, deterministic: bool = True) -> tuple:
+        """``(ids, rows)``: every row touched this step once, with its summed gradient."""
+        if self.ids is None:
+            if not self.pieces:
+                ids = torch.zeros(0, dtype=torch.int64, device=self.device)
+                rows = torch.zeros(0, self.width, dtype=torch.float32, device=self.device)
+            else:
+                ids, inverse = torch.unique(torch.cat([i.to(self.device) for i, _ in self.pieces]), sorted=True,
+                                            return_inverse=True)
+                rows = torch.zeros(ids.numel(), self.width, dtype=torch.float32, device=self.device)
+                ops.gather_rows_backward(torch.cat([r.to(self.device, torch.float32) for _, r in self.pieces]),
+                                         inverse, rows, deterministic)
+            self.ids, self.rows, self.pieces = ids, rows, []
+        return self.ids, self.rows
+
+    def replace(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """The step's coalesced gradient, after a reduction over replicas changed the row set."""
+        self.ids, self.rows, self.pieces = ids, rows, []
+
+    def clear(self) -> None:
+        self.pieces, self.ids, self.rows = [], None, None
+
+
 class TableStore:
     """One layer's table (or this rank's row shard of it) and its gradient, in ``placement``."""
 
@@ -101,6 +145,7 @@ class TableStore:
         self.weight = weight.detach()
         self.placement = placement
         self.main_grad: Optional[torch.Tensor] = None
+        self.row_gradients: Optional[RowGradients] = None
         self.anchor = torch.zeros(0, requires_grad=True)
         self._pending: list = []  # host tier: additions queued on the worker
 
@@ -112,6 +157,15 @@ class TableStore:
         """A zeroed ``main_grad`` of ``dtype`` beside the rows."""
         self.main_grad = torch.zeros(self.weight.shape, dtype=dtype, device=self.weight.device)
         return self.main_grad
+
+    def allocate_row_gradients(self) -> RowGradients:
+        """Gradients kept by row (`RowGradients`, fp32) instead of a dense ``main_grad``."""
+        self.row_gradients = RowGradients(self.weight.shape[1], self.weight.device)
+        return self.row_gradients
+
+    @property
+    def sparse(self) -> bool:
+        return self.row_gradients is not None
 
     # ----------------------------------------------------------------- reading rows
     def fetch(self, ids: torch.Tensor, device: torch.device) -> RowsInFlight:
@@ -126,12 +180,17 @@ class TableStore:
     def accumulate(self, ids: torch.Tensor, grad_rows: torch.Tensor, deterministic: bool = True,
                    backend: Optional[str] = None) -> None:
         """``main_grad[ids[m]] += grad_rows[m]`` ([M] ids, [M, width] fp32 rows).  In host memory the
-        addition happens on the worker thread: call `wait_for_gradients` before reading ``main_grad``."""
-        if self.main_grad is None:
+        addition happens on the worker thread: call `wait_for_gradients` before reading ``main_grad``.
+        With `RowGradients` the rows are kept as a piece of the step's gradient instead (``ids``
+        unique, as the lookups pass them, or summed per unique row first)."""
+        if self.main_grad is None and self.row_gradients is None:
             raise RuntimeError("this table has no gradient accumulator: training allocates one "
-                               "(fe_megatron.memory.managed_tables.ManagedTables)")
+                               "(fe_megatron.tables.managed.ManagedTables)")
         if not self.on_host:
-            ops.gather_rows_backward(grad_rows, ids, self.main_grad, deterministic, backend)
+            if self.sparse:
+                self.row_gradients.add(*unique_row_sums(ids, grad_rows, deterministic, backend))
+            else:
+                ops.gather_rows_backward(grad_rows, ids, self.main_grad, deterministic, backend)
             return
         host_ids = ids.cpu()
         device = grad_rows.device
@@ -146,14 +205,17 @@ class TableStore:
             grad_rows.record_stream(stream)
         else:
             host_rows, event = grad_rows, None
-        backend = ops.fastest_backend(host_rows.device, self.main_grad.dtype)
-        main_grad = self.main_grad
+        main_grad, row_gradients = self.main_grad, self.row_gradients
+        backend = ops.fastest_backend(host_rows.device, torch.float32 if self.sparse else main_grad.dtype)
 
         def add():
             if event is not None:
                 with torch.cuda.device(device):  # this rank's GPU: no context on GPU 0 from the worker thread
                     event.synchronize()
-            ops.gather_rows_backward(host_rows, host_ids, main_grad, deterministic, backend)
+            if row_gradients is not None:
+                row_gradients.add(*unique_row_sums(host_ids, host_rows, deterministic, backend))
+            else:
+                ops.gather_rows_backward(host_rows, host_ids, main_grad, deterministic, backend)
 
         self._pending.append(_worker().submit(add))
 
@@ -162,6 +224,18 @@ class TableStore:
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
+
+
+def unique_row_sums(ids: torch.Tensor, grad_rows: torch.Tensor, deterministic: bool = True,
+                    backend: Optional[str] = None) -> tuple:
+    """``(unique ids, [unique, width] fp32 sums of grad_rows per id)``."""
+    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    if unique.numel() == ids.numel():  # already one row per id (the row exchange's, the host tier's)
+        order = torch.argsort(ids)
+        return ids[order], grad_rows.float()[order]
+    sums = torch.zeros(unique.numel(), grad_rows.shape[1], dtype=torch.float32, device=grad_rows.device)
+    ops.gather_rows_backward(grad_rows, inverse, sums, deterministic, backend)
+    return unique, sums
 
 
 class StoreLookup:

@@ -4,7 +4,7 @@ The engines' optimizers hold every parameter in device memory and, for bf16 weig
 copy beside them: 18 bytes per table parameter where the tables are most of the model.  When the
 storage asks for what they cannot hold (`uses_table_stores`: bf16 tables, tables in host memory,
 or bf16 optimizer state; docs/tables.md) every memory branch's table moves into a `TableStore`
-(`fe_megatron.memory.table_store`) and is trained here:
+(`fe_megatron.tables.store`) and is trained here:
 
 1. the lookups' backward adds row gradients into each store's ``main_grad`` (fp32, or bf16 with
    ``state_dtype="bf16"``; in host memory for the host tier);
@@ -14,7 +14,13 @@ or bf16 optimizer state; docs/tables.md) every memory branch's table moves into 
    ``gradient_scale``, the engine's averaging over data-parallel ranks;
 3. `grad_norm` sums the squares over ``norm_groups`` (the groups whose ranks hold different rows,
    columns or layers), so the engine can clip everything by one global norm (`clip`);
-4. `step` runs `TableAdamW` where the tables live, and `zero_grad` clears the accumulators.
+4. `step` runs the table update where the tables live (``optimizer.table_update``: `TableAdamW`
+   over every row, or a sparse rule over the touched rows, `fe_megatron.tables.sparse_update`),
+   and `zero_grad` clears the accumulators.
+
+With a sparse rule the gradients are kept by row (`fe_megatron.tables.store.RowGradients`): step 2
+reduces whole tables' touched rows over the replicas (each replica's row ids are gathered, and the
+sums of their union all-reduced), and steps 3-4 read and scale those rows only.
 
 Per table parameter a rank holds weight + gradient + two moments: 4+4+8 = 16 bytes for fp32 tables
 with fp32 state (the engine's own layout), 2+4+8 = 14 for bf16 tables, 2+2+4 = 8 for bf16 tables
@@ -31,27 +37,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fe_megatron.memory.branch import MemoryBranch
-from fe_megatron.memory.table_optimizer import STATE_DTYPES, TableAdamW, TableLayout
+from fe_megatron.tables.optimizer import STATE_DTYPES, TableLayout
+from fe_megatron.tables.sparse_update import SPARSE_UPDATES, build_table_optimizer
 
 REDUCE_CHUNK = 1 << 24  # elements of a gradient all-reduced at a time (host-resident: through the device)
 NORM_CHUNK = 1 << 22  # elements of a gradient normed at a time, in float64 (a 32 MB scratch)
-
-
-def storage_needs_stores(table_dtype: str, table_placement: str, state_dtype: str) -> bool:
-    """Whether tables kept so are trained from `TableStore`s (by `ManagedTables`) rather than as the
-    engine's parameters: bf16 tables, the host tier, or bf16 optimizer state."""
-    return table_dtype != "fp32" or table_placement == "host" or state_dtype != "fp32"
-
-
-def uses_table_stores(memory, state_dtype: str = "fp32") -> bool:
-    """`storage_needs_stores` of a run's memory config (None: no tables)."""
-    return memory is not None and storage_needs_stores(memory.table_dtype, memory.table_placement, state_dtype)
-
-
-def memory_branches(model: torch.nn.Module) -> dict:
-    """``{module name: branch}`` of every memory branch in ``model``."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, MemoryBranch)}
 
 
 class ManagedTables:
@@ -61,29 +51,32 @@ class ManagedTables:
     ``optimizer_args``: the run's optimizer section (lr, betas, eps, weight decay, table multipliers).
     ``replica_group``: the group whose ranks hold the same (whole) tables, or None.
     ``norm_groups``: the groups to sum squared norms over.  ``gradient_scale``: multiplies the
-    reduced gradients (the engine's averaging).  ``seed``: part of the rounding's key.
+    reduced gradients (the engine's averaging).  ``seed``: part of the rounding's key.  ``update``:
+    the rule (``optimizer.table_update``); ``row_group``: the tensor-parallel ranks holding the
+    other columns of the same rows (what ``rowwise_adagrad`` sums a row's squares over).
     """
 
     def __init__(self, branches: dict, optimizer_args, state_dtype: str = "fp32", device=None,
                  replica_group: Optional[dist.ProcessGroup] = None, norm_groups: tuple = (),
-                 gradient_scale: float = 1.0, seed: int = 0):
+                 gradient_scale: float = 1.0, seed: int = 0, update: str = "adamw",
+                 row_group: Optional[dist.ProcessGroup] = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.replica_group, self.norm_groups, self.gradient_scale = replica_group, tuple(norm_groups), gradient_scale
+        self.update, self.sparse = update, update in SPARSE_UPDATES
         self.stores, self.partitions = {}, {}
         for name, branch in branches.items():
             store = branch.tables.manage(branch.config.table_placement, self.device)
-            store.weight.main_grad = store.allocate_gradient(STATE_DTYPES[state_dtype])
+            if self.sparse:
+                store.weight.row_gradients = store.allocate_row_gradients()
+            else:
+                store.weight.main_grad = store.allocate_gradient(STATE_DTYPES[state_dtype])
             store.weight.table_layout = TableLayout(
                 branch.layer_index, tuple(branch.global_row_slices("tables.weight")),
                 branch.parallel.tensor_parallel_rank * store.weight.shape[1], branch.config.branch_width)
             self.stores[f"{name}.tables.weight"] = store
             self.partitions[f"{name}.tables.weight"] = branch.row_partition
-        o = optimizer_args
         self.weights = [store.weight for store in self.stores.values()]
-        self.optimizer = TableAdamW(
-            [{"params": self.weights, "lr_mult": o.table_lr_mult, "wd_mult": o.table_weight_decay_mult}],
-            lr=o.lr * o.table_lr_mult, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay * o.table_weight_decay_mult, state_dtype=state_dtype, seed=seed)
+        self.optimizer = build_table_optimizer(update, self.weights, optimizer_args, state_dtype, seed, row_group)
         self._reduced = False
         self.steps = 0  # updates applied, also by a pipeline stage without tables: the step count checkpoints keep
 
@@ -95,8 +88,15 @@ class ManagedTables:
     def zero_grad(self) -> None:
         for store in self.stores.values():
             store.wait_for_gradients()
-            store.main_grad.zero_()
+            if store.sparse:
+                store.row_gradients.clear()
+            else:
+                store.main_grad.zero_()
         self._reduced = False
+
+    def _gradients(self, store) -> list:
+        """The tensors holding ``store``'s gradient: the dense accumulator, or the touched rows' sums."""
+        return [store.row_gradients.coalesce()[1]] if store.sparse else [store.main_grad]
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -104,13 +104,37 @@ class ManagedTables:
         `zero_grad`."""
         if self._reduced:
             return
+        replicas = self.replica_group is not None and dist.get_world_size(self.replica_group) > 1
         for store in self.stores.values():
             store.wait_for_gradients()
-            if self.replica_group is not None and dist.get_world_size(self.replica_group) > 1:
-                self._all_reduce(store.main_grad)
+            if replicas:
+                if store.sparse:
+                    self._all_reduce_rows(store.row_gradients)
+                else:
+                    self._all_reduce(store.main_grad)
             if self.gradient_scale != 1.0:
-                store.main_grad.mul_(self.gradient_scale)
+                for grad in self._gradients(store):
+                    grad.mul_(self.gradient_scale)
         self._reduced = True
+
+    def _all_reduce_rows(self, gradients) -> None:
+        """Sum the replicas' row gradients: every replica's touched row ids are gathered, and the sums
+        over their union all-reduced, so each replica updates the same rows by the same gradient."""
+        ids, rows = gradients.coalesce()
+        group, device = self.replica_group, self.device
+        counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, torch.tensor([ids.numel()], dtype=torch.int64, device=device), group=group)
+        longest = int(max(count.item() for count in counts))
+        padded = torch.full((longest,), -1, dtype=torch.int64, device=device)
+        padded[:ids.numel()] = ids.to(device)
+        everyone = [torch.empty_like(padded) for _ in counts]
+        dist.all_gather(everyone, padded, group=group)
+        union = torch.unique(torch.cat(everyone))
+        union = union[union >= 0]
+        summed = torch.zeros(union.numel(), rows.shape[1], dtype=torch.float32, device=device)
+        summed.index_copy_(0, torch.searchsorted(union, ids.to(device)), rows.to(device))
+        dist.all_reduce(summed, group=group)
+        gradients.replace(union.to(ids.device), summed.to(rows.device))
 
     def _all_reduce(self, grad: torch.Tensor) -> None:
         """Sum ``grad`` over the replicas, in fp32; through the device in chunks when it is in host memory
@@ -131,9 +155,11 @@ class ManagedTables:
         self.reduce_gradients()
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         for store in self.stores.values():  # in float64, a chunk at a time: no table-sized temporary
-            store_squares = sum(torch.linalg.vector_norm(chunk, dtype=torch.float64).square()
-                                for chunk in store.main_grad.view(-1).split(NORM_CHUNK))
-            squares += store_squares.to(self.device)  # once per store, where it lives
+            for grad in self._gradients(store):
+                store_squares = sum((torch.linalg.vector_norm(chunk, dtype=torch.float64).square()
+                                     for chunk in grad.reshape(-1).split(NORM_CHUNK)),
+                                    torch.zeros((), dtype=torch.float64, device=grad.device))
+                squares += store_squares.to(self.device)  # once per store, where it lives
         for group in self.norm_groups:
             dist.all_reduce(squares, group=group)
         return float(squares.sqrt())
@@ -143,10 +169,11 @@ class ManagedTables:
         """Scale the gradients by ``coefficient`` (the engine's clip, from the global norm) when it is below 1."""
         if coefficient < 1.0:
             for store in self.stores.values():
-                store.main_grad.mul_(coefficient)
+                for grad in self._gradients(store):
+                    grad.mul_(coefficient)
 
     def step(self) -> None:
-        """One `TableAdamW` update of every table, where it lives."""
+        """One update of every table (``update``'s rule), where it lives."""
         self.reduce_gradients()
         self.optimizer.step()
         self.steps += 1

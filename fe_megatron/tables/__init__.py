@@ -1,0 +1,15 @@
+"""Where the tables' rows live and how they move and learn (plain PyTorch, no framework).
+
+* `plan`: `TablePlan`, how a run keeps its tables and who trains them, decided once;
+* `storage`: the rows' formats (fp32, bf16, fp8 with per-row scales for serving);
+* `store`: `TableStore`, a table outside the module's parameters (device or host memory), its
+  dense gradient or its row gradients, and `StoreLookup`;
+* `row_exchange`: tables sharded by rows, looked up by all-to-all, one layer (`RowLookup`) or a
+  whole pipeline stage (`StageRowExchange`) at a time;
+* `lookahead`: the host tier's lookups started one microbatch ahead;
+* `optimizer` (`TableAdamW`, every row) and `sparse_update` (row-wise AdaGrad and lazy Adam, the
+  touched rows only), and `managed` (`ManagedTables`: reduce, norm, clip and update them for an engine).
+
+The memory branches (`fe_megatron.memory`) read their rows through this package; it imports
+nothing from them.
+"""

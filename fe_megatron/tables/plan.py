@@ -1,0 +1,121 @@
+"""TablePlan: how a run keeps and trains its tables, decided once.
+
+A run's tables can be kept and trained several ways: fp32 or bf16 rows, fp32 or bf16 optimizer
+state, on the device or in host memory, whole or row-sharded, updated by AdamW over every row
+or by a sparse rule over the touched rows.  Three mechanisms train them: the Megatron engine's
+optimizer (the tables as its parameters), ZeRO (the DeepSpeed engine's parameters), or fe_megatron's
+own table optimizer over `fe_megatron.tables.store.TableStore`s (`fe_megatron.tables.managed`).
+`TablePlan.resolve` is the one place that decides which, from the configuration and the parallel
+layout; both engines, the resume guards and ``fe-plan`` read its answer, and a run prints it at
+start-up (`describe`).
+
+The rules (docs/tables.md, "Who trains the tables"):
+
+* fp32 rows with fp32 state on the device, updated by AdamW, are the engine's parameters: Megatron's
+  optimizer, or ZeRO's (DeepSpeed, ``table_sharding`` ``replicated`` or ``zero``);
+* anything else lives in stores and is trained by the table optimizer: bf16 rows, bf16 state, the
+  host tier, a sparse update (only the table optimizer keeps gradients by row), and row-sharded
+  tables under DeepSpeed (ZeRO would partition them again);
+* under Megatron also every table of a bf16 run (its mixed-precision optimizer would keep the
+  tables as bf16 weights with fp32 copies, 18 bytes per parameter) and of a pipeline layout with a
+  stage that holds no memory layer (every stage must build the same optimizer chain, which a
+  checkpoint's common part, written by global rank 0, describes for all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fe_megatron.tables.sparse_update import SPARSE_UPDATES, TABLE_UPDATES
+
+ENGINE, STORES = "engine", "stores"
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """How one run keeps and trains its tables (see the module docstring)."""
+
+    engine: str  # megatron | deepspeed
+    dtype: str  # memory.table_dtype: fp32 | bf16
+    state_dtype: str  # optimizer.table_state_dtype
+    placement: str  # memory.table_placement: device | host
+    sharding: str  # parallel.table_sharding: replicated | rows | zero
+    update: str  # optimizer.table_update
+    trainer: str  # ENGINE (the engine's optimizer or ZeRO) or STORES (fe_megatron's table optimizer)
+    reasons: tuple = ()  # why STORES: the settings that asked for it
+
+    @classmethod
+    def resolve(cls, engine: str = "megatron", dtype: str = "fp32", state_dtype: str = "fp32",
+                placement: str = "device", sharding: str = "replicated", update: str = "adamw",
+                bf16_run: bool = False, stage_without_memory: bool = False) -> "TablePlan":
+        if update not in TABLE_UPDATES:
+            raise ValueError(f"optimizer.table_update {update!r} is not one of {TABLE_UPDATES}")
+        reasons = []
+        if dtype != "fp32":
+            reasons.append(f"memory.table_dtype={dtype}")
+        if state_dtype != "fp32":
+            reasons.append(f"optimizer.table_state_dtype={state_dtype}")
+        if placement != "device":
+            reasons.append(f"memory.table_placement={placement}")
+        if update in SPARSE_UPDATES:
+            reasons.append(f"optimizer.table_update={update}")
+        if engine == "deepspeed" and sharding == "rows":
+            reasons.append("row-sharded tables outside ZeRO")
+        if engine == "megatron" and bf16_run:
+            reasons.append("a bf16 run")
+        if engine == "megatron" and stage_without_memory:
+            reasons.append("a pipeline stage without memory layers")
+        return cls(engine, dtype, state_dtype, placement, sharding, update, STORES if reasons else ENGINE,
+                   tuple(reasons))
+
+    @classmethod
+    def for_run(cls, cfg, bf16_run: bool = False, stage_without_memory: bool = False) -> "TablePlan":
+        """The plan of a `fe_megatron.training.config.TrainConfig` with memory (read, not imported:
+        this layer sits below the training code).  ``stage_without_memory``: whether a pipeline
+        stage of the run's layout holds no memory layer (the Megatron engine's question)."""
+        memory, o, p = cfg.memory, cfg.optimizer, cfg.parallel
+        return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
+                           p.table_sharding, o.table_update, bf16_run, stage_without_memory)
+
+    @property
+    def in_stores(self) -> bool:
+        return self.trainer == STORES
+
+    @property
+    def sparse(self) -> bool:
+        return self.update in SPARSE_UPDATES
+
+    @property
+    def mode(self) -> str:
+        """The DeepSpeed engine's table mode: ``zero`` (ZeRO's parameters), ``rows`` (row-sharded
+        outside ZeRO) or ``replicated`` (whole, in stores outside ZeRO); under Megatron ``stores`` or
+        ``parameters`` (what its checkpoints record as ``tables``)."""
+        if self.engine == "megatron":
+            return "stores" if self.in_stores else "parameters"
+        if self.sharding == "rows":
+            return "rows"
+        return "replicated" if self.in_stores else "zero"
+
+    def state_bytes_per_parameter(self, width: int) -> float:
+        """Bytes of optimizer state per table parameter (rows of ``width`` columns on this rank)."""
+        if self.update == "rowwise_adagrad":
+            return 4 / width  # one fp32 accumulator per row
+        return 2 * DTYPE_BYTES[self.state_dtype]
+
+    def gradient_bytes_per_parameter(self) -> int:
+        """Bytes of gradient accumulator per table parameter: none for the sparse rules, whose gradient
+        is kept by touched row (its size follows the batch, not the table)."""
+        return 0 if self.sparse else DTYPE_BYTES[self.state_dtype]
+
+    def describe(self) -> str:
+        """One line for the start of a run, e.g. ``tables bf16 (state bf16) in stores in host
+        memory, rows, updated by rowwise_adagrad (touched rows only)``."""
+        update = f", updated by {self.update}" + (" (touched rows only)" if self.sparse else " (every row)")
+        if not self.in_stores:
+            trainer = "ZeRO's parameters" if self.engine == "deepspeed" else "the engine's parameters"
+            return f"tables {self.dtype} as {trainer}, {self.sharding}{update}"
+        state = f" (state {self.state_dtype})" if self.state_dtype != "fp32" else ""
+        where = "in host memory" if self.placement == "host" else "on the device"
+        return (f"tables {self.dtype}{state} in stores {where}, {self.sharding}{update}; in stores because of "
+                f"{', '.join(self.reasons)}")
