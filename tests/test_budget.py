@@ -167,6 +167,11 @@ def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
                                   "--table-placement", "host"], capture_output=True, text=True, check=True).stdout
     assert "tables bf16 weights, bf16 gradients and Adam moments (8 bytes per parameter), in host memory" in host
     assert "tables        0.25      0.25       0.51      1.01  (host)" in host
+    sparse = subprocess.run(base + ["--table-sharding", "rows", "--table-dtype", "bf16", "--table-update",
+                                    "rowwise_adagrad"], capture_output=True, text=True, check=True).stdout
+    assert "gradients of the touched rows only, rowwise_adagrad's one fp32 state per row (2.01562 bytes per " \
+           "parameter)" in sparse  # bf16 rows and 4 bytes per row of s_b = 256
+    assert "tables        0.25      0.00       0.00      0.26" in sparse
     assert rows.strip().splitlines()[-1].startswith("total_params=")
     bad = subprocess.run(base + ["--micro-batch-size", "3"], capture_output=True, text=True)
     assert bad.returncode == 2 and "global batch 64 (default) is not a multiple of micro-batch x DP = 3 x 8" in bad.stderr

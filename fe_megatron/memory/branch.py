@@ -14,16 +14,14 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
-from fe_megatron.tables.row_exchange import LayerRowLookup, RowLookup, RowPartition, StageRowExchange
+from fe_megatron.tables.row_exchange import RowLookup, RowPartition, StageRowExchange
 from fe_megatron.memory.sharding import local_shape, param_sharding
 from fe_megatron.memory.short_conv import ShortConv
-from fe_megatron.tables.store import StoreLookup
+from fe_megatron.tables.store import StartedLookup, StoreLookup
 from fe_megatron.memory.tables import NgramTables
 from fe_megatron.ngram import NgramHasher
 
 
-# what `MemoryBranch.start_lookup` and `start_stage_lookups` return for tables to fetch from
-STARTED_LOOKUPS = (RowLookup, StoreLookup, LayerRowLookup)
 
 
 @dataclass(frozen=True)
@@ -155,7 +153,7 @@ class MemoryBranch(nn.Module):
         tensor parallelism), in the hidden states' dtype.  ``indices`` may be a started lookup
         (`start_lookup`); ``decoding`` (padding, incremental state) addresses ``token_ids`` after
         earlier calls'."""
-        started = isinstance(indices, STARTED_LOOKUPS)
+        started = isinstance(indices, StartedLookup)
         self._check_inputs(hidden_states, token_ids, indices.indices if started else indices)
         if decoding is not None:
             if token_ids is None or self.parallel is not SINGLE_PROCESS:
@@ -166,9 +164,9 @@ class MemoryBranch(nn.Module):
             indices = self.hasher.indices(token_ids)
             if self.parallel.sequence_dim == 0:
                 indices = indices.transpose(0, 1)
-        if not isinstance(indices, STARTED_LOOKUPS):
+        if not isinstance(indices, StartedLookup):
             indices = self.start_lookup(indices, hidden_states.device)
-        if not isinstance(indices, STARTED_LOOKUPS):
+        if not isinstance(indices, StartedLookup):
             return self.tables(indices).to(hidden_states.dtype)
         return indices.rows().flatten(-2).to(hidden_states.dtype)
 

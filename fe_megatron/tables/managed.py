@@ -100,8 +100,8 @@ class ManagedTables:
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Make every ``main_grad`` final for the step (see the module docstring); idempotent until
-        `zero_grad`."""
+        """Make every gradient (``main_grad``, or the row gradients) final for the step (see the module
+        docstring); idempotent until `zero_grad`."""
         if self._reduced:
             return
         replicas = self.replica_group is not None and dist.get_world_size(self.replica_group) > 1

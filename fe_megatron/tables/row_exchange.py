@@ -8,7 +8,7 @@ every token reads do not all land on one owner.  No rank ever holds a whole tabl
 
 Lookup of one microbatch (`RowLookup`, the memory analogue of MoE's token dispatch):
 
-1. deduplicate the row indices locally (``torch.unique`` with the inverse);
+1. deduplicate the row indices locally (`fe_megatron.tables.dedup`: the distinct ids and the inverse);
 2. send each unique request to its owner (an all-to-all of counts, then a variable-split
    all-to-all of the owners' local row ids);
 3. each owner gathers the requested rows of its shard with the kernels of `fe_megatron.ops`;
@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron import ops
-from fe_megatron.tables.store import TableStore
+from fe_megatron.tables.dedup import sum_per_row, unique_rows
+from fe_megatron.tables.store import StartedLookup, TableStore
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ class RowPartition:
         return full
 
 
-class RowLookup:
+class RowLookup(StartedLookup):
     """One layer's row lookup for one microbatch: requests sent, the rows on their way back.
 
     ``source`` is this rank's shard: the table's weight parameter, or a `TableStore` (a table
@@ -129,7 +130,7 @@ class RowLookup:
         self.anchor = self.store.anchor if self.store is not None else source  # what autograd differentiates
         self.width, self.indices, self.partition, self.group = weight.shape[1], indices, partition, group
         flat = indices.reshape(-1)
-        unique, self.inverse = torch.unique(flat, sorted=True, return_inverse=True)
+        unique, self.inverse = unique_rows(flat)
         owner, local = partition.locate(unique)
         self.order = torch.argsort(owner, stable=True)  # requests grouped by owner
         self.send_counts = torch.bincount(owner, minlength=partition.size)
@@ -169,8 +170,7 @@ class RowLookup:
     def exchange_gradients(self, grad_rows: torch.Tensor, deterministic: bool) -> torch.Tensor:
         """Backward: sum ``grad_rows`` ([positions, width]) per unique row and send the sums to their
         owners; returns what this rank receives for its rows ``requested`` ([requested, width], fp32)."""
-        unique_grad = torch.zeros(self.order.numel(), grad_rows.shape[1], dtype=torch.float32, device=grad_rows.device)
-        ops.gather_rows_backward(grad_rows, self.inverse, unique_grad, deterministic, self.backend)
+        unique_grad = sum_per_row(grad_rows, self.inverse, self.order.numel(), deterministic, self.backend)
         received = torch.empty(self.requested.numel(), grad_rows.shape[1], dtype=torch.float32,
                                device=grad_rows.device)
         dist.all_to_all_single(received, unique_grad[self.order].contiguous(), self.recv_counts.tolist(),
@@ -239,7 +239,7 @@ class StageRowExchange:
         device = indices[0].device
         self.inverses, self.unique_counts, owners, locals_ = [], [], [], []
         for flat, partition in zip((i.reshape(-1) for i in indices), partitions):
-            unique, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            unique, inverse = unique_rows(flat)
             owner, local = partition.locate(unique)
             self.inverses.append(inverse)
             self.unique_counts.append(unique.numel())
@@ -296,8 +296,8 @@ class StageRowExchange:
     def backward(self, layer: int, grad_rows: torch.Tensor, deterministic: bool):
         """Layer ``layer``'s positions' gradients ([positions, width] fp32): sent to the rows' owners (now,
         or with the stage's last layer), added into their shards; returns the anchor's gradient."""
-        unique_grad = torch.zeros(self.unique_counts[layer], self.width, dtype=torch.float32, device=grad_rows.device)
-        ops.gather_rows_backward(grad_rows, self.inverses[layer], unique_grad, deterministic, self.backend)
+        unique_grad = sum_per_row(grad_rows, self.inverses[layer], self.unique_counts[layer], deterministic,
+                                  self.backend)
         if not self.deferred:
             send, recv = self.layer_splits[layer]
             received = torch.empty(sum(recv), self.width, dtype=torch.float32, device=grad_rows.device)
@@ -333,7 +333,7 @@ class StageRowExchange:
             dense_dtype=torch.float32)
 
 
-class LayerRowLookup:
+class LayerRowLookup(StartedLookup):
     """One layer's part of a `StageRowExchange`: what `RowLookup` is for a layer exchanged alone."""
 
     def __init__(self, exchange: StageRowExchange, layer: int):

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from fe_megatron import ops
+from fe_megatron.tables.dedup import sum_per_row, unique_row_sums, unique_rows
 
 _COPY_STREAMS: dict = {}
 _WORKER: list = []
@@ -117,12 +118,13 @@ class RowGradients:
             if not self.pieces:
                 ids = torch.zeros(0, dtype=torch.int64, device=self.device)
                 rows = torch.zeros(0, self.width, dtype=torch.float32, device=self.device)
+            elif len(self.pieces) == 1 and bool((self.pieces[0][0][1:] > self.pieces[0][0][:-1]).all()):
+                ids, rows = (tensor.to(self.device) for tensor in self.pieces[0])  # one piece, sorted and unique
+                rows = rows.float()
             else:
-                ids, inverse = torch.unique(torch.cat([i.to(self.device) for i, _ in self.pieces]), sorted=True,
-                                            return_inverse=True)
-                rows = torch.zeros(ids.numel(), self.width, dtype=torch.float32, device=self.device)
-                ops.gather_rows_backward(torch.cat([r.to(self.device, torch.float32) for _, r in self.pieces]),
-                                         inverse, rows, deterministic)
+                ids, rows = unique_row_sums(torch.cat([i.to(self.device) for i, _ in self.pieces]),
+                                            torch.cat([r.to(self.device, torch.float32) for _, r in self.pieces]),
+                                            deterministic)
             self.ids, self.rows, self.pieces = ids, rows, []
         return self.ids, self.rows
 
@@ -226,19 +228,20 @@ class TableStore:
             future.result()
 
 
-def unique_row_sums(ids: torch.Tensor, grad_rows: torch.Tensor, deterministic: bool = True,
-                    backend: Optional[str] = None) -> tuple:
-    """``(unique ids, [unique, width] fp32 sums of grad_rows per id)``."""
-    unique, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    if unique.numel() == ids.numel():  # already one row per id (the row exchange's, the host tier's)
-        order = torch.argsort(ids)
-        return ids[order], grad_rows.float()[order]
-    sums = torch.zeros(unique.numel(), grad_rows.shape[1], dtype=torch.float32, device=grad_rows.device)
-    ops.gather_rows_backward(grad_rows, inverse, sums, deterministic, backend)
-    return unique, sums
+class StartedLookup:
+    """One layer's lookup of one microbatch's rows, started ahead of use: ``indices`` (the row ids it
+    looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]`` in fp32,
+    differentiable in the table).  What a memory branch takes in place of indices
+    (`fe_megatron.memory.branch.MemoryBranch.lookup`): `StoreLookup` here, `RowLookup` and
+    `LayerRowLookup` in `fe_megatron.tables.row_exchange`."""
+
+    indices: torch.Tensor
+
+    def rows(self) -> torch.Tensor:
+        raise NotImplementedError
 
 
-class StoreLookup:
+class StoreLookup(StartedLookup):
     """One layer's lookup of one microbatch in a whole `TableStore`, started ahead of use.
 
     In host memory the lookup is deduplicated: the unique rows are gathered on the host and copied
@@ -254,7 +257,7 @@ class StoreLookup:
         self.backend = ops.current_backend(self.device, store.weight.dtype)
         flat = indices.reshape(-1)
         if store.on_host:
-            unique, inverse = torch.unique(flat.cpu(), sorted=True, return_inverse=True)
+            unique, inverse = unique_rows(flat.cpu())
             self.unique, self._inverse = unique, copy_to_device(inverse, self.device)
             self._rows = store.fetch(unique, self.device)
             self.stats = {"positions": flat.numel(), "unique": unique.numel()}
@@ -285,9 +288,8 @@ class _StoreGather(torch.autograd.Function):
         store = lookup.store
         grad_rows = grad_output.reshape(-1, store.weight.shape[1]).float().contiguous()
         if store.on_host:
-            unique_grad = torch.zeros(lookup.unique.numel(), grad_rows.shape[1], dtype=torch.float32,
-                                      device=grad_rows.device)
-            ops.gather_rows_backward(grad_rows, lookup.inverse, unique_grad, lookup.deterministic, lookup.backend)
+            unique_grad = sum_per_row(grad_rows, lookup.inverse, lookup.unique.numel(), lookup.deterministic,
+                                      lookup.backend)
             store.accumulate(lookup.unique, unique_grad, lookup.deterministic)
         else:
             store.accumulate(lookup.flat, grad_rows, lookup.deterministic, lookup.backend)
