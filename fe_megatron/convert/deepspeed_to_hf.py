@@ -40,8 +40,7 @@ class _DeepSpeedWeights:
         self.state, self.memory, self._partitions = state, memory, {}
         self.table_files = []
         config = info["config"]
-        mode = table_mode(layout.get("table_sharding"), config.get("memory"),
-                          (config.get("optimizer") or {}).get("table_state_dtype", "fp32"))
+        mode = table_mode(layout.get("table_sharding"), config.get("memory"), config.get("optimizer") or {})
         if mode != "zero" and memory is not None:  # the tables were outside ZeRO, in their own files
             ranks = self.world if mode == "rows" else 1  # whole tables: rank 0's file
             self.table_files = [tables_file(folder, rank) for rank in range(ranks)]
