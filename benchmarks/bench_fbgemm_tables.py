@@ -67,8 +67,9 @@ def fbgemm_tables(rows: list, width: int, weights: list):
                                                                          SplitTableBatchedEmbeddingBagsCodegen)
 
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(r, width, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows], optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=LR, eps=EPS, pooling_mode=PoolingMode.NONE, device="cpu")
+        [(r, width, EmbeddingLocation.HOST, ComputeDevice.CPU) for r in rows],
+        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=EPS, pooling_mode=PoolingMode.NONE,
+        device="cpu")
     for table, weight in zip(tbe.split_embedding_weights(), weights):
         table.copy_(weight)
     return tbe
@@ -121,8 +122,9 @@ def measure(size: str, iters: int) -> dict:
     assert worst < 1e-5, f"fe_megatron and FBGEMM disagree after one step by {worst}"
     unique = int(sum(torch.unique(ids[:, b]).numel() for b in range(ids.shape[1])))
     timings = {}
-    for name, run in (("fbgemm", lambda: fbgemm_step(tbe, ids, grad_table_major)), ("ours", lambda: ours.step(ids, grad)),
-                      ("fbgemm_again", lambda: fbgemm_step(tbe, ids, grad_table_major))):
+    runs = (("fbgemm", lambda: fbgemm_step(tbe, ids, grad_table_major)), ("ours", lambda: ours.step(ids, grad)),
+            ("fbgemm_again", lambda: fbgemm_step(tbe, ids, grad_table_major)))
+    for name, run in runs:
         run()
         start = time.perf_counter()
         for _ in range(iters):
@@ -150,8 +152,8 @@ def main():
 
     for size in args.sizes.split(","):
         result = measure(size, args.iters)
-        result.update(device=f"{platform.machine()} CPU, {torch.get_num_threads()} threads", date=time.strftime("%Y-%m-%d"),
-                      torch=torch.__version__, fbgemm=fbgemm_gpu.__version__)
+        result.update(device=f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+                      date=time.strftime("%Y-%m-%d"), torch=torch.__version__, fbgemm=fbgemm_gpu.__version__)
         print(json.dumps(result), flush=True)
 
 

@@ -95,6 +95,13 @@ def deepspeed_run(start, name, stage, launcher="torchrun", **extra):
     return save
 
 
+def step_2_alone(source: str, target: str) -> None:
+    """A run folder ``target`` holding only ``source``'s step-2 checkpoint (as if the run had stopped there)."""
+    shutil.copytree(os.path.join(source, "iter_0000002"), os.path.join(target, "iter_0000002"))
+    with open(os.path.join(target, "latest"), "w") as fh:
+        fh.write("iter_0000002")
+
+
 def _free_port():
     import socket
 
@@ -128,9 +135,7 @@ def test_zero_3_matches_the_megatron_engine_and_resumes_exactly(start, megatron_
     assert_same_curve(losses(zero3), losses(megatron_runs["clipped"]))
     # resume from the step-2 checkpoint: steps 3 and 4 come out bit-identical
     half = str(start["base"] / "zero3_resumed")
-    shutil.copytree(os.path.join(zero3, "iter_0000002"), os.path.join(half, "iter_0000002"))
-    with open(os.path.join(half, "latest"), "w") as fh:
-        fh.write("iter_0000002")
+    step_2_alone(zero3, half)
     proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
                          "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"]), nproc=2)
     assert "resumed from" in proc.stdout and "at iteration 2" in proc.stdout
@@ -156,9 +161,7 @@ def test_a_checkpoint_resumes_on_fewer_ranks(start, zero3, rows3, mode):
     source, extra = {"zero": (zero3, {}), "rows": (rows3, rows),
                      "rows-host": (rows3, dict(rows, **{"memory.table_placement": "host"}))}[mode]
     half = str(start["base"] / f"{mode}_on_one_rank")
-    shutil.copytree(os.path.join(source, "iter_0000002"), os.path.join(half, "iter_0000002"))
-    with open(os.path.join(half, "latest"), "w") as fh:
-        fh.write("iter_0000002")
+    step_2_alone(source, half)
     proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
                          "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"], **extra), nproc=1)
     assert "at iteration 2, saved by 2 data-parallel ranks" in proc.stdout
@@ -252,9 +255,7 @@ def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, rows3_bf1
     assert {t.dtype for t in shard["tables"].values()} == {torch.bfloat16}
     assert {s["exp_avg"].dtype for s in shard["optimizer"]["state"].values()} == {torch.float32}
     half = str(start["base"] / "rows3_bf16_resumed")
-    shutil.copytree(os.path.join(save, "iter_0000002"), os.path.join(half, "iter_0000002"))
-    with open(os.path.join(half, "latest"), "w") as fh:
-        fh.write("iter_0000002")
+    step_2_alone(save, half)
     run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
                  + overrides(start["data"], **bf16), nproc=2)
     assert losses(half) == losses(save)[2:]
@@ -409,7 +410,8 @@ def test_a_sparse_table_update_trains_alike_in_both_engines_and_resumes_on_fewer
     as test_rows_mode_matches_the_megatron_engine_without_clipping), its step-2 checkpoint (the
     row-wise state in the tables' files) resumes on one rank, and a change to another rule is
     refused by name."""
-    sparse = {"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0, "optimizer.table_update": "rowwise_adagrad"}
+    sparse = {"parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0,
+              "optimizer.table_update": "rowwise_adagrad"}
     megatron = str(start["base"] / "megatron_rowwise")
     proc = run_pretrain(["--config", CONFIG, "--load", start["mcore"], "--save", megatron]
                         + overrides(start["data"], **sparse), nproc=2)
@@ -418,9 +420,7 @@ def test_a_sparse_table_update_trains_alike_in_both_engines_and_resumes_on_fewer
     save = deepspeed_run(start, "rows3_rowwise", 3, **sparse)
     assert_same_curve(losses(save), losses(megatron))
     half = str(start["base"] / "rowwise_on_one_rank")
-    shutil.copytree(os.path.join(save, "iter_0000002"), os.path.join(half, "iter_0000002"))
-    with open(os.path.join(half, "latest"), "w") as fh:
-        fh.write("iter_0000002")
+    step_2_alone(save, half)
     run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
                  + overrides(start["data"], **sparse), nproc=1)
     assert_same_curve(losses(half), losses(save)[2:])

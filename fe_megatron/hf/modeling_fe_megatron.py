@@ -256,7 +256,8 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
                                          attention_mask=attention_mask, position_ids=position_ids,
                                          **{CACHE_KEYWORD: cache})
         decodings = self._decodings(input_ids, attention_mask, cache)
-        if memory_lookups is None and self.training and not decodings and not getattr(self, "gradient_checkpointing", False) \
+        recomputing = getattr(self, "gradient_checkpointing", False)
+        if memory_lookups is None and self.training and not decodings and not recomputing \
                 and any(self.layers[index].memory.row_partition is not None for index in self.memory_layers):
             # row-sharded tables: every layer's rows requested at once, in one exchange (not under recompute,
             # where each checkpointed layer looks its rows up again)

@@ -137,8 +137,9 @@ class TableOptimizer(compat.fp32_optimizer_class()):
         for index, state in list(state_dict["state"].items()):  # rowwise_adagrad's [rows] state, as the table's
             if "momentum" in state:  # (a new dict: torch's state_dict shares the live state's)
                 momentum, width = state["momentum"], self.tables.weights[index].shape[1]
-                state_dict["state"][index] = dict(state, momentum=momentum.new_zeros(momentum.shape[0], width)
-                                                  if is_loading else momentum.unsqueeze(1).expand(-1, width).contiguous())
+                repeated = momentum.new_zeros(momentum.shape[0], width) if is_loading else \
+                    momentum.unsqueeze(1).expand(-1, width).contiguous()
+                state_dict["state"][index] = dict(state, momentum=repeated)
         compat.optimizer_state_sharding(state_dict, model_sharded_state_dict, self.tables.weights, exclude_keys="step")
         state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
         return state_dict

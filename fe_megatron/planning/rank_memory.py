@@ -100,7 +100,8 @@ class TableStorage:
     def bytes_per_parameter(self, width: int = 128) -> float:
         """Weight, gradient and optimizer state per table parameter (rows of ``width`` columns on a rank)."""
         plan = self.plan("fp32")
-        return DTYPE_BYTES[self.table_dtype] + plan.gradient_bytes_per_parameter() + plan.state_bytes_per_parameter(width)
+        return (DTYPE_BYTES[self.table_dtype] + plan.gradient_bytes_per_parameter()
+                + plan.state_bytes_per_parameter(width))
 
 
 def _stage_params(config: MemoryConfig, pp: int, stage: int) -> tuple:
@@ -190,8 +191,8 @@ def table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int, preci
     rows = table_params / (config.branch_width / tp)
     for dtype, per_param, per_row in (("fp32", 4, 0), ("bf16", 2, 0), ("fp8", 1, 4)):
         table_bytes = table_params * per_param + rows * per_row
-        choices.append(StorageChoice("serve", dtype, "-", "device", "-", "whole", table_bytes / table_params, table_bytes,
-                                     table_bytes + whole.rest_weights, 0.0))
+        choices.append(StorageChoice("serve", dtype, "-", "device", "-", "whole", table_bytes / table_params,
+                                     table_bytes, table_bytes + whole.rest_weights, 0.0))
     return choices
 
 
@@ -201,8 +202,9 @@ def format_table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int
     gib = 2 ** 30
     lines = [f"# the tables' storage choices at TP={tp} PP={pp} DP={dp}, the rest of the model in {precision} (per "
              f"rank, GiB{', the heaviest pipeline stage' if pp > 1 else ''}).  dtype: the tables' (memory.table_dtype); state: their "
-             "gradient and Adam's two moments (optimizer.table_state_dtype); update: optimizer.table_update (the sparse "
-             "rules keep no dense gradient; rowwise_adagrad one fp32 state per row); B/p: bytes per table parameter; "
+             "gradient and Adam's two moments (optimizer.table_state_dtype); update: optimizer.table_update (the "
+             "sparse rules keep no dense gradient; rowwise_adagrad one fp32 state per row); B/p: bytes per table "
+             "parameter; "
              "'device' adds the rest of the model; 'host': the host tier's share of one rank; fits: the device "
              f"within {device_gib:g} GiB (before activations) and {ranks_per_node} ranks' host shares within a node's "
              f"{host_gib:g} GiB",
@@ -216,7 +218,8 @@ def format_table_storage_choices(config: MemoryConfig, tp: int, pp: int, dp: int
                      f"{c.bytes_per_parameter:>5.1f}{c.tables / gib:>9.2f}{c.device / gib:>9.2f}{c.host / gib:>9.2f}  "
                      f"{'yes' if fits else 'no'}")
     lines.append("(train with memory.table_dtype, optimizer.table_state_dtype, memory.table_placement, "
-                 "optimizer.table_update and parallel.table_sharding; serve with fe-convert --table-dtype; docs/tables.md)")
+                 "optimizer.table_update and parallel.table_sharding; serve with fe-convert --table-dtype; "
+                 "docs/tables.md)")
     return "\n".join(lines)
 
 

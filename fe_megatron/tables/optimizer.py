@@ -54,43 +54,74 @@ class TableLayout:
                           sorted(self.row_slices, key=lambda entry: entry[2])])
 
 
-class TableAdamW(torch.optim.Optimizer):
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 state_dtype: str = "fp32", seed: int = 0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+class TableOptimizerBase(torch.optim.Optimizer):
+    """What every table optimizer shares (`TableAdamW` here, the sparse rules of
+    `fe_megatron.tables.sparse_update`): tables [rows, width] in fp32 or bf16, each with a
+    `TableLayout` (whole, unless the caller set one), state of ``state_keys`` created for a table
+    that has none (`initialize_state`: what a checkpoint is loaded into) and kept in its own dtype
+    when loaded, and the global row of every local row, for the rounding's keys."""
+
+    state_keys: tuple = ()
+
+    def __init__(self, params, defaults: dict, state_dtype: str = "fp32", seed: int = 0):
+        super().__init__(params, defaults)
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype {state_dtype!r} is not one of {tuple(STATE_DTYPES)}")
         self.state_dtype, self.seed = STATE_DTYPES[state_dtype], seed
         self._global_rows = {}
         for index, param in enumerate(self._params()):
             if param.dtype not in (torch.float32, torch.bfloat16) or param.dim() != 2:
-                raise TypeError(f"TableAdamW updates fp32 or bf16 tables [rows, width]; got a {param.dtype} parameter "
-                                f"of shape {tuple(param.shape)}")
+                raise TypeError(f"{type(self).__name__} updates fp32 or bf16 tables [rows, width]; got a "
+                                f"{param.dtype} parameter of shape {tuple(param.shape)}")
             if getattr(param, "table_layout", None) is None:
                 param.table_layout = TableLayout.whole(index, param)
 
     def _params(self) -> list:
         return [param for group in self.param_groups for param in group["params"]]
 
+    def new_state(self, param: torch.Tensor) -> dict:
+        """``{key: zeros}`` of ``state_keys`` for ``param``."""
+        raise NotImplementedError
+
+    def stored_state(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """A loaded state tensor as this optimizer keeps it (by default: in ``state_dtype``)."""
+        return value.to(self.state_dtype)
+
     def initialize_state(self, params=None) -> None:
-        """Zero moments and step 0 for every table (of ``params``) that has none: what a checkpoint
+        """Zero state and step 0 for every table (of ``params``) that has none: what a checkpoint
         is loaded into, and a table's state before its first update."""
         for param in self._params() if params is None else params:
-            state = self.state[param]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros(param.shape, dtype=self.state_dtype, device=param.device)
-                state["exp_avg_sq"] = torch.zeros(param.shape, dtype=self.state_dtype, device=param.device)
+            if not self.state[param]:
+                self.state[param].update(step=torch.tensor(0.0), **self.new_state(param))
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that the moments keep ``state_dtype`` (torch casts them to the table's)."""
+        """torch's, except that the state keeps its own dtype (torch casts it to the table's)."""
         super().load_state_dict(state_dict)
         saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
         for pid, param in zip(saved_ids, self._params()):
             saved = state_dict["state"].get(pid)
             if saved is not None:
-                for key in ("exp_avg", "exp_avg_sq"):
-                    self.state[param][key] = saved[key].to(device=param.device, dtype=self.state_dtype)
+                for key in self.state_keys:
+                    self.state[param][key] = self.stored_state(key, saved[key].to(param.device)).contiguous()
+
+    def global_rows(self, param: torch.Tensor) -> torch.Tensor:
+        """The global row of each of ``param``'s local rows (on its device), cached."""
+        rows = self._global_rows.get(id(param))
+        if rows is None:
+            rows = self._global_rows[id(param)] = param.table_layout.global_rows().to(param.device)
+        return rows
+
+
+class TableAdamW(TableOptimizerBase):
+    state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
+                 state_dtype: str = "fp32", seed: int = 0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), state_dtype,
+                         seed)
+
+    def new_state(self, param):
+        return {key: torch.zeros(param.shape, dtype=self.state_dtype, device=param.device) for key in self.state_keys}
 
     @staticmethod
     def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -115,10 +146,7 @@ class TableAdamW(torch.optim.Optimizer):
         """One table's update: torch's AdamW a block of rows at a time for fp32 tables and state (to
         the bit), else the fused kernel (`fe_megatron.ops.table_adamw_`: on host memory the C++ one),
         each bf16 tensor written back with stochastic rounding keyed by its elements' global ids."""
-        layout = param.table_layout
-        global_rows = self._global_rows.get(id(param))
-        if global_rows is None:
-            global_rows = self._global_rows[id(param)] = layout.global_rows().to(param.device)
+        layout, global_rows = param.table_layout, self.global_rows(param)
         keys = torch.tensor([rounding_keys((self.seed, layout.table, step, which)) for which in range(3)])
         settings = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                         weight_decay=group["weight_decay"], step=step)

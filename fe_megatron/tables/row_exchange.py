@@ -250,7 +250,8 @@ class StageRowExchange:
                                            torch.tensor(self.unique_counts, device=device))
         key = owner * layers + layer_of  # requests grouped by owner, then by layer
         self.order = torch.argsort(key, stable=True)
-        self.layer_orders = [torch.argsort(o, stable=True) for o in owners]  # each layer's own, for a per-layer backward
+        # each layer's own order by owner, for a backward that sends each layer's gradients alone
+        self.layer_orders = [torch.argsort(o, stable=True) for o in owners]
         self.send_counts = torch.bincount(key, minlength=world * layers)  # [owner x layer]
         self.recv_counts = torch.empty_like(self.send_counts)
         dist.all_to_all_single(self.recv_counts, self.send_counts, group=group)

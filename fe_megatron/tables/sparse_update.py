@@ -38,58 +38,16 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron.ops import reference
-from fe_megatron.tables.optimizer import STATE_DTYPES, TableAdamW, TableLayout
+from fe_megatron.tables.optimizer import TableAdamW, TableOptimizerBase
 from fe_megatron.tables.storage import rounding_keys
 
 TABLE_UPDATES = ("adamw", "rowwise_adagrad", "lazy_adam")
 SPARSE_UPDATES = ("rowwise_adagrad", "lazy_adam")
 
 
-class SparseTableOptimizer(torch.optim.Optimizer):
-    """What the sparse rules share: tables [rows, width] with ``row_gradients`` and a
-    `TableLayout`, state initialized lazily (or for a checkpoint to load into), the step count, and
-    writing updated rows back in the table's dtype."""
-
-    state_keys: tuple = ()
-
-    def __init__(self, params, defaults: dict, state_dtype: str = "fp32", seed: int = 0):
-        super().__init__(params, defaults)
-        if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype {state_dtype!r} is not one of {tuple(STATE_DTYPES)}")
-        self.state_dtype, self.seed = STATE_DTYPES[state_dtype], seed
-        self._global_rows = {}
-        for index, param in enumerate(self._params()):
-            if param.dtype not in (torch.float32, torch.bfloat16) or param.dim() != 2:
-                raise TypeError(f"{type(self).__name__} updates fp32 or bf16 tables [rows, width]; got a "
-                                f"{param.dtype} parameter of shape {tuple(param.shape)}")
-            if getattr(param, "table_layout", None) is None:
-                param.table_layout = TableLayout.whole(index, param)
-
-    def _params(self) -> list:
-        return [param for group in self.param_groups for param in group["params"]]
-
-    def new_state(self, param: torch.Tensor) -> dict:
-        raise NotImplementedError
-
-    def initialize_state(self, params=None) -> None:
-        """Zero state and step 0 for every table (of ``params``) that has none."""
-        for param in self._params() if params is None else params:
-            if not self.state[param]:
-                self.state[param].update(step=torch.tensor(0.0), **self.new_state(param))
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that the state keeps its own dtype (torch casts it to the table's)."""
-        super().load_state_dict(state_dict)
-        saved_ids = [pid for group in state_dict["param_groups"] for pid in group["params"]]
-        for pid, param in zip(saved_ids, self._params()):
-            saved = state_dict["state"].get(pid)
-            if saved is not None:
-                fresh = self.new_state(param)
-                for key in self.state_keys:
-                    value = saved[key]
-                    if value.dim() > fresh[key].dim():  # a row-wise state saved repeated across the row's columns
-                        value = value[:, 0]
-                    self.state[param][key] = value.to(device=param.device, dtype=fresh[key].dtype).contiguous()
+class SparseTableOptimizer(TableOptimizerBase):
+    """What the sparse rules share: the touched rows' gradients (``row_gradients``), the step count,
+    and writing updated rows back in the table's dtype."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -116,18 +74,12 @@ class SparseTableOptimizer(torch.optim.Optimizer):
         if tensor.dtype == torch.bfloat16:
             layout = param.table_layout
             key1, key2 = rounding_keys((self.seed, layout.table, step, which))
-            element_ids = (self._rows_of(param)[ids].unsqueeze(1) * layout.global_width + layout.column_offset
+            element_ids = (self.global_rows(param)[ids].unsqueeze(1) * layout.global_width + layout.column_offset
                            + torch.arange(values.shape[1], device=values.device)) if values.dim() == 2 else None
             if element_ids is None:
                 raise TypeError("row-wise state is kept in fp32")
             values = reference.stochastic_round_to_bf16(values, reference.counter_noise(key1, key2, element_ids))
         tensor.index_copy_(0, ids, values.to(tensor.dtype))
-
-    def _rows_of(self, param) -> torch.Tensor:
-        rows = self._global_rows.get(id(param))
-        if rows is None:
-            rows = self._global_rows[id(param)] = param.table_layout.global_rows().to(param.device)
-        return rows
 
 
 class RowwiseAdagrad(SparseTableOptimizer):
@@ -146,6 +98,10 @@ class RowwiseAdagrad(SparseTableOptimizer):
 
     def new_state(self, param):
         return {"momentum": torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)}
+
+    def stored_state(self, key, value):
+        """fp32, and one value per row (Megatron's checkpoints write it repeated across the row's columns)."""
+        return (value[:, 0] if value.dim() == 2 else value).float()
 
     def _update(self, param, ids, grad, state, step, group):
         squares = grad.square().sum(dim=1)
