@@ -72,12 +72,12 @@ class SparseTableOptimizer(TableOptimizerBase):
         """``tensor[ids] = values`` (fp32), stochastically rounded where ``tensor`` is bf16 (`TableAdamW`'s keys:
         ``which`` 0 for the rows, 1 and 2 for the moments)."""
         if tensor.dtype == torch.bfloat16:
+            if values.dim() != 2:
+                raise TypeError("only [rows, width] tensors are stored in bf16; row-wise state is kept in fp32")
             layout = param.table_layout
             key1, key2 = rounding_keys((self.seed, layout.table, step, which))
             element_ids = (self.global_rows(param)[ids].unsqueeze(1) * layout.global_width + layout.column_offset
-                           + torch.arange(values.shape[1], device=values.device)) if values.dim() == 2 else None
-            if element_ids is None:
-                raise TypeError("row-wise state is kept in fp32")
+                           + torch.arange(values.shape[1], device=values.device))
             values = reference.stochastic_round_to_bf16(values, reference.counter_noise(key1, key2, element_ids))
         tensor.index_copy_(0, ids, values.to(tensor.dtype))
 
