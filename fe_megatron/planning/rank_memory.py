@@ -33,12 +33,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.tables.plan import TablePlan
+from fe_megatron.tables.plan import DTYPE_BYTES, TablePlan
 from fe_megatron.memory.sharding import (MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, pipeline_stage_layers,
                                          stages_without_memory)
 from fe_megatron.planning.budget import layer_params, memory_layer_budget
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass

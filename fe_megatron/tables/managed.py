@@ -2,8 +2,9 @@
 
 The engines' optimizers hold every parameter in device memory and, for bf16 weights, keep an fp32
 copy beside them: 18 bytes per table parameter where the tables are most of the model.  When the
-storage asks for what they cannot hold (`uses_table_stores`: bf16 tables, tables in host memory,
-or bf16 optimizer state; docs/tables.md) every memory branch's table moves into a `TableStore`
+storage asks for what they cannot hold, or the update rule is a sparse one (the table plan,
+`fe_megatron.tables.plan.TablePlan`: bf16 tables, tables in host memory, bf16 optimizer state, a
+sparse ``optimizer.table_update``; docs/tables.md) every memory branch's table moves into a `TableStore`
 (`fe_megatron.tables.store`) and is trained here:
 
 1. the lookups' backward adds row gradients into each store's ``main_grad`` (fp32, or bf16 with
