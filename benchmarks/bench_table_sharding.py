@@ -38,7 +38,7 @@ MODES = (("replicated", "replicated", True), ("rows", "rows", True), ("rows-per-
 
 
 def start_each_layer_alone(branches: dict, indices: dict, device=None) -> dict:
-    """The lookups as they were started before the stage exchange: each layer its own `RowLookup`."""
+    """The lookups as they were started before the stage exchange: each layer its own exchange."""
     return {index: branches[index].start_lookup(value, device) if isinstance(value, torch.Tensor) else value
             for index, value in indices.items()}
 

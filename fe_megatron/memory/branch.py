@@ -14,7 +14,7 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
-from fe_megatron.tables.row_exchange import RowLookup, RowPartition, StageRowExchange
+from fe_megatron.tables.row_exchange import RowPartition, StageRowExchange, row_lookup
 from fe_megatron.memory.sharding import local_shape, param_sharding
 from fe_megatron.memory.short_conv import ShortConv
 from fe_megatron.tables.store import StartedLookup, StoreLookup
@@ -141,8 +141,8 @@ class MemoryBranch(nn.Module):
         device = indices.device if device is None else torch.device(device)
         store = self.tables.store
         if self.row_partition is not None:
-            return RowLookup(store if store is not None else self.tables.weight, indices.to(device),
-                             self.row_partition, self.parallel.memory_parallel_group)
+            return row_lookup(store if store is not None else self.tables.weight, indices.to(device),
+                              self.row_partition, self.parallel.memory_parallel_group)
         if store is not None:
             return StoreLookup(store, indices, device)
         return indices
@@ -221,9 +221,6 @@ def start_stage_lookups(branches: dict, indices: dict, device=None) -> dict:
         else:
             started[index] = branch.start_lookup(value, device)
     for layers in sharded.values():
-        if len(layers) == 1:
-            started[layers[0]] = branches[layers[0]].start_lookup(indices[layers[0]], device)
-            continue
         group = [branches[index] for index in layers]
         exchange = StageRowExchange(
             [b.tables.store if b.tables.store is not None else b.tables.weight for b in group],

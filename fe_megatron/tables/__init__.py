@@ -4,8 +4,8 @@
 * `storage`: the rows' formats (fp32, bf16, fp8 with per-row scales for serving);
 * `store`: `TableStore`, a table outside the module's parameters (device or host memory), its
   dense gradient or its row gradients, and `StoreLookup`;
-* `row_exchange`: tables sharded by rows, looked up by all-to-all, one layer (`RowLookup`) or a
-  whole pipeline stage (`StageRowExchange`) at a time;
+* `row_exchange`: tables sharded by rows, looked up by all-to-all, one layer (`row_lookup`) or a
+  whole pipeline stage at a time (`StageRowExchange`);
 * `lookahead`: the host tier's lookups started one microbatch ahead;
 * `optimizer` (`TableAdamW`, every row) and `sparse_update` (row-wise AdaGrad and lazy Adam, the
   touched rows only), and `managed` (`ManagedTables`: reduce, norm, clip and update them for an engine).

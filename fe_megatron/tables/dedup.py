@@ -5,8 +5,8 @@ its unigram row), so each lookup gathers, sends and updates each distinct row on
 gives the sorted distinct ids and, for every position, the index of its id among them; in backward
 `sum_per_row` adds the positions' gradients per distinct row, with the kernels of `fe_megatron.ops`
 (sorted and reproducible unless ``deterministic`` is False).  Used by `StoreLookup` and the row
-gradients of a store (`fe_megatron.tables.store`), and by `RowLookup` and `StageRowExchange`
-(`fe_megatron.tables.row_exchange`).
+gradients of a store (`fe_megatron.tables.store`), and by the row exchange
+(`fe_megatron.tables.row_exchange.StageRowExchange`).
 """
 
 from __future__ import annotations

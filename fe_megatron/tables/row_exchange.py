@@ -6,21 +6,23 @@ most one row); its local buffer is those ranges one after another, in branch ord
 layer's buffer as a whole, spreads every branch over all ranks, so the hot unigram rows that
 every token reads do not all land on one owner.  No rank ever holds a whole table.
 
-Lookup of one microbatch (`RowLookup`, the memory analogue of MoE's token dispatch):
+Lookup of one microbatch (`StageRowExchange`, the memory analogue of MoE's token dispatch), for
+one layer (`row_lookup`) or every row-sharded layer of a pipeline stage at once:
 
-1. deduplicate the row indices locally (`fe_megatron.tables.dedup`: the distinct ids and the inverse);
+1. deduplicate each layer's row indices locally (`fe_megatron.tables.dedup`: the distinct ids and
+   the inverse);
 2. send each unique request to its owner (an all-to-all of counts, then a variable-split
-   all-to-all of the owners' local row ids);
-3. each owner gathers the requested rows of its shard with the kernels of `fe_megatron.ops`;
+   all-to-all of the owners' local row ids, every layer's in one buffer);
+3. each owner gathers the requested rows of its shards with the kernels of `fe_megatron.ops`;
 4. the rows come back by a variable-split all-to-all, issued asynchronously so that a model
-   can start every layer's lookup at the start of the microbatch (prefetch) and each layer
-   waits only for its own rows;
-5. the requester expands them with the inverse.
+   can start the lookups at the start of the microbatch (prefetch) and each layer waits only
+   for the rows to arrive;
+5. the requester expands each layer's rows with its inverse.
 
-Backward mirrors it (`_RowShardedGather`): the gradients of duplicate positions are summed per
-unique row (sorted, deterministic), sent back to the owners by all-to-all, and each owner adds
-them into its shard's gradient, also sorted and deterministic, straight into ``main_grad``
-under Megatron's DDP.  The table's gradient is never all-reduced.
+Backward mirrors it: the gradients of duplicate positions are summed per unique row (sorted,
+deterministic), sent back to the owners by all-to-all, and each owner adds them into its
+shard's gradient, also sorted and deterministic, straight into ``main_grad`` under Megatron's
+DDP.  The table's gradient is never all-reduced.
 
 Only ``torch.distributed`` is used here, so every engine (Megatron, DeepSpeed) shares it.
 """
@@ -115,97 +117,11 @@ class RowPartition:
         return full
 
 
-class RowLookup(StartedLookup):
-    """One layer's row lookup for one microbatch: requests sent, the rows on their way back.
-
-    ``source`` is this rank's shard: the table's weight parameter, or a `TableStore` (a table
-    trained by fe_megatron's own optimizer, in device or host memory), which serves the requested
-    rows and receives their gradients.  Creating the lookup runs steps 1-3 of the module docstring
-    and starts step 4; `rows` waits for the rows and expands them to ``[*indices.shape, width]``.
-    """
-
-    def __init__(self, source, indices: torch.Tensor, partition: RowPartition, group: dist.ProcessGroup):
-        self.store = source if isinstance(source, TableStore) else None
-        weight = source.weight if self.store is not None else source
-        self.anchor = self.store.anchor if self.store is not None else source  # what autograd differentiates
-        self.width, self.indices, self.partition, self.group = weight.shape[1], indices, partition, group
-        flat = indices.reshape(-1)
-        unique, self.inverse = unique_rows(flat)
-        owner, local = partition.locate(unique)
-        self.order = torch.argsort(owner, stable=True)  # requests grouped by owner
-        self.send_counts = torch.bincount(owner, minlength=partition.size)
-        self.recv_counts = torch.empty_like(self.send_counts)
-        dist.all_to_all_single(self.recv_counts, self.send_counts, group=group)
-        send_list, recv_list = self.send_counts.tolist(), self.recv_counts.tolist()
-        self.requested = torch.empty(sum(recv_list), dtype=torch.int64, device=flat.device)
-        dist.all_to_all_single(self.requested, local[self.order].contiguous(), recv_list, send_list, group=group)
-        # the backward runs on autograd's thread, where ops.use_backend is not in force: keep the choice
-        self.backend = ops.current_backend(flat.device, weight.dtype)
-        with torch.no_grad():  # the rows this rank owns and was asked for
-            if self.store is not None:
-                self._served = self.store.fetch(self.requested, flat.device).wait()
-            else:
-                self._served = ops.gather_rows_forward(weight.detach(), self.requested, self.backend)
-        self._received = self._served.new_empty((unique.numel(), self.width))
-        self._work = dist.all_to_all_single(self._received, self._served, send_list, recv_list, group=group,
-                                            async_op=True)
-        self.stats = {"positions": flat.numel(), "unique": unique.numel(),
-                      "sent_rows": sum(send_list) - send_list[partition.rank],
-                      "served_rows": sum(recv_list) - recv_list[partition.rank]}
-
-    def rows(self) -> torch.Tensor:
-        """The looked-up rows, ``[*indices.shape, width]`` in fp32, differentiable in the table."""
-        return _RowShardedGather.apply(self.anchor, self)
-
-    def wait_unique_rows(self) -> torch.Tensor:
-        """``[unique, width]`` in the order of the sorted unique ids (blocks until they arrived)."""
-        if self._work is not None:
-            self._work.wait()
-            self._work, self._served = None, None
-            unique_rows = torch.empty_like(self._received)
-            unique_rows[self.order] = self._received
-            self._received = unique_rows
-        return self._received
-
-    def exchange_gradients(self, grad_rows: torch.Tensor, deterministic: bool) -> torch.Tensor:
-        """Backward: sum ``grad_rows`` ([positions, width]) per unique row and send the sums to their
-        owners; returns what this rank receives for its rows ``requested`` ([requested, width], fp32)."""
-        unique_grad = sum_per_row(grad_rows, self.inverse, self.order.numel(), deterministic, self.backend)
-        received = torch.empty(self.requested.numel(), grad_rows.shape[1], dtype=torch.float32,
-                               device=grad_rows.device)
-        dist.all_to_all_single(received, unique_grad[self.order].contiguous(), self.recv_counts.tolist(),
-                               self.send_counts.tolist(), group=self.group)
-        return received
-
-
-class _RowShardedGather(torch.autograd.Function):
-    """``rows = lookup.rows()``, whose backward sends the row gradients to their owners.
-
-    The owner adds them into its shard's gradient: into its `TableStore`'s ``main_grad``, or, for a
-    weight parameter, as `fe_megatron.ops.gather_rows` does (straight into ``main_grad`` under
-    Megatron's DDP, `fe_megatron.ops.table_weight_gradient`; elsewhere the dense gradient of the
-    local shard, 1/N of the table).
-    """
-
-    @staticmethod
-    def forward(ctx, anchor, lookup: RowLookup):
-        ctx.lookup = lookup
-        rows = lookup.wait_unique_rows().index_select(0, lookup.inverse).view(*lookup.indices.shape, lookup.width)
-        return rows.float()  # a bf16 table's rows travel in bf16 and are exact in fp32
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        lookup = ctx.lookup
-        grad_rows = grad_output.reshape(-1, lookup.width).float().contiguous()
-        deterministic = ops.deterministic_backward()
-        received = lookup.exchange_gradients(grad_rows, deterministic)
-        if lookup.store is not None:
-            lookup.store.accumulate(lookup.requested, received, deterministic, lookup.backend)
-            return None, None
-        return ops.table_weight_gradient(
-            lookup.anchor, lambda out: ops.gather_rows_backward(received, lookup.requested, out, deterministic,
-                                                                lookup.backend),
-            dense_dtype=torch.float32), None
+def row_lookup(source, indices: torch.Tensor, partition: RowPartition, group: dist.ProcessGroup) -> "LayerRowLookup":
+    """One layer's row lookup for one microbatch, exchanged alone: a `StageRowExchange` of that
+    layer.  ``source`` is this rank's shard: the table's weight parameter, or a `TableStore` (a
+    table trained by fe_megatron's own optimizer, in device or host memory)."""
+    return StageRowExchange([source], [indices], [partition], group).layer_lookup(0)
 
 
 class StageRowExchange:
@@ -335,7 +251,7 @@ class StageRowExchange:
 
 
 class LayerRowLookup(StartedLookup):
-    """One layer's part of a `StageRowExchange`: what `RowLookup` is for a layer exchanged alone."""
+    """One layer's part of a `StageRowExchange`: its indices, and its rows (differentiable in the table)."""
 
     def __init__(self, exchange: StageRowExchange, layer: int):
         self.exchange, self.layer = exchange, layer

@@ -232,8 +232,8 @@ class StartedLookup:
     """One layer's lookup of one microbatch's rows, started ahead of use: ``indices`` (the row ids it
     looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]`` in fp32,
     differentiable in the table).  What a memory branch takes in place of indices
-    (`fe_megatron.memory.branch.MemoryBranch.lookup`): `StoreLookup` here, `RowLookup` and
-    `LayerRowLookup` in `fe_megatron.tables.row_exchange`."""
+    (`fe_megatron.memory.branch.MemoryBranch.lookup`): `StoreLookup` here, and `LayerRowLookup`
+    (a layer's part of a row exchange) in `fe_megatron.tables.row_exchange`."""
 
     indices: torch.Tensor
 

@@ -1,5 +1,5 @@
 """One stage's row exchange (`fe_megatron.tables.row_exchange.StageRowExchange`) against each layer
-exchanging alone (`RowLookup`) and against whole tables, on fresh random tables, ids and gradients.
+exchanging alone (`row_lookup`) and against whole tables, on fresh random tables, ids and gradients.
 
 Run: torchrun --nproc_per_node N tests/distributed/check_stage_exchange.py
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from common import Checker
-from fe_megatron.tables.row_exchange import RowLookup, RowPartition, StageRowExchange
+from fe_megatron.tables.row_exchange import RowPartition, StageRowExchange, row_lookup
 from fe_megatron.tables.store import TableStore
 
 LAYOUTS = [((7, 11, 13), 32), ((5, 17, 19), 48), ((9, 23, 29), 40)]  # (branch rows, positions per rank)
@@ -89,9 +89,9 @@ def main():
     # the same gradients through each layer's own exchange, for comparison
     params = [torch.nn.Parameter(p.take(w).clone()) for p, w in zip(partitions, wholes)]
     for layer, (param, (ids, grad)) in enumerate(zip(params, mine)):
-        lookup = RowLookup(param, ids, partitions[layer], dist.group.WORLD)
+        lookup = row_lookup(param, ids, partitions[layer], dist.group.WORLD)
         (lookup.rows() * grad).sum().backward()
-        check.close(f"RowLookup: layer {layer} shard gradient", param.grad, expected_grads[layer], 1e-6)
+        check.close(f"row_lookup: layer {layer} shard gradient", param.grad, expected_grads[layer], 1e-6)
     check.finish()
 
 
