@@ -72,16 +72,25 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, train_step
     from fe_megatron.megatron.engine import transformer_config_for
-    from fe_megatron.training.config import TrainConfig
+    from fe_megatron.megatron.table_optimizer import manage_tables
+    from fe_megatron.tables.plan import TablePlan
+    from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig
+    from fe_megatron.training.distributed import current_device
 
     backbone = BackboneConfig.from_dict(size["backbone"])
-    initialize(seed=1, table_sharding=table_sharding)
-    tconfig = transformer_config_for(TrainConfig(model=backbone), on_gpu=torch.cuda.is_available())
+    initialize(seed=1)
     memory = MemoryConfig.from_dict(size["memory"], backbone=backbone)
+    optimizer_args = OptimizerArgs(lr=1e-4)
+    cfg = TrainConfig(model=backbone, memory=memory, optimizer=optimizer_args,
+                      parallel=ParallelArgs(table_sharding=table_sharding))
+    tconfig = transformer_config_for(cfg, on_gpu=torch.cuda.is_available())
     model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory, table_sharding=table_sharding,
                             prefetch_table_rows=prefetch)
+    stores = None
+    if TablePlan.for_run(cfg, tconfig.bf16).in_stores:  # rows: the table optimizer trains them (docs/tables.md)
+        stores = manage_tables(model, optimizer_args, "fp32", table_sharding, current_device(), seed=1)
     ddp = wrap_ddp(model, tconfig)
-    opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0))
+    opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0), tables=stores)
     connect_schedule_hooks(tconfig, [ddp], opt)
     seq, mbs = backbone.seq_length, size["micro_batch"]
     gen = torch.Generator().manual_seed(100 + parallel_state.get_data_parallel_rank())
@@ -105,7 +114,9 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
     gpt_model.start_stage_lookups = stage_lookups
     tables = [layer.memory.tables.weight for layer in model.stage_memory_layers]
     state = [opt.chained_optimizers[-1].optimizer.state.get(t, {}) for t in tables]
-    table_bytes = sum(t.numel() * 4 + t.main_grad.numel() * 4 for t in tables) + sum(
+    gradients = [layer.memory.tables.store.main_grad if stores is not None else t.main_grad
+                 for layer, t in zip(model.stage_memory_layers, tables)]
+    table_bytes = sum(t.numel() * 4 + g.numel() * 4 for t, g in zip(tables, gradients)) + sum(
         v.numel() * v.element_size() for s in state for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     tokens_per_step = size["microbatches"] * mbs * seq * dist.get_world_size()
     microbatches = steps * size["microbatches"]

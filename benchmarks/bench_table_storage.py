@@ -85,7 +85,8 @@ def worker(size_name: str, storage: str, steps: int) -> dict:
     from fe_megatron.megatron.engine import transformer_config_for
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, train_step
-    from fe_megatron.megatron.table_optimizer import manage_tables, tables_in_stores
+    from fe_megatron.megatron.table_optimizer import manage_tables
+    from fe_megatron.tables.plan import TablePlan
     from fe_megatron.tables.lookahead import HOST_TOKENS
     from fe_megatron.training.config import OptimizerArgs, TrainConfig
     from fe_megatron.training.distributed import current_device
@@ -106,7 +107,7 @@ def worker(size_name: str, storage: str, steps: int) -> dict:
     tconfig = transformer_config_for(cfg, on_gpu=on_gpu)
     model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory)
     tables = manage_tables(model, optimizer_args, optimizer_args.table_state_dtype, "replicated", current_device(),
-                           seed=1) if tables_in_stores(cfg, tconfig.bf16) else None
+                           seed=1) if memory is not None and TablePlan.for_run(cfg, tconfig.bf16).in_stores else None
     if tconfig.bf16:
         model.to(torch.bfloat16)
     if on_gpu:

@@ -81,6 +81,11 @@ class BackboneConfig:
     rope_base: float = 10000.0
     tie_embeddings: bool = True  # input embedding and output layer share their weight
     dropout: float = 0.0  # hidden and attention dropout (the paper's runs use none)
+    # a mixture-of-experts FFN in every layer (the Megatron engine only): 0 keeps the dense SwiGLU FFN; each
+    # expert is a SwiGLU of ffn_hidden_size, moe_router_topk of them per token, Megatron's load-balancing loss
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
@@ -93,6 +98,18 @@ class BackboneConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise ConfigError("tie_embeddings", f"{self.tie_embeddings!r} must be true or false",
                               section="BackboneConfig")
+        if isinstance(self.num_experts, bool) or not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ConfigError("num_experts", f"{self.num_experts!r} must be an integer >= 0 (0: a dense FFN)",
+                              section="BackboneConfig")
+        if self.num_experts:
+            _positive_int("moe_router_topk", self.moe_router_topk, "BackboneConfig")
+            if self.moe_router_topk > self.num_experts:
+                raise ConfigError("moe_router_topk", f"{self.moe_router_topk} exceeds num_experts={self.num_experts}",
+                                  section="BackboneConfig")
+            if isinstance(self.moe_aux_loss_coeff, bool) or not (
+                    isinstance(self.moe_aux_loss_coeff, (int, float)) and self.moe_aux_loss_coeff >= 0):
+                raise ConfigError("moe_aux_loss_coeff", f"{self.moe_aux_loss_coeff!r} must be a number >= 0",
+                                  section="BackboneConfig")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("num_attention_heads", f"{self.num_attention_heads} does not divide hidden_size="
                                                      f"{self.hidden_size}", section="BackboneConfig")

@@ -8,7 +8,6 @@ See `DESCRIPTION` (the ``--help`` text) and docs/training.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
 import sys
@@ -68,12 +67,12 @@ def pretrain(cfg) -> dict:
             raise ConfigError("kernel_backend", f"{err} (docs/kernels.md)", section="training") from None
     ops.set_deterministic_backward(t.deterministic_table_grads)
     engine = engine_module(t.engine)
-    with contextlib.nullcontext() if t.kernel_backend == "auto" else ops.use_backend(t.kernel_backend):
-        run = engine.set_up(cfg)
-        try:
-            return train(run)
-        finally:
-            run.metrics.close()
+    ops.set_backend(t.kernel_backend)  # the whole process's, every thread's
+    run = engine.set_up(cfg)
+    try:
+        return train(run)
+    finally:
+        run.metrics.close()
 
 
 def main(argv=None) -> int:

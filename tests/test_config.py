@@ -124,3 +124,21 @@ def test_backbone_is_written_once_presets_name_it():
     assert all(values["backbone"] in BACKBONES for values in PRESETS.values())
     c = MemoryConfig.from_preset("factorengram-1b")
     assert (c.hidden_size, c.ffn_hidden_size) == (2048, 5632) and c.backbone == BackboneConfig(**BACKBONES["1b"])
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.num_experts=-1"], "model.num_experts: -1 must be an integer >= 0"),
+    (["model.num_experts=4", "model.moe_router_topk=5"], "model.moe_router_topk: 5 exceeds num_experts=4"),
+    (["model.num_experts=4", "parallel.expert=3"], "parallel.expert: 3 must divide model.num_experts=4"),
+    (["parallel.expert=2"], "parallel.expert: 2 must divide model.num_experts=0"),
+    (["model.num_experts=4", "training.engine=deepspeed"], "model.num_experts: 4: the DeepSpeed engine trains the "
+                                                           "Hugging Face model, whose FFN is dense"),
+])
+def test_an_moe_backbone_s_settings_are_checked_by_name(overrides, fragment):
+    from fe_megatron.training.config import load_train_config
+    from tests.test_train import CONFIG
+
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        load_train_config(CONFIG, overrides)
+    moe = load_train_config(CONFIG, ["model.num_experts=4", "parallel.expert=2"])
+    assert (moe.model.num_experts, moe.model.moe_router_topk, moe.parallel.expert) == (4, 2, 2)

@@ -77,6 +77,36 @@ def test_default_is_fastest_and_use_backend_forces_and_restores():
             pass
 
 
+def test_the_chosen_backend_is_the_process_s_and_the_backward_keeps_the_forward_s(monkeypatch):
+    """`set_backend` holds in every thread (autograd's backward thread, the host tier's worker);
+    a gather's backward runs its forward's backend, even after a `use_backend` block has ended."""
+    import threading
+
+    cpu, seen = torch.device("cpu"), []
+    try:
+        ops.set_backend("torch")
+        worker = threading.Thread(target=lambda: seen.append(ops.current_backend(cpu)))
+        worker.start()
+        worker.join()
+        assert seen == ["torch"]
+        ops.set_backend("auto")
+        assert ops.current_backend(cpu) == "cpp"
+    finally:
+        ops.set_backend(None)
+    calls = []
+    cpp = ops.get_backend("cpp").module
+    counted = type("Counted", (), {
+        "gather_rows_forward": staticmethod(cpp.gather_rows_forward),
+        "gather_rows_backward": staticmethod(lambda *a: (calls.append("cpp"), cpp.gather_rows_backward(*a)))})
+    monkeypatch.setitem(ops._backends, "cpp", ops.Backend("cpp", counted, ("cpu",)))
+    weight = torch.randn(16, 4, requires_grad=True)
+    with ops.use_backend("cpp"):
+        rows = ops.gather_rows(weight, torch.randint(0, 16, (5, 2)))
+    with ops.use_backend("torch"):
+        rows.square().sum().backward()
+    assert calls == ["cpp"] and weight.grad is not None and weight.grad.abs().sum() > 0
+
+
 @pytest.mark.skipif(CUDA, reason="checks the message on a machine without a GPU")
 def test_triton_on_cpu_says_how_to_make_it_available():
     import os

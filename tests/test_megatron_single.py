@@ -235,3 +235,35 @@ def test_megatron_lm_spec_module_reads_the_environment(tmp_path):
     env = dict(os.environ, FE_MEMORY_CONFIG=str(cfg))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert "[3] 128" in out
+
+
+@pytest.mark.parametrize("table_lr_mult, table_weight_decay_mult", [(1.0, 1.0), (2.0, 0.0)])
+def test_megatron_s_parameter_groups_follow_the_rule_the_deepspeed_engine_builds_from(
+        megatron_world, table_lr_mult, table_weight_decay_mult):
+    """`fe_megatron.training.param_groups` is the one rule: Megatron's optimizer, built from its
+    parameter keys, puts every parameter in the group the rule names (DeepSpeed's groups are the rule's)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from fe_megatron.megatron.builder import build_optimizer, wrap_ddp
+    from fe_megatron.megatron.compat import optimizer_members
+    from fe_megatron.training.config import OptimizerArgs
+    from fe_megatron.training.param_groups import multipliers
+
+    cfg = tiny_transformer_config()
+    ddp = wrap_ddp(build(tiny_memory_config()), cfg)
+    optimizer = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.1),
+                                table_lr_mult=table_lr_mult, table_weight_decay_mult=table_weight_decay_mult)
+    placed = {}
+    for member in optimizer_members(optimizer):
+        for group in member.param_groups:
+            for param in group["params"]:
+                placed[id(param)] = (group["wd_mult"], group.get("lr_mult", 1.0))
+    args = OptimizerArgs(table_lr_mult=table_lr_mult, table_weight_decay_mult=table_weight_decay_mult)
+    names = dict(ddp.module.named_parameters())
+    assert len(placed) == len(names)
+    kinds = set()
+    for name, param in names.items():
+        rule = multipliers(name, param, args)
+        kinds.add(rule)
+        assert placed[id(param)] == rule, name
+    assert len(kinds) == (2 if (table_lr_mult, table_weight_decay_mult) == (1.0, 1.0) else 3)

@@ -140,7 +140,7 @@ def test_resume_guards_refuse_every_guarded_change_naming_both_values(small_data
                "memory.ngram_orders": [1, 2], "memory.heads_per_order": 1, "memory.table_capacity": [512, 4096, 4099],
                "memory.coeff_width": 96, "memory.memory_dim": 64, "memory.layers": [0], "memory.gate": "scalar",
                "memory.placement": "before_ffn", "memory.conv_kernel_size": 3, "memory.conv_dilation": 2,
-               "memory.kind": "engram", "memory.token_compression": small_data["tokenizer"]}
+               "memory.kind": "engram", "memory.token_compression": small_data["tokenizer"], "model.num_experts": 4}
     assert {key for key in changes} | {"tokenizer.sha256"} == {f"{a}.{b}" for a, b in resume_guard.GUARDED}
     for key, value in changes.items():
         overrides = small_overrides(small_data, **{key: json.dumps(value)})
@@ -164,6 +164,18 @@ def test_resume_guards_refuse_every_guarded_change_naming_both_values(small_data
     refused, changed = resume_guard.compare(info(base), info(allowed))
     assert refused == [] and set(changed) == {"optimizer.lr: 0.003 -> 0.01", "parallel.tensor: 1 -> 2",
                                               "training.train_steps: 8 -> 20"}
+    # fields added since the first checkpoints: an older run info without them ran with their defaults
+    older = info(base)
+    for section, name in resume_guard.ADDED_FIELDS:
+        del older["config"][section][name]
+    assert resume_guard.compare(older, info(base)) == ([], [])
+    # an expert-parallel backbone's optimizer state loads across expert-parallel sizes above 1 only
+    moe = small_overrides(small_data, **{"model.num_experts": 4})
+    one, two, four = (info(load_train_config(CONFIG, moe + [f"parallel.expert={n}"])) for n in (1, 2, 4))
+    assert resume_guard.compare(two, four)[0] == []
+    refused, _ = resume_guard.compare(two, one)
+    assert len(refused) == 1 and refused[0].startswith("parallel.expert is 2 in the checkpoint and 1 now")
+    assert resume_guard.compare(two, one, weights_only=True)[0] == []
 
 
 def test_resume_with_a_changed_hash_seed_or_shape_is_refused_and_allowed_changes_are_listed(small_data, uninterrupted,

@@ -1,5 +1,7 @@
 """Tables sharded by rows over the data-parallel ranks (parallel.table_sharding: rows)."""
 
+import os
+
 import pytest
 import torch
 
@@ -111,3 +113,50 @@ def test_a_stage_s_layers_share_one_exchange(nproc):
     one in backward for all of them."""
     out = torchrun("check_stage_exchange.py", nproc=nproc)
     assert "0 failures" in out
+
+
+@pytest.mark.distributed
+def test_an_expert_parallel_moe_backbone_trains_beside_row_sharded_tables(small_data, tmp_path, capsys):
+    """The tables' row group is their own: with 4 experts over 2 expert-parallel ranks (DP=2), tables
+    sharded by rows over both ranks train as whole tables do, step for step, and a row-sharded
+    checkpoint resumes with whole tables."""
+    import shutil
+
+    from tests.test_operations import final_curve
+    from tests.test_train import CONFIG, run_pretrain, small_overrides
+
+    moe = small_overrides(small_data, **{"model.num_experts": 4, "model.moe_router_topk": 2, "parallel.expert": 2,
+                                         "training.train_steps": 4, "training.save_interval": 2,
+                                         "training.eval_interval": 2, "training.log_interval": 1})
+    runs = {}
+    for tables in ("rows", "replicated"):
+        runs[tables] = str(tmp_path / tables)
+        proc = run_pretrain(["--config", CONFIG, "--save", runs[tables], f"parallel.table_sharding={tables}"] + moe,
+                            nproc=2)
+        assert "in stores because of " in proc.stdout and "an expert-parallel backbone" in proc.stdout
+    rows, whole = final_curve(runs["rows"]), final_curve(runs["replicated"])
+    assert set(rows) == set(whole) == {1, 2, 3, 4}
+    for step in rows:
+        assert rows[step] == pytest.approx(whole[step], rel=1e-5), step
+    assert rows[4][0] < rows[1][0]  # the language-model loss falls
+    resumed = str(tmp_path / "resumed")
+    shutil.copytree(runs["rows"], resumed)
+    shutil.rmtree(os.path.join(resumed, "iter_0000004"))
+    os.remove(os.path.join(resumed, "metrics.jsonl"))  # what the resumed run logs, alone
+    with open(os.path.join(resumed, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write("2")
+    proc = run_pretrain(["--config", CONFIG, "--save", resumed, "--load", resumed,
+                         "parallel.table_sharding=replicated"] + moe, nproc=2)
+    assert "at iteration 2" in proc.stdout
+    again = final_curve(resumed)
+    for step in (3, 4):
+        assert again[step] == pytest.approx(rows[step], rel=1e-5), step
+    # the Hugging Face model's FFN is dense: conversion and fe-eval refuse the experts by name
+    from fe_megatron.convert.cli import main as fe_convert
+    from fe_megatron.evaluation.cli import main as fe_eval
+
+    capsys.readouterr()
+    assert fe_convert(["mcore-to-hf", "--load", runs["rows"], "--output", str(tmp_path / "hf")]) != 0
+    assert fe_eval(["ppl", "--load", runs["rows"], "--data", small_data["subset"]]) != 0
+    assert capsys.readouterr().err.count("4 experts per layer (model.num_experts)") == 2
+    assert not (tmp_path / "hf").exists()

@@ -126,3 +126,50 @@ def _some_names(directory: str) -> str:
     if not names:
         return "nothing"
     return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+
+@dataclasses.dataclass
+class RunStart:
+    """What an engine settles before it builds a model (`start_run`)."""
+
+    plan: object  # the TablePlan (None: no memory)
+    info: dict  # the run info its checkpoints carry, with the schedule in force
+    start_at: object  # the StartPoint: "new", "checkpoint" or "hf", and its folder
+    weights_only: bool  # it starts from weights without optimizer state (a conversion's, or a Hugging Face model)
+    datasets: tuple
+
+    @property
+    def resumes(self) -> bool:
+        """Whether it continues a run: optimizer state, schedule and step from a checkpoint."""
+        return self.start_at.kind == "checkpoint" and not self.weights_only
+
+
+def start_run(cfg, engine: str, data_parallel_size: int, plan, layout: dict = None,
+              find_checkpoint=None, refuse_table_change=None, holds_weights_only=None) -> RunStart:
+    """Step 2 of both engines' set-up (`fe_megatron.training.run`).  ``layout``: the engine's own
+    entries of the run info's layout; ``find_checkpoint(directory)``: the engine's verified
+    checkpoint folder; ``refuse_table_change(folder, saved_info, info)``: its check that the
+    tables' optimizer state loads; ``holds_weights_only(folder)``: whether a checkpoint of it holds
+    weights alone (a conversion's)."""
+    from fe_megatron.checkpoint import resume_guard
+    from fe_megatron.checkpoint.run_info import run_info
+    from fe_megatron.training.run import load_run_tokenizer, run_datasets
+
+    tokenizer = load_run_tokenizer(cfg)
+    info = run_info(cfg, data_parallel_size, layout)
+    if plan is not None:
+        info["tables"] = plan.mode  # how the tables are trained, which a resumed run must match
+    from fe_megatron.training.distributed import log
+
+    start_at = start_point(cfg, engine, find_checkpoint, log)
+    checkpoint = start_at.kind == "checkpoint"
+    weights_only = start_at.kind == "hf" or (checkpoint and holds_weights_only is not None
+                                             and holds_weights_only(start_at.folder))
+    if checkpoint:
+        resume_guard.guard(start_at.folder, start_at.saved, info, log, weights_only=weights_only)
+        if not weights_only and refuse_table_change is not None:
+            refuse_table_change(start_at.folder, start_at.saved, info)
+    # a resumed run keeps its checkpoint's schedule; a new one, or weights alone, follows the config
+    info["schedule"] = resume_guard.schedule_in_force(start_at.saved if checkpoint and not weights_only else None,
+                                                      info)
+    return RunStart(plan, info, start_at, weights_only, run_datasets(cfg, tokenizer, data_parallel_size))

@@ -38,14 +38,19 @@ GUARDED = {
     ("optimizer", "table_weight_decay_mult"): "the optimizer's parameter groups, which the checkpoint's optimizer "
                                               "state is loaded by (before release 0.2 its default was 0.0)",
     ("tokenizer", "sha256"): "the meaning of every token id",
+    ("model", "num_experts"): "the FFN's experts",
 }
+
+# fields added after checkpoints were first written, with the value an older checkpoint ran with
+ADDED_FIELDS = {("optimizer", "table_update"): "adamw", ("model", "num_experts"): 0, ("model", "moe_router_topk"): 2,
+                ("model", "moe_aux_loss_coeff"): 0.01, ("parallel", "expert"): 1}
 
 
 def _get(info: dict, section: str, name: str):
     if section == "tokenizer":
         return (info.get("tokenizer") or {}).get(name)
     part = (info.get("config") or {}).get(section)
-    return None if part is None else part.get(name)
+    return None if part is None else part.get(name, ADDED_FIELDS.get((section, name)))
 
 
 def _flatten(tree, prefix: str = "") -> dict:
@@ -81,19 +86,25 @@ def compare(saved: Optional[dict], current: dict, weights_only: bool = False) ->
         old, new = _get(saved, section, name), _get(current, section, name)
         if old != new:
             refused.append(f"{section}.{name} is {old!r} in the checkpoint and {new!r} now; it sets {why}")
+    old, new = (_get(info, "parallel", "expert") or 1 for info in (saved, current))
+    if (old > 1) != (new > 1) and not weights_only:
+        refused.append(f"parallel.expert is {old} in the checkpoint and {new} now; Megatron keeps the experts of an "
+                       "expert-parallel backbone, and their optimizer state, apart from the other weights, so the "
+                       "optimizer state does not load across expert-parallel sizes 1 and above 1 (sizes above 1 "
+                       "reshard)")
     if saved_memory is not None and current_memory is not None and not weights_only:
-        old, new = (_get(saved, "optimizer", "table_update") or "adamw"), _get(current, "optimizer", "table_update")
+        old, new = _get(saved, "optimizer", "table_update"), _get(current, "optimizer", "table_update")
         if old != new and "rowwise_adagrad" in (old, new):  # adamw and lazy_adam keep the same two moments
             refused.append(f"optimizer.table_update is {old!r} in the checkpoint and {new!r} now; rowwise_adagrad "
                            "keeps one accumulator per row where the Adam rules keep two moments per parameter, so "
                            "the tables' optimizer state does not carry over")
-    flat_old = _flatten(saved.get("config"))
-    flat_new = _flatten(current["config"])
+    added = {f"{section}.{name}": value for (section, name), value in ADDED_FIELDS.items()}
+    flat_old = dict(added, **_flatten(saved.get("config")))
+    flat_new = dict(added, **_flatten(current["config"]))
     guarded = {f"{section}.{name}" for section, name in GUARDED}
     changed = [f"{key}: {flat_old.get(key)!r} -> {flat_new.get(key)!r}" for key in sorted(set(flat_old) | set(flat_new))
                if flat_old.get(key) != flat_new.get(key) and not key.startswith("memory.backbone.")
-               and key not in guarded and key not in ("load", "save")
-               and not (key == "optimizer.table_update" and flat_old.get(key) is None and flat_new.get(key) == "adamw")]
+               and key not in guarded and key not in ("load", "save")]
     return refused, changed
 
 

@@ -50,6 +50,11 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
     if info.get("not_convertible"):
         raise ConversionError(f"{folder}: {info['not_convertible']}")
     backbone, memory = configs_of(info)
+    if backbone.num_experts:  # before its expert weights are read as unknown tensors
+        raise ConversionError(f"{folder}: the backbone has {backbone.num_experts} experts per layer "
+                              "(model.num_experts), and the Hugging Face model's FFN is dense: an MoE checkpoint has "
+                              "no Hugging Face form (fe-pretrain reports its validation and test perplexity in the "
+                              "run's metrics.jsonl)")
     tokenizer_path = run_tokenizer(info, tokenizer)
     checkpoint = DistCheckpoint(folder)
     groups = []

@@ -44,12 +44,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fe_megatron.checkpoint import resume_guard
 from fe_megatron.checkpoint.commit import agree_on_failure, commit, find_checkpoint, start_save
 from fe_megatron.checkpoint.files import CheckpointError, write_run_info
 from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST, find_checkpoint_folder
-from fe_megatron.checkpoint.resume import start_point
-from fe_megatron.checkpoint.run_info import run_info
+from fe_megatron.checkpoint.resume import start_run
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
 from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
@@ -58,33 +56,18 @@ from fe_megatron.tables.plan import TablePlan
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.training.distributed import current_device, log
 from fe_megatron.training.loop import MetricsWriter
+from fe_megatron.training.losses import masked_mean, nonfinite_microbatch, nonfinite_report
+from fe_megatron.training.param_groups import parameter_groups
 from fe_megatron.training.lr_schedule import learning_rate
-from fe_megatron.training.run import (EngineRun, StepResult, begin, freeze_backbone,
-                                      load_run_tokenizer, microbatches_per_rank, run_datasets, use_bf16)
+from fe_megatron.training.run import (EngineRun, StepResult, begin, freeze_backbone, microbatches_per_rank,
+                                      table_plan, use_bf16)
 
-
-
-def megatron_param_groups(model: torch.nn.Module, o) -> list:
-    """AdamW parameter groups as the Megatron engine makes them: no weight decay on biases and
-    1-D tensors; the tables with ``optimizer.table_lr_mult`` and ``table_weight_decay_mult``."""
-    groups = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if name.endswith("memory.tables.weight"):
-            key = (o.table_weight_decay_mult, o.table_lr_mult)
-        else:
-            key = (0.0 if name.endswith(".bias") or param.dim() == 1 else 1.0, 1.0)
-        groups.setdefault(key, []).append(param)
-    return [{"params": params, "wd_mult": wd_mult, "lr_mult": lr_mult, "weight_decay": o.weight_decay * wd_mult}
-            for (wd_mult, lr_mult), params in groups.items()]
 
 
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the positions ``loss_mask`` keeps (Megatron's definition)."""
-    losses = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    mask = loss_mask.reshape(-1).float()
-    return (losses * mask).sum() / mask.sum().clamp_min(1)
+    return masked_mean(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                       reduction="none"), loss_mask)
 
 
 @dataclasses.dataclass
@@ -140,7 +123,7 @@ class DeepSpeedRun(EngineRun):
                 feed.start_next()  # this microbatch's forward is issued: fetch the next one's rows
             loss = lm + sparsity
             if not torch.isfinite(loss):
-                nonfinite.append(f"rank {dist.get_rank()} microbatch {index}: lm loss {float(lm)}")
+                nonfinite.append(nonfinite_microbatch(index, float(lm)))
             sums += torch.stack([lm.detach().double(), sparsity.detach().double(),
                                  torch.tensor(float(not torch.isfinite(loss)), dtype=torch.float64,
                                               device=sums.device)])
@@ -162,11 +145,9 @@ class DeepSpeedRun(EngineRun):
         return result
 
     def _nonfinite(self, sums, mine: list) -> StepResult:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        count = len(everyone) * self.num_microbatches
-        return StepResult(float(sums[0]) / count, float(sums[1]) / count, float("nan"), False,
-                          [line for part in everyone for line in part])
+        count = dist.get_world_size() * self.num_microbatches
+        lm = float(sums[0]) / count
+        return StepResult(lm, float(sums[1]) / count, float("nan"), False, nonfinite_report(mine, lm, float("nan")))
 
     def advance_schedule(self) -> None:
         self.step_index += 1
@@ -393,39 +374,18 @@ def _init_distributed(timeout_minutes: float) -> None:
             print(line, flush=True)
 
 
-def set_up(cfg) -> DeepSpeedRun:
-    """Process group, data, model, DeepSpeed engine; resume from ``cfg.load``."""
-    deepspeed = import_deepspeed()
-
+def build_engine(deepspeed, cfg, ds_config: dict, plan, tables_mode: str, hf_weights: str = None) -> tuple:
+    """``(engine, tables, parameters)``: the DeepSpeed engine around the run's model (with the weights
+    of the Hugging Face directory ``hf_weights``, when given), the tables' stores outside ZeRO when
+    the plan keeps them there (`StoredTables`; None otherwise), and the model's parameter count."""
     from fe_megatron.deepspeed.tables import StoredTables
 
-    t, o, p = cfg.training, cfg.optimizer, cfg.parallel
-    _init_distributed(p.distributed_timeout_minutes)
-    on_gpu = torch.cuda.is_available()
-    bf16 = use_bf16(t, on_gpu)
-    dp = dist.get_world_size()
-    ds_config = resolve(cfg, dp, bf16)
-    stage = zero_stage(ds_config)
-    plan = TablePlan.for_run(cfg) if cfg.memory is not None else None
-    tables_mode = plan.mode if plan is not None else table_mode(p.table_sharding, None, {})
-    tokenizer = load_run_tokenizer(cfg)
-    info = run_info(cfg, dp, {"engine": "deepspeed", "zero_stage": stage})
-    start_at = start_point(cfg, "deepspeed", find_deepspeed_checkpoint(cfg), log)
-    kind, where = start_at.kind, start_at.folder
-    if kind == "checkpoint":
-        resume_guard.guard(where, start_at.saved, info, log)
-        refuse_table_mode_change(where, start_at.saved, tables_mode)
-    info["schedule"] = resume_guard.schedule_in_force(start_at.saved if kind == "checkpoint" else None, info)
-    datasets = run_datasets(cfg, tokenizer, dp)
-    resized = kind == "checkpoint" and needs_universal_copy(where, saved_data_parallel_size(start_at.saved, dp), dp)
-    if resized:
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
-
+    t, o = cfg.training, cfg.optimizer
     torch.manual_seed(t.seed)
     outside_zero = tables_mode != "zero" and cfg.memory is not None
     model = build_model(cfg, dist.group.WORLD if tables_mode == ROW_SHARDED and cfg.memory is not None else None)
-    if kind == "hf":
-        load_hf_weights(model, where)
+    if hf_weights is not None:
+        load_hf_weights(model, hf_weights)
     # before .to(device): tables in host memory never reach the GPU
     tables = StoredTables(model, o, o.table_state_dtype, current_device(), seed=t.seed,
                           update=plan.update) if outside_zero else None
@@ -435,37 +395,69 @@ def set_up(cfg) -> DeepSpeedRun:
     if t.freeze_backbone:
         freeze_backbone(model)
     parameters = sum(param.numel() for param in model.parameters()) + (tables.numel() if tables else 0)
-    optimizer = torch.optim.AdamW(megatron_param_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    optimizer = torch.optim.AdamW(parameter_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     _ENGINES.append(engine)
+    return engine, tables, parameters
 
-    start = 0
+
+def load_checkpoint(engine, tables, where: str, save: str, resized: bool) -> int:
+    """The state of checkpoint ``where`` in ``engine`` and ``tables`` (through a universal copy in
+    ``save`` when the data-parallel size changed: ``resized``); returns its step."""
+    source = universal_copy(where, save) if resized else where
+    multipliers = [(group["lr_mult"], group["wd_mult"]) for group in engine.optimizer.param_groups]
+    path, client_state = engine.load_checkpoint(os.path.dirname(source), tag=os.path.basename(source),
+                                                load_lr_scheduler_states=False)
+    if path is None:
+        raise CheckpointError(f"DeepSpeed could not load {where}")
+    # a universal load gives every group the first group's hyperparameters: each group's own back
+    for group, (lr_mult, wd_mult) in zip(engine.optimizer.param_groups, multipliers):
+        group["lr_mult"], group["wd_mult"] = lr_mult, wd_mult
+    if resized:
+        untie_step_counters(engine.optimizer)
+        remove_universal_copy(save)
+    if tables is not None:
+        tables.load(where)
+    return int(client_state["step"])
+
+
+def set_up(cfg) -> DeepSpeedRun:
+    """Process group, data, model, DeepSpeed engine; resume from ``cfg.load``."""
+    deepspeed = import_deepspeed()
+
+    t, p = cfg.training, cfg.parallel
+    _init_distributed(p.distributed_timeout_minutes)
+    on_gpu = torch.cuda.is_available()
+    bf16 = use_bf16(t, on_gpu)
+    dp = dist.get_world_size()
+    ds_config = resolve(cfg, dp, bf16)
+    stage = zero_stage(ds_config)
+    plan = table_plan(cfg)
+    tables_mode = plan.mode if plan is not None else table_mode(p.table_sharding, None, {})
+    start = start_run(cfg, "deepspeed", dp, plan, {"engine": "deepspeed", "zero_stage": stage},
+                      find_deepspeed_checkpoint(cfg),
+                      lambda folder, saved, _info: refuse_table_mode_change(folder, saved, tables_mode))
+    kind, where, info = start.start_at.kind, start.start_at.folder, start.info
+    resized = kind == "checkpoint" and needs_universal_copy(where, saved_data_parallel_size(start.start_at.saved, dp),
+                                                            dp)
+    if resized:
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+
+    engine, tables, parameters = build_engine(deepspeed, cfg, ds_config, plan, tables_mode,
+                                              hf_weights=where if kind == "hf" else None)
+    step = 0
     if kind == "checkpoint":
-        source = universal_copy(where, cfg.save) if resized else where
-        multipliers = [(group["lr_mult"], group["wd_mult"]) for group in engine.optimizer.param_groups]
-        path, client_state = engine.load_checkpoint(os.path.dirname(source), tag=os.path.basename(source),
-                                                    load_lr_scheduler_states=False)
-        if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {where}")
-        # a universal load gives every group the first group's hyperparameters: each group's own back
-        for group, (lr_mult, wd_mult) in zip(engine.optimizer.param_groups, multipliers):
-            group["lr_mult"], group["wd_mult"] = lr_mult, wd_mult
-        if resized:
-            untie_step_counters(engine.optimizer)
-            remove_universal_copy(cfg.save)
-        if tables is not None:
-            tables.load(where)
-        start = int(client_state["step"])
-        log(f"resumed from {where} at iteration {start}"
-            + (f", saved by {saved_data_parallel_size(start_at.saved, dp)} data-parallel ranks" if resized else ""))
+        step = load_checkpoint(engine, tables, where, cfg.save, resized)
+        log(f"resumed from {where} at iteration {step}"
+            + (f", saved by {saved_data_parallel_size(start.start_at.saved, dp)} data-parallel ranks" if resized else ""))
     elif kind == "hf":
         log(f"loaded the weights of {where} (a Hugging Face model); training starts at step 0")
 
-    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=datasets,
+    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=start.datasets,
                        num_microbatches=microbatches_per_rank(t, dp),
-                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, start), start_step=start,
-                       parameters=parameters, step_index=start)
+                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, step), start_step=step,
+                       parameters=parameters, step_index=step)
     where_tables = {"zero": "tables as ZeRO parameters", ROW_SHARDED: "tables row-sharded outside ZeRO",
                     "replicated": "tables whole outside ZeRO"}[tables_mode]
     if plan is not None:

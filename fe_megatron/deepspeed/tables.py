@@ -13,8 +13,10 @@ every rank holds whole tables, whose gradients are all-reduced over the ranks.  
 on the device and fp32 state, ``replicated`` keeps meaning what it always did under this engine:
 the tables are ZeRO's parameters, as with ``zero``.)
 
-Either way `StoredTables` takes the tables out of the module tree that DeepSpeed sees and trains
-them with `fe_megatron.tables.managed.ManagedTables`: in stores on the device or on the host,
+Either way `StoredTables` trains them with `fe_megatron.tables.managed.ManagedTables`, as the
+Megatron engine trains tables in stores: each table becomes a buffer over its store, which no
+framework moves, casts, partitions or updates, and which DeepSpeed's module checkpoint leaves
+out (the rows are saved in files of their own, below); in stores on the device or on the host,
 their gradients averaged as DeepSpeed averages its own, with `TableAdamW` and the optimizer
 section's learning-rate and weight-decay multipliers.
 
@@ -44,8 +46,8 @@ def tables_file(folder: str, rank: int) -> str:
 
 
 class StoredTables:
-    """The tables of ``model`` (Hugging Face names), detached from its module tree and trained in
-    stores (on ``device``, or the host per ``memory.table_placement``) by rule ``update``
+    """The tables of ``model`` (Hugging Face names), trained in stores outside ZeRO (on ``device``,
+    or the host per ``memory.table_placement``) by rule ``update``
     (``optimizer.table_update``); ``group``: the data-parallel ranks (default: all)."""
 
     def __init__(self, model: torch.nn.Module, optimizer_args, state_dtype: str = "fp32", device=None,
@@ -54,16 +56,14 @@ class StoredTables:
         branches = memory_branches(model)
         if not branches:
             raise ValueError("the model has no memory branch whose tables could be kept outside ZeRO")
-        for branch in branches.values():
-            tables = branch._modules.pop("tables")
-            branch.__dict__["tables"] = tables  # still `branch.tables` for the lookup, but no ZeRO parameter
         self.row_sharded = any(branch.row_partition is not None for branch in branches.values())
         ranks = group if group is not None else dist.group.WORLD
         # whole tables: the ranks are replicas, their gradients summed; row shards: each rank's rows are its own
         self.tables = ManagedTables(branches, optimizer_args, state_dtype, device,
                                     replica_group=None if self.row_sharded else ranks,
                                     norm_groups=[ranks] if self.row_sharded else [],
-                                    gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed, update=update)
+                                    gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed, update=update,
+                                    in_state_dict=False)
         self.optimizer = self.tables.optimizer
         self.clip_grad = optimizer_args.clip_grad
 

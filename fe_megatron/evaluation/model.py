@@ -59,8 +59,12 @@ class EvalModel:
         folder = find_checkpoint_folder(path, iteration)
         info = read_run_info(folder)
         backbone, memory = configs_of(info)
+        try:
+            config = FactorEngramConfig.from_fe_megatron(backbone, memory)
+        except ValueError as error:
+            raise ValueError(f"{folder}: {error}") from None
         tok = load_tokenizer(run_tokenizer(info, tokenizer))
-        model = FactorEngramForCausalLM(FactorEngramConfig.from_fe_megatron(backbone, memory))
+        model = FactorEngramForCausalLM(config)
         params = model.state_dict()
         checkpoint = DistCheckpoint(folder)
         filled = set()

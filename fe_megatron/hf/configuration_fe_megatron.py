@@ -54,7 +54,12 @@ class FactorEngramConfig(LlamaConfig):
     def from_fe_megatron(cls, backbone: BackboneConfig, memory: Optional[MemoryConfig] = None,
                          **kwargs) -> "FactorEngramConfig":
         """The config of a model with ``backbone`` and ``memory``; ``kwargs`` sets further HF fields
-        (token ids, for example)."""
+        (token ids, for example).  A backbone with experts (``num_experts``) is refused: this
+        model's FFN is dense."""
+        if backbone.num_experts:
+            raise ValueError(f"the backbone has {backbone.num_experts} experts per layer (model.num_experts), and the "
+                             "Hugging Face model's FFN is dense: an MoE model has no Hugging Face form here (fe-pretrain "
+                             "reports its validation and test perplexity in the run's metrics.jsonl)")
         memory_fields = None
         if memory is not None:
             memory_fields = {f.name: getattr(memory, f.name) for f in dataclasses.fields(memory)

@@ -16,6 +16,7 @@ from fe_megatron.megatron import compat
 from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
 from fe_megatron.megatron.layer_specs import get_block_spec, get_gpt_layer_with_factorengram_spec, get_local_layer_spec
 from fe_megatron.megatron.table_optimizer import TableChainedOptimizer, TableOptimizer
+from fe_megatron.training.param_groups import NO_DECAY_NAMES, TABLE_ATTRIBUTE
 
 
 def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: int,
@@ -24,22 +25,28 @@ def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: in
                     table_sharding: str = "replicated", prefetch_table_rows: bool = True):
     """This pipeline stage's model: FactorEngram/Engram when ``memory_config`` is given, else the
     plain Transformer with the same backbone (RoPE, RMSNorm, SwiGLU per ``transformer_config``).
-    ``table_sharding="rows"`` shards the tables' rows over the expert-parallel group
-    (`initialize(..., table_sharding="rows")` makes it the data-parallel one)."""
+    ``table_sharding="rows"`` shards the tables' rows over their row group (every data-parallel rank,
+    `fe_megatron.megatron.parallel.table_row_group`).  A ``transformer_config`` with
+    ``num_moe_experts`` gets Megatron's MoE FFN (sequential experts) in every layer."""
     kwargs = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                   post_process=parallel_state.is_pipeline_last_stage(),
                   share_embeddings_and_output_weights=share_embeddings, position_embedding_type="rope",
                   rotary_base=rotary_base)
+    experts = {}
+    if transformer_config.num_moe_experts:
+        compat.repair_moe_router_without_te()
+        experts = dict(num_experts=transformer_config.num_moe_experts, moe_grouped_gemm=False)
     if memory_config is None:
         if backend == "te":
             from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-            spec = get_gpt_layer_with_transformer_engine_spec()
+            spec = get_gpt_layer_with_transformer_engine_spec(**experts)
         else:
-            spec = get_local_layer_spec()
+            spec = get_local_layer_spec(**experts)
         return GPTModel(transformer_config, get_block_spec(spec, transformer_config), vocab_size,
                         max_sequence_length, **kwargs)
-    layer_spec = get_gpt_layer_with_factorengram_spec(memory_config, backend=backend, table_sharding=table_sharding)
+    layer_spec = get_gpt_layer_with_factorengram_spec(memory_config, backend=backend, table_sharding=table_sharding,
+                                                      **experts)
     spec = get_block_spec(layer_spec, transformer_config)
     return FactorEngramGPTModel(transformer_config, spec, vocab_size, max_sequence_length, memory_config,
                                 prefetch_table_rows=prefetch_table_rows, **kwargs)
@@ -65,7 +72,7 @@ def table_group_overrides(lr: float, min_lr, table_lr_mult: float = 1.0, table_w
         table_override["max_lr"] = lr * table_lr_mult
         table_override["min_lr"] = (min_lr or 0.0) * table_lr_mult
         table_override["lr_mult"] = table_lr_mult
-    return {ParamKey(attr="is_memory_table"): table_override} if table_override else {}
+    return {ParamKey(attr=TABLE_ATTRIBUTE): table_override} if table_override else {}
 
 
 def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table_lr_mult: float = 1.0,
@@ -84,8 +91,8 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
     reconciles).  Groups those four keys (`compat.STRUCTURAL_GROUP_KEYS`) cannot tell apart would
     load with the wrong parameters on some release, so they are refused.
     """
-    len1 = ParamPredicate(name="param_len_1", fn=lambda p: len(p.shape) == 1)
-    overrides = {ParamKey(name="*.bias", predicate=len1): ParamGroupOverride(wd_mult=0.0)}
+    len1 = ParamPredicate(name="param_len_1", fn=lambda p: len(p.shape) == 1)  # fe_megatron.training.param_groups
+    overrides = {ParamKey(name=NO_DECAY_NAMES, predicate=len1): ParamGroupOverride(wd_mult=0.0)}
     overrides.update(table_group_overrides(optimizer_config.lr, optimizer_config.min_lr, table_lr_mult,
                                            table_weight_decay_mult))
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)

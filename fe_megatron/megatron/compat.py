@@ -339,6 +339,9 @@ CPU_BACKEND_MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.async_utils",
     "megatron.core.datasets.blended_megatron_dataset_builder",
+    "megatron.core.transformer.moe.moe_layer", "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_utils",
 )
 # megatron.training's modules (Megatron-LM's trainer, megatron-core 0.19 on) that assume CUDA; the CPU
 # backend patches them when `fe_megatron.megatron_lm` runs that trainer (`enable_cpu_backend(trainer=True)`)
@@ -353,6 +356,16 @@ _CPU_BACKEND_REQUIRED = ("megatron.core.tensor_parallel.random", "megatron.core.
                          "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
                          "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
                          "megatron.core.dist_checkpointing.strategies.filesystem_async")
+
+
+def repair_moe_router_without_te() -> None:
+    """megatron-core 0.16's MoE router reads ``moe_utils.te_general_gemm``, which that release binds
+    only when Transformer Engine imports (later releases bind None otherwise): bind None, so that
+    the router takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def replace_device_rng_state_functions(get_state: Callable, set_state: Callable) -> None:

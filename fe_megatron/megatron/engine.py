@@ -15,14 +15,12 @@ import torch
 import torch.nn.functional as F
 
 from fe_megatron import ops
-from fe_megatron.checkpoint import resume_guard
 from fe_megatron.checkpoint.commit import find_checkpoint
-from fe_megatron.checkpoint.resume import start_point
-from fe_megatron.checkpoint.run_info import run_info
+from fe_megatron.checkpoint.resume import start_run
 from fe_megatron.training.distributed import current_device, log
 from fe_megatron.training.loop import MetricsWriter
-from fe_megatron.training.run import (EngineRun, begin, freeze_backbone, load_run_tokenizer, microbatches_per_rank,
-                                      run_datasets, use_bf16)
+from fe_megatron.training.run import (EngineRun, begin, freeze_backbone, microbatches_per_rank, table_plan,
+                                      use_bf16)
 
 
 def transformer_config_for(cfg, on_gpu: bool):
@@ -34,6 +32,10 @@ def transformer_config_for(cfg, on_gpu: bool):
     bf16 = use_bf16(t, on_gpu)
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
         if t.recompute == "full" else {}
+    # an MoE FFN: Megatron's all-to-all token dispatcher needs CUDA streams, its all-gather one runs on gloo
+    experts = dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+                   moe_aux_loss_coeff=m.moe_aux_loss_coeff, expert_model_parallel_size=p.expert,
+                   moe_token_dispatcher_type="alltoall" if on_gpu else "allgather") if m.num_experts else {}
     return TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
@@ -45,27 +47,32 @@ def transformer_config_for(cfg, on_gpu: bool):
         use_cpu_initialization=not on_gpu, tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline, sequence_parallel=p.sequence_parallel, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute)
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32, **recompute, **experts)
 
 
 def count_parameters(model) -> int:
     """Parameters of the whole model: summed over TP shards and pipeline stages (tied weights once),
-    and row-sharded tables over the memory-parallel (expert-parallel) group too."""
+    and row-sharded tables over their row group too; experts once per expert-parallel rank."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
+    from fe_megatron.megatron.parallel import table_row_group
+
     from fe_megatron.memory.branch import memory_branches
 
-    local = torch.zeros(2, dtype=torch.float64, device=current_device())  # [whole on this stage, row-sharded]
+    # [whole on this stage, row-sharded, an expert's]
+    local = torch.zeros(3, dtype=torch.float64, device=current_device())
     for name, param in model.named_parameters():
         if name.endswith("output_layer.weight") and getattr(model, "share_embeddings_and_output_weights", False):
             continue  # the last stage's copy of the tied embedding
         if param_is_not_tensor_parallel_duplicate(param):
-            local[1 if getattr(param, "row_sharded", False) else 0] += param.numel()
+            kind = 1 if getattr(param, "row_sharded", False) else 2 if not getattr(param, "allreduce", True) else 0
+            local[kind] += param.numel()
     for branch in memory_branches(model).values():  # tables in stores are buffers (table_optimizer.py)
         if branch.tables.store is not None:
             local[0 if branch.row_partition is None else 1] += branch.tables.weight.numel()
-    torch.distributed.all_reduce(local[1:], group=parallel_state.get_expert_model_parallel_group())
+    torch.distributed.all_reduce(local[1:2], group=table_row_group())
+    torch.distributed.all_reduce(local[2:], group=parallel_state.get_expert_model_parallel_group())
     torch.distributed.all_reduce(local, group=parallel_state.get_model_parallel_group())
     return int(local.sum())
 
@@ -128,20 +135,17 @@ def find_megatron_checkpoint(cfg):
 def set_up(cfg) -> MegatronRun:
     """Process groups, data, model, optimizer and schedule; resume from ``cfg.load`` if it has a checkpoint."""
     from megatron.core import parallel_state
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from fe_megatron.megatron import compat
-    from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.builder import wrap_ddp
     from fe_megatron.megatron.checkpointing import holds_weights_only, load_checkpoint
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask
-    from fe_megatron.megatron.table_optimizer import manage_tables, refuse_table_optimizer_change
+    from fe_megatron.megatron.table_optimizer import refuse_table_optimizer_change
     from fe_megatron.memory.sharding import stages_without_memory
-    from fe_megatron.tables.plan import TablePlan
 
-    m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
-    initialize(p.tensor, p.pipeline, seed=t.seed, table_sharding=p.table_sharding,
+    m, t, p = cfg.model, cfg.training, cfg.parallel
+    initialize(p.tensor, p.pipeline, seed=t.seed, expert_parallel_size=p.expert,
                timeout_minutes=p.distributed_timeout_minutes)
     unsupported = compat.unsupported_version_message()
     if unsupported:
@@ -149,24 +153,46 @@ def set_up(cfg) -> MegatronRun:
     on_gpu = torch.cuda.is_available()
     log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
-    tokenizer = load_run_tokenizer(cfg)
     dp = parallel_state.get_data_parallel_world_size()
-    plan = None if cfg.memory is None else TablePlan.for_run(
-        cfg, use_bf16(t, on_gpu), bool(stages_without_memory(cfg.memory.layers, m.num_layers, p.pipeline)))
-    info = run_info(cfg, dp)  # a layout without "engine" is the Megatron engine's
-    info["tables"] = plan.mode if plan else "parameters"  # how the tables are trained (table_optimizer.py)
-    start_at = start_point(cfg, "megatron", find_megatron_checkpoint(cfg), log)
-    resume_from = start_at.folder
-    weights_only = resume_from is not None and holds_weights_only(resume_from)
-    if resume_from is not None:
-        resume_guard.guard(resume_from, start_at.saved, info, log, weights_only=weights_only)
-        if not weights_only:
-            refuse_table_optimizer_change(resume_from, start_at.saved, info)
-    # Megatron's scheduler restores a checkpoint's schedule; a converted checkpoint has none
-    info["schedule"] = resume_guard.schedule_in_force(None if weights_only else start_at.saved, info)
-    datasets = run_datasets(cfg, tokenizer, dp)
+    plan = table_plan(cfg, use_bf16(t, on_gpu), bool(cfg.memory and stages_without_memory(
+        cfg.memory.layers, m.num_layers, p.pipeline)))
+    start = start_run(cfg, "megatron", dp, plan, find_checkpoint=find_megatron_checkpoint(cfg),
+                      refuse_table_change=refuse_table_optimizer_change, holds_weights_only=holds_weights_only)
+    resume_from = start.start_at.folder if start.start_at.kind == "checkpoint" else None
 
     tconfig = transformer_config_for(cfg, on_gpu)
+    model, tables = build_stage_model(cfg, tconfig, plan)
+    ddp = wrap_ddp(model, tconfig, use_distributed_optimizer=p.distributed_optimizer)
+    optimizer, scheduler = build_optimizer_and_schedule(cfg, ddp, tconfig, tables)
+    step = 0
+    if resume_from is not None:
+        same_layout = (start.start_at.saved or {}).get("layout") == start.info["layout"]
+        step = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
+                               restore_rng=same_layout)
+        if start.weights_only:
+            log(f"loaded the weights of {resume_from} (a converted checkpoint: no optimizer state); training "
+                "starts at step 0")
+        else:
+            log(f"resumed from {resume_from} at iteration {step}; random states "
+                f"{'restored' if same_layout else 'not restored (the parallel layout changed)'}")
+
+    run = MegatronRun(cfg=cfg, info=start.info, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
+                      datasets=start.datasets, num_microbatches=microbatches_per_rank(t, dp),
+                      attention_mask=causal_mask(m.seq_length, current_device()),
+                      metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, step), start_step=step,
+                      parameters=count_parameters(model))
+    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f", {plan.describe()}" if plan is not None else ""),
+          world_size=torch.distributed.get_world_size(), dp=dp, tp=p.tensor, pp=p.pipeline)
+    return run
+
+
+def build_stage_model(cfg, tconfig, plan):
+    """This pipeline stage's model, on the device and in the run's precision, and its tables'
+    stores when the plan keeps them there (`fe_megatron.megatron.table_optimizer`; None otherwise)."""
+    from fe_megatron.megatron.builder import build_gpt_model
+    from fe_megatron.megatron.table_optimizer import manage_tables
+
+    m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
     model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory, backend=t.transformer_impl,
                             share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
                             table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
@@ -178,11 +204,22 @@ def set_up(cfg) -> MegatronRun:
         # every parameter in bf16, as Megatron-LM's Float16Module makes them (its mixed-precision optimizer keeps
         # the fp32 copies and cannot checkpoint fp32 parameters beside bf16 ones); tables in stores keep their dtype
         model.to(torch.bfloat16)
-    if on_gpu:
+    if torch.cuda.is_available():
         model.cuda()
     if t.freeze_backbone:
         freeze_backbone(model)
-    ddp = wrap_ddp(model, tconfig, use_distributed_optimizer=p.distributed_optimizer)
+    return model, tables
+
+
+def build_optimizer_and_schedule(cfg, ddp, tconfig, tables) -> tuple:
+    """Megatron's optimizer chain, the tables' stores a member of it, and its learning-rate and
+    weight-decay schedule (`fe_megatron.training.lr_schedule` computes the same for DeepSpeed)."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from fe_megatron.megatron.builder import build_optimizer, connect_schedule_hooks
+
+    t, o, p = cfg.training, cfg.optimizer, cfg.parallel
     optimizer = build_optimizer([ddp], OptimizerConfig(
         optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.beta1,
         adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad, bf16=tconfig.bf16,
@@ -196,26 +233,7 @@ def set_up(cfg) -> MegatronRun:
         # training.schedule_on_resume=config: a checkpoint restores the step count, not the schedule
         override_opt_param_scheduler=t.schedule_on_resume == "config",
         use_checkpoint_opt_param_scheduler=t.schedule_on_resume == "checkpoint")
-    start = 0
-    if resume_from is not None:
-        same_layout = (start_at.saved or {}).get("layout") == info["layout"]
-        start = load_checkpoint(resume_from, [ddp], optimizer, scheduler, p.distributed_optimizer,
-                                restore_rng=same_layout)
-        if weights_only:
-            log(f"loaded the weights of {resume_from} (a converted checkpoint: no optimizer state); training "
-                "starts at step 0")
-        else:
-            log(f"resumed from {resume_from} at iteration {start}; random states "
-                f"{'restored' if same_layout else 'not restored (the parallel layout changed)'}")
-
-    run = MegatronRun(cfg=cfg, info=info, model=model, ddp=ddp, optimizer=optimizer, scheduler=scheduler,
-                      datasets=datasets, num_microbatches=microbatches_per_rank(t, dp),
-                      attention_mask=causal_mask(m.seq_length, current_device()),
-                      metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, start), start_step=start,
-                      parameters=count_parameters(model))
-    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f", {plan.describe()}" if plan is not None else ""),
-          world_size=torch.distributed.get_world_size(), dp=dp, tp=p.tensor, pp=p.pipeline)
-    return run
+    return optimizer, scheduler
 
 
 def shut_down() -> None:

@@ -5,22 +5,20 @@ The branch is the single-process `fe_megatron.memory.FactorEngram` / `Engram`, r
 from the sharding plan (`fe_megatron.memory.sharding.SHARDING_PLAN`), so the global names and
 shapes in a checkpoint are those of a single-process module at every layout.
 
-The tables use Megatron's expert-parallel machinery, as MoE experts do.  They carry
-``allreduce=False``, so DDP keeps them in separate buffers reduced over the expert-data-parallel
-group, with the same 1/DP gradient scaling as every other parameter, and Megatron's optimizer
-updates them in its expert optimizer, whose gradient norm sums over the expert-parallel group.
+Tables that are Megatron's parameters (whole fp32 tables on the device, `fe_megatron.tables.plan`)
+carry ``allreduce=False``, so DDP keeps them in separate buffers reduced over the expert-data-
+parallel group, with the same 1/DP gradient scaling as every other parameter, and Megatron's
+optimizer updates them in its own chain member (its distributed optimizer shards their moments).
+With no expert parallelism that group is the data-parallel one: whole tables, gradients all-
+reduced, as any weight.
 
-* ``table_sharding="replicated"``: the expert-parallel group has one rank, so the expert-data-
-  parallel group is the data-parallel one: whole tables, gradients all-reduced, as any weight.
-* ``table_sharding="rows"``: the rows are sharded over the expert-parallel group (fe_megatron's
-  trainer makes it the data-parallel group, times the context-parallel one), so the expert-data-
-  parallel group is a single rank: no all-reduce at all, and each table row is counted exactly
-  once in the clipped global norm.
-
-Either way the optimizer is the same chain (the backbone, then the tables), which is why a
-checkpoint of one loads into the other.  Tables in stores (bf16 tables, the host tier, bf16
-optimizer state) are not parameters at all: `fe_megatron.megatron.table_optimizer` trains them
-as the chain's table member, saved under the same names.
+Row-sharded tables are sharded over the tables' own row group (`fe_megatron.megatron.parallel.
+table_row_group`: every data-parallel rank, whatever an MoE backbone's expert parallelism), and
+live in stores, as do bf16 tables, the host tier, bf16 optimizer state and the tables of an
+expert-parallel backbone: they are not parameters at all, and `fe_megatron.megatron.table_optimizer`
+trains them as the chain's table member, saved under the same names, which is why a checkpoint of
+one loads into the other.  (Megatron-LM's own trainer, which runs no stores, keeps row-sharded
+tables as parameters over an expert-parallel group of the same ranks: `fe_megatron.megatron_lm`.)
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
+from fe_megatron.megatron.parallel import table_row_group
 from fe_megatron.memory import MemoryBranch, build_memory
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, param_sharding
 
@@ -53,8 +52,7 @@ def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, 
                          "model); the Megatron layers train fp32 or bf16 tables")
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
-    # Megatron's expert-parallel group serves as the memory-parallel group (fe_megatron.megatron.parallel)
-    memory_parallel_group = parallel_state.get_expert_model_parallel_group() if table_sharding == ROW_SHARDED else None
+    memory_parallel_group = table_row_group() if table_sharding == ROW_SHARDED else None
     hooks = MegatronParallelHooks(tp_group, config.sequence_parallel, cp_group, memory_parallel_group)
     branch = build_memory(memory_config, layer_index, hooks, initialize=config.perform_initialization)
     for name, param in branch.named_parameters():
@@ -65,7 +63,7 @@ def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, 
             param.sequence_parallel = hooks.sequence_parallel
         if sharding.is_table:
             param.is_memory_table = True  # the optimizer's table group (builder.build_optimizer)
-        # reduced over the expert-data-parallel group only (see the module docstring)
+        # tables: reduced over the expert-data-parallel group only (see the module docstring)
         param.allreduce = not sharding.row_parallel
         param.row_sharded = sharding.row_parallel and branch.row_partition is not None
     return branch
@@ -98,8 +96,7 @@ def _row_sharded_factory(branch: MemoryBranch, name: str, param: torch.Tensor, k
     global_shape = branch.global_shape(name)
     slices = branch.global_row_slices(name)
     column_offset = branch.parallel.tensor_parallel_rank * param.shape[1]
-    edp = parallel_state.get_expert_data_parallel_group()
-    replica_id = (0, 0, dist.get_rank(edp))  # copies only across expert-data-parallel ranks
+    replica_id = (0, 0, 0)  # every rank of the row group holds other rows, of other layers or columns elsewhere
 
     def build(key, data, replica_id, flattened_range):
         return {f"rows{first}": ShardedTensor(key=key, data=data[local:local + rows], dtype=data.dtype,

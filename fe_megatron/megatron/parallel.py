@@ -14,14 +14,13 @@ from fe_megatron.megatron.cpu_backend import enable_cpu_backend
 
 
 def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, seed: int = 1234,
-               context_parallel_size: int = 1, table_sharding: str = "replicated",
+               context_parallel_size: int = 1, expert_parallel_size: int = 1,
                timeout_minutes: float = 10.0) -> None:
     """Start torch.distributed (nccl on GPU, gloo on CPU), megatron's groups and its RNG streams.
     Every group's collectives fail after ``timeout_minutes`` without their peers.
 
-    ``table_sharding="rows"`` makes Megatron's expert-parallel group the data-parallel group (times
-    the context-parallel one): the memory-parallel group the tables' rows are sharded over
-    (`fe_megatron.megatron.memory_layer`).  Runs single-process when no launcher variables are set.
+    ``expert_parallel_size`` is an MoE backbone's; the tables' rows are sharded over their own group,
+    `table_row_group`, whatever it is.  Runs single-process when no launcher variables are set.
     """
     launcher_environment()
     on_gpu = not enable_cpu_backend()
@@ -34,13 +33,25 @@ def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, s
     if world % model_parallel:
         raise ValueError(f"world size {world} is not divisible by TP x PP x CP = {tensor_parallel_size} x "
                          f"{pipeline_parallel_size} x {context_parallel_size}")
-    memory_parallel = world // (tensor_parallel_size * pipeline_parallel_size) if table_sharding == "rows" else 1
+    data_parallel = world // model_parallel
+    if (data_parallel * context_parallel_size) % expert_parallel_size:
+        raise ValueError(f"expert-parallel size {expert_parallel_size} does not divide the data-parallel (x CP) size "
+                         f"{data_parallel * context_parallel_size} of world size {world} at TP x PP = "
+                         f"{tensor_parallel_size} x {pipeline_parallel_size}: choose parallel.expert among its divisors")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
                                              pipeline_model_parallel_size=pipeline_parallel_size,
                                              context_parallel_size=context_parallel_size,
-                                             expert_model_parallel_size=memory_parallel,
+                                             expert_model_parallel_size=expert_parallel_size,
                                              distributed_timeout_minutes=timeout_minutes)
     set_seed(seed)
+
+
+def table_row_group():
+    """The group a row-sharded table's rows are sharded over: every data-parallel rank (times the
+    context-parallel ones) of this tensor- and pipeline-parallel position.  It is the tables' own,
+    independent of an MoE backbone's expert parallelism: Megatron's data-parallel group with context
+    parallelism, which holds exactly those ranks."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def set_seed(seed: int) -> None:

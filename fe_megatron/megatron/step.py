@@ -12,6 +12,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
 from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.training.losses import masked_mean, nonfinite_microbatch, nonfinite_report
 from fe_megatron.training.distributed import current_device
 from fe_megatron.training.run import StepResult
 
@@ -24,8 +25,7 @@ def causal_mask(seq_length: int, device=None) -> torch.Tensor:
 
 def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Mean next-token loss over unmasked positions; the schedule divides it by the microbatch count."""
-    mask = loss_mask.float()
-    loss = (output_tensor.float() * mask).sum() / mask.sum().clamp_min(1)
+    loss = masked_mean(output_tensor, loss_mask)
     # clone: the schedule divides the returned loss by the microbatch count in place
     return loss, {"lm loss": loss.detach().clone()}
 
@@ -122,14 +122,9 @@ def train_step(model_chunks: list, optimizer, batches: list, seq_length: int, mi
 
 def _locate_nonfinite(losses: list, lm: float, grad_norm: float) -> list:
     """Every rank's microbatches whose loss is not finite (a collective: call it on every rank)."""
-    mine = [f"rank {torch.distributed.get_rank()} microbatch {index}: lm loss {float(entry['lm loss'])}"
+    mine = [nonfinite_microbatch(index, float(entry["lm loss"]))
             for index, entry in enumerate(losses) if not math.isfinite(float(entry["lm loss"]))]
-    everyone = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, mine)
-    found = [line for part in everyone for line in part]
-    if not found:
-        found = [f"every microbatch's loss is finite (mean {lm}) but the gradient norm is {grad_norm}"]
-    return found
+    return nonfinite_report(mine, lm, grad_norm)
 
 
 @torch.no_grad()

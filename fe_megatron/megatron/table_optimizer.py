@@ -27,6 +27,7 @@ import torch
 from megatron.core import parallel_state
 
 from fe_megatron.megatron import compat
+from fe_megatron.megatron.parallel import table_row_group
 from fe_megatron.memory.branch import memory_branches
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.tables.managed import ManagedTables
@@ -46,14 +47,15 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
     saved = saved_info.get("tables", "parameters")  # runs before table stores: parameters
     distributed = [bool(((i.get("config") or {}).get("parallel") or {}).get("distributed_optimizer"))
                    for i in (saved_info, info)]
-    if (saved_info.get("config") or {}).get("memory") is None or saved == info["tables"] \
+    current = info.get("tables", "parameters")
+    if (saved_info.get("config") or {}).get("memory") is None or saved == current \
             or not any(distributed):
         return
     where = {"stores": "in table stores (bf16 tables, the host tier, bf16 state, a bf16 run, or a pipeline stage "
                        "without memory)",
              "parameters": "as Megatron's parameters (fp32 tables on the device, fp32 state, an fp32 run)"}
     raise CheckpointError(f"{folder} trained its tables {where[saved]}, and this run trains them "
-                          f"{where[info['tables']]}; with parallel.distributed_optimizer the two keep "
+                          f"{where[current]}; with parallel.distributed_optimizer the two keep "
                           "the tables' Adam moments in layouts that do not load into each other. Resume with the "
                           "checkpoint's memory.table_dtype, memory.table_placement, optimizer.table_state_dtype, "
                           "training.precision and parallel.pipeline, or start a new run from its weights "
@@ -68,8 +70,8 @@ def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, 
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
     norm_groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()]
     rows = table_sharding == ROW_SHARDED
-    if rows:  # every rank of the memory-parallel group holds other rows
-        norm_groups.append(parallel_state.get_expert_model_parallel_group())
+    if rows:  # every rank of the tables' row group holds other rows
+        norm_groups.append(table_row_group())
     return ManagedTables(memory_branches(model), optimizer_args, state_dtype, device,
                          replica_group=None if rows else data_parallel, norm_groups=norm_groups,
                          gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed,

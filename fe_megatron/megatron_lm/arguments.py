@@ -80,10 +80,12 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
     argument and what to do instead."""
     refused = []
     if getattr(args, "expert_model_parallel_size", 1) > 1:
-        refused.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}: the memory tables use "
-                       "Megatron's expert-parallel group as their own (replicated tables would be reduced over "
-                       "part of the data-parallel ranks only, row-sharded ones sharded over the experts' ranks); "
-                       "train MoE with --expert-model-parallel-size 1 beside the memory branch")
+        refused.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}: Megatron-LM's trainer keeps "
+                       "the memory tables as its parameters, which it would reduce over part of the data-parallel "
+                       "ranks only (row-sharded ones over an expert-parallel group of their own); train an "
+                       "expert-parallel MoE backbone beside the memory branch with fe-pretrain (model.num_experts, "
+                       "parallel.expert), whose table optimizer shards rows over every data-parallel rank, or use "
+                       "--expert-model-parallel-size 1 here")
     if args.fe_table_sharding == "rows" and args.context_parallel_size > 1:
         refused.append("--fe-table-sharding rows with --context-parallel-size > 1: use fe-pretrain, or replicated "
                        "tables")

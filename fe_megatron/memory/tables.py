@@ -55,9 +55,11 @@ class NgramTables(nn.Module):
         scales = self.row_scale.index_select(0, flat) if has_row_scale(self.table_dtype) else None
         return dequantize_rows(rows, scales).reshape(*indices.shape[:-1], -1)
 
-    def manage(self, placement: str, device=None) -> TableStore:
+    def manage(self, placement: str, device=None, in_state_dict: bool = True) -> TableStore:
         """Move the rows into a `TableStore` in ``placement`` ("device": on ``device``, default where
-        they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16).  Idempotent."""
+        they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16).  ``in_state_dict``:
+        whether the module's state dict keeps them (under the same name), or an engine saves them
+        in files of its own.  Idempotent."""
         if self.store is not None:
             return self.store
         if self.table_dtype not in ("fp32", "bf16") or self.weight.is_meta:
@@ -68,7 +70,7 @@ class NgramTables(nn.Module):
             weight = weight.to(device)
         store = TableStore(weight, placement)
         del self.weight
-        self.register_buffer("weight", store.weight)
+        self.register_buffer("weight", store.weight, persistent=in_state_dict)
         self.store = store
         return store
 

@@ -4,10 +4,13 @@ table optimizer's fused update ``table_adamw_``.
 Backends: ``torch`` (`fe_megatron.ops.reference`, always present: it defines the
 semantics), ``cpp`` (OpenMP C++ built by setup.py on every machine), ``cuda`` (built
 where CUDA torch is installed) and ``triton`` (where Triton can launch: a GPU, or
-``TRITON_INTERPRET=1`` on CPU).  With no forcing, the fastest backend available for the
-tensors' device is used; ``use_backend(name)`` forces one.  The hash and the gather are
-``torch.library`` operators (``torch.ops.fe_megatron.*``) with fake implementations and an
-autograd formula, so that torch.compile traces a model through them without graph breaks.
+``TRITON_INTERPRET=1`` on CPU).  The backend follows the tensors' device: torch's dispatcher
+routes each operator call to its CPU or CUDA kernel, which runs the fastest backend built for
+that device, or the one ``set_backend(name)`` (``training.kernel_backend``) or a
+``use_backend(name)`` block chose for the whole process, every thread included (autograd's
+backward thread, the host tier's worker).  The hash and the gather are ``torch.library``
+operators (``torch.ops.fe_megatron.*``) with fake implementations and an autograd formula, so
+that torch.compile traces a model through them without graph breaks.
 
 Two run-time switches, both off the hot path:
 
@@ -24,7 +27,6 @@ import dataclasses
 import importlib
 import logging
 import os
-import threading
 
 import torch
 
@@ -48,8 +50,10 @@ class Backend:
 
 _backends = {"torch": Backend("torch", reference, ("cpu", "cuda"), dtypes=(torch.float64,) + Backend.dtypes)}
 _discovered = False
-_state = threading.local()
-_settings = {"deterministic": True, "debug": os.environ.get(DEBUG_ENV, "0") not in ("", "0")}
+# the process's settings: the chosen backend (None: the fastest per device), the table backward's order
+# and the index checks; read by every thread
+_settings = {"backend": None, "deterministic": True, "debug": os.environ.get(DEBUG_ENV, "0") not in ("", "0")}
+DEVICE_TYPES = ("cpu", "cuda")  # the devices the operators have kernels for
 
 
 def _discover() -> None:
@@ -104,16 +108,24 @@ def get_backend(name: str) -> Backend:
     return _backends[name]
 
 
+def set_backend(name: str = None) -> None:
+    """Run backend ``name`` from now on, in every thread of the process (``None`` or ``"auto"``: the
+    fastest built one for each call's device).  Work on a device the backend does not run on (the
+    host tier's, under a GPU backend) takes that device's fastest."""
+    if name not in (None, "auto"):
+        get_backend(name)
+    _settings["backend"] = None if name == "auto" else name
+
+
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Force one backend inside the ``with`` block (thread-local)."""
-    get_backend(name)
-    previous = getattr(_state, "forced", None)
-    _state.forced = name
+    """`set_backend` ``name`` inside the ``with`` block, then the previous choice again."""
+    previous = _settings["backend"]
+    set_backend(name)
     try:
         yield
     finally:
-        _state.forced = previous
+        _settings["backend"] = previous
 
 
 def set_deterministic_backward(enabled: bool) -> None:
@@ -133,21 +145,21 @@ def debug_checks(enabled: bool = True):
 
 
 def current_backend(device: torch.device, dtype: torch.dtype = None) -> str:
-    """The backend a call on ``device`` (with tables of ``dtype``) uses now: the forced one (for
-    host tensors under a forced GPU backend, the host's fastest: the host tier's work), else the
-    fastest built one that accepts them.  float64 tables use the reference: the
+    """The backend a call on ``device`` (with tables of ``dtype``) uses now: the chosen one
+    (`set_backend`; for host tensors under a GPU backend, the host's fastest: the host tier's work),
+    else the fastest built one that accepts them.  float64 tables use the reference: the
     compiled kernels accumulate in fp32."""
     _discover()
-    forced = getattr(_state, "forced", None)
+    forced = _settings["backend"]
     if forced is not None:
         backend = _backends[forced]
         if device.type == "cpu" and "cpu" not in backend.devices:  # a GPU backend forced: host-memory work
             return fastest_backend(device, dtype)  # (the host tier's hashing and updates) takes the host's fastest
         if device.type not in backend.devices:
-            raise ValueError(f"backend {forced!r} (forced by use_backend) cannot run on {device.type} tensors; "
+            raise ValueError(f"backend {forced!r} (chosen by set_backend) cannot run on {device.type} tensors; "
                              f"it accepts {backend.devices}")
         if dtype is not None and dtype not in backend.dtypes:
-            raise TypeError(f"backend {forced!r} (forced by use_backend) does not take {dtype} tables; "
+            raise TypeError(f"backend {forced!r} (chosen by set_backend) does not take {dtype} tables; "
                             f"it accepts {backend.dtypes}")
         return forced
     return fastest_backend(device, dtype)
@@ -155,8 +167,8 @@ def current_backend(device: torch.device, dtype: torch.dtype = None) -> str:
 
 def fastest_backend(device: torch.device, dtype: torch.dtype = None, op: str = None) -> str:
     """The fastest built backend for tensors on ``device`` (with tables of ``dtype``; that has the
-    function ``op``, when given), whatever `use_backend` forces: for work on another device than the
-    forced backend's (the host tier's gathers and gradient additions in host memory)."""
+    function ``op``, when given), whatever `set_backend` chose: for work on another device than the
+    chosen backend's (the host tier's gathers and gradient additions in host memory)."""
     _discover()
     for name in _PREFERENCE.get(device.type, ("torch",)):
         backend = _backends.get(name)
@@ -173,12 +185,12 @@ def _backend_for(device: torch.device, dtype: torch.dtype = None):
 # --- torch.library operators --------------------------------------------------------------------
 # The hash, the row gather and its backward are registered as operators ``fe_megatron::...``,
 # with fake (meta) implementations for their output shapes and the gather's autograd formula, so
-# that torch.compile traces a model through them as single nodes, without graph breaks.  Their
-# implementations run the backend that `current_backend` picks for the inputs (`use_backend`
-# forcing included), at run time.
+# that torch.compile traces a model through them as single nodes, without graph breaks.  They have
+# kernels for the devices of ``DEVICE_TYPES`` only, which torch's dispatcher picks by the inputs'
+# device; each runs the backend that `current_backend` picks for that device, at run time.
 
 
-@torch.library.custom_op("fe_megatron::ngram_hash", mutates_args=())
+@torch.library.custom_op("fe_megatron::ngram_hash", mutates_args=(), device_types=DEVICE_TYPES)
 def _ngram_hash_op(token_ids: torch.Tensor, multipliers: torch.Tensor, moduli: torch.Tensor, offsets: torch.Tensor,
                    pad_id: int) -> torch.Tensor:
     return _backend_for(token_ids.device).ngram_hash(token_ids, multipliers, moduli, offsets, pad_id)
@@ -189,7 +201,7 @@ def _ngram_hash_shape(token_ids, multipliers, moduli, offsets, pad_id):
     return token_ids.new_empty((*token_ids.shape, multipliers.shape[0]), dtype=torch.int64)
 
 
-@torch.library.custom_op("fe_megatron::gather_rows", mutates_args=())
+@torch.library.custom_op("fe_megatron::gather_rows", mutates_args=(), device_types=DEVICE_TYPES)
 def _gather_rows_op(weight: torch.Tensor, flat_indices: torch.Tensor) -> torch.Tensor:
     if _settings["debug"]:
         check_row_indices(flat_indices, weight.shape[0], tuple(flat_indices.shape))
@@ -201,7 +213,7 @@ def _gather_rows_shape(weight, flat_indices):
     return weight.new_empty((flat_indices.shape[0], weight.shape[1]))
 
 
-@torch.library.custom_op("fe_megatron::gather_rows_grad_into", mutates_args=("out",))
+@torch.library.custom_op("fe_megatron::gather_rows_grad_into", mutates_args=("out",), device_types=DEVICE_TYPES)
 def _gather_rows_grad_into_op(grad_rows: torch.Tensor, flat_indices: torch.Tensor, out: torch.Tensor, backend: str,
                               deterministic: bool) -> None:
     """``out[i] += `` the gradients of the rows gathered from row ``i`` (a dense gradient, or Megatron's
@@ -211,7 +223,7 @@ def _gather_rows_grad_into_op(grad_rows: torch.Tensor, flat_indices: torch.Tenso
 
 def _gather_rows_setup(ctx, inputs, output) -> None:
     weight, flat_indices = inputs
-    # chosen in the forward: autograd's backward thread has no use_backend in force
+    # the forward's backend, also when a use_backend block has ended before the backward runs
     ctx.backend = current_backend(weight.device, weight.dtype)
     ctx.save_for_backward(weight, flat_indices)
 

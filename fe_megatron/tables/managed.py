@@ -54,19 +54,21 @@ class ManagedTables:
     ``norm_groups``: the groups to sum squared norms over.  ``gradient_scale``: multiplies the
     reduced gradients (the engine's averaging).  ``seed``: part of the rounding's key.  ``update``:
     the rule (``optimizer.table_update``); ``row_group``: the tensor-parallel ranks holding the
-    other columns of the same rows (what ``rowwise_adagrad`` sums a row's squares over).
+    other columns of the same rows (what ``rowwise_adagrad`` sums a row's squares over);
+    ``in_state_dict``: whether the model's state dict keeps the tables (Megatron's checkpoints) or
+    the engine saves them in files of their own (the DeepSpeed engine's ``tables_rank_*.pt``).
     """
 
     def __init__(self, branches: dict, optimizer_args, state_dtype: str = "fp32", device=None,
                  replica_group: Optional[dist.ProcessGroup] = None, norm_groups: tuple = (),
                  gradient_scale: float = 1.0, seed: int = 0, update: str = "adamw",
-                 row_group: Optional[dist.ProcessGroup] = None):
+                 row_group: Optional[dist.ProcessGroup] = None, in_state_dict: bool = True):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.replica_group, self.norm_groups, self.gradient_scale = replica_group, tuple(norm_groups), gradient_scale
         self.update, self.sparse = update, update in SPARSE_UPDATES
         self.stores, self.partitions = {}, {}
         for name, branch in branches.items():
-            store = branch.tables.manage(branch.config.table_placement, self.device)
+            store = branch.tables.manage(branch.config.table_placement, self.device, in_state_dict)
             if self.sparse:
                 store.weight.row_gradients = store.allocate_row_gradients()
             else:

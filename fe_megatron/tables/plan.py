@@ -11,15 +11,19 @@ start-up (`describe`).
 
 The rules (docs/tables.md, "Who trains the tables"):
 
-* fp32 rows with fp32 state on the device, updated by AdamW, are the engine's parameters: Megatron's
-  optimizer, or ZeRO's (DeepSpeed, ``table_sharding`` ``replicated`` or ``zero``);
+* whole fp32 tables with fp32 state on the device, updated by AdamW, are the engine's parameters:
+  Megatron's optimizer (its distributed optimizer then shards their moments), or ZeRO's (DeepSpeed,
+  ``table_sharding`` ``replicated`` or ``zero``);
 * anything else lives in stores and is trained by the table optimizer: bf16 rows, bf16 state, the
   host tier, a sparse update (only the table optimizer keeps gradients by row), and row-sharded
-  tables under DeepSpeed (ZeRO would partition them again);
+  tables in both engines: their rows are sharded over the tables' own row group (every data-parallel
+  rank), which neither Megatron's data-parallel buffers nor ZeRO know;
 * under Megatron also every table of a bf16 run (its mixed-precision optimizer would keep the
-  tables as bf16 weights with fp32 copies, 18 bytes per parameter) and of a pipeline layout with a
-  stage that holds no memory layer (every stage must build the same optimizer chain, which a
-  checkpoint's common part, written by global rank 0, describes for all).
+  tables as bf16 weights with fp32 copies, 18 bytes per parameter), of an expert-parallel MoE
+  backbone (Megatron reduces the parameters it does not all-reduce over the expert-data-parallel
+  ranks, a part of the data-parallel ones), and of a pipeline layout with a stage that holds no
+  memory layer (every stage must build the same optimizer chain, which a checkpoint's common part,
+  written by global rank 0, describes for all).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class TablePlan:
     @classmethod
     def resolve(cls, engine: str = "megatron", dtype: str = "fp32", state_dtype: str = "fp32",
                 placement: str = "device", sharding: str = "replicated", update: str = "adamw",
-                bf16_run: bool = False, stage_without_memory: bool = False) -> "TablePlan":
+                bf16_run: bool = False, stage_without_memory: bool = False,
+                expert_parallel: int = 1) -> "TablePlan":
         if update not in TABLE_UPDATES:
             raise ValueError(f"optimizer.table_update {update!r} is not one of {TABLE_UPDATES}")
         reasons = []
@@ -60,10 +65,12 @@ class TablePlan:
             reasons.append(f"memory.table_placement={placement}")
         if update in SPARSE_UPDATES:
             reasons.append(f"optimizer.table_update={update}")
-        if engine == "deepspeed" and sharding == "rows":
-            reasons.append("row-sharded tables outside ZeRO")
+        if sharding == "rows":
+            reasons.append("row-sharded tables" + (" outside ZeRO" if engine == "deepspeed" else ""))
         if engine == "megatron" and bf16_run:
             reasons.append("a bf16 run")
+        if engine == "megatron" and expert_parallel > 1:
+            reasons.append("an expert-parallel backbone")
         if engine == "megatron" and stage_without_memory:
             reasons.append("a pipeline stage without memory layers")
         return cls(engine, dtype, state_dtype, placement, sharding, update, STORES if reasons else ENGINE,
@@ -76,7 +83,7 @@ class TablePlan:
         stage of the run's layout holds no memory layer (the Megatron engine's question)."""
         memory, o, p = cfg.memory, cfg.optimizer, cfg.parallel
         return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
-                           p.table_sharding, o.table_update, bf16_run, stage_without_memory)
+                           p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert)
 
     @property
     def in_stores(self) -> bool:

@@ -253,7 +253,7 @@ class StoreLookup(StartedLookup):
     def __init__(self, store: TableStore, indices: torch.Tensor, device: torch.device):
         self.store, self.indices, self.device = store, indices, torch.device(device)
         self.deterministic = ops.deterministic_backward()
-        # the backward runs on autograd's thread, where ops.use_backend is not in force: keep the choice
+        # the forward's backend, also when a use_backend block has ended before the backward runs
         self.backend = ops.current_backend(self.device, store.weight.dtype)
         flat = indices.reshape(-1)
         if store.on_host:

@@ -40,6 +40,8 @@ class ParallelArgs:
     # replicated | rows: tables' rows sharded over the data-parallel ranks | zero (DeepSpeed: ZeRO partitions them)
     table_sharding: str = "replicated"
     prefetch_table_rows: bool = True  # rows: start every layer's row exchange at the start of the microbatch
+    expert: int = 1  # Megatron's expert-parallel size for an MoE backbone (model.num_experts); the tables' own
+    # row group (table_sharding rows) is every data-parallel rank whatever this is
     # how long a rank waits for its peers in a collective (and at start-up) before it fails: a lost host
     # stops the job after this long (docs/operations.md, "Many nodes"); Megatron-LM's --distributed-timeout-minutes
     distributed_timeout_minutes: float = 10.0
@@ -184,6 +186,12 @@ class TrainConfig:
         t, p = self.training, self.parallel
         if t.engine not in ENGINES:
             fail("training", "engine", f"{t.engine!r} is not one of {ENGINES}")
+        if isinstance(p.expert, bool) or not isinstance(p.expert, int) or p.expert < 1:
+            fail("parallel", "expert", f"{p.expert!r} must be an integer >= 1")
+        if p.expert > 1 and (not self.model.num_experts or self.model.num_experts % p.expert):
+            fail("parallel", "expert", f"{p.expert} must divide model.num_experts={self.model.num_experts} (the experts "
+                                       "are split evenly over the expert-parallel ranks); set parallel.expert=1 for a "
+                                       "dense backbone")
         if t.engine == "megatron":
             if self.deepspeed is not None:
                 fail(None, "deepspeed", "is read by training.engine=deepspeed only; set it, or remove the section")
@@ -200,6 +208,10 @@ class TrainConfig:
             if value != default:
                 fail("parallel", name, f"{value!r}: the DeepSpeed engine is data-parallel (ZeRO) only; set "
                                        f"parallel.{name}={str(default).lower()} or use training.engine=megatron")
+        if self.model.num_experts:
+            fail("model", "num_experts", f"{self.model.num_experts}: the DeepSpeed engine trains the Hugging Face "
+                                         "model, whose FFN is dense; set model.num_experts=0 or use "
+                                         "training.engine=megatron")
         if t.transformer_impl != "local":
             fail("training", "transformer_impl", f"{t.transformer_impl!r}: the DeepSpeed engine trains the Hugging "
                                                  "Face model; set transformer_impl=local")

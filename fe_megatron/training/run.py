@@ -1,10 +1,20 @@
 """What an engine's run is to the training loop, and the set-up both engines share.
 
 An engine (`fe_megatron.megatron.engine`, `fe_megatron.deepspeed.engine`) builds its run object,
-an `EngineRun`, in its ``set_up``: the shared steps (the tokenizer against the embedding, the
-datasets, bf16 or not, microbatches per rank, a frozen backbone, the start record) are the
-functions here; `fe_megatron.training.loop.train` then drives the run.  Nothing here imports
-megatron or deepspeed.
+an `EngineRun`, in its ``set_up``, in the same order in both:
+
+1. its process groups;
+2. `table_plan`, then `fe_megatron.checkpoint.resume.start_run`: the tokenizer against the
+   embedding, the run info, where the run starts, the resume guards, the schedule in force and
+   the datasets;
+3. its model, the tables' store when the plan says so (before the model moves to the device),
+   a frozen backbone (`freeze_backbone`), its optimizer with the tables as a member (the
+   parameter groups of `fe_megatron.training.param_groups`) and its schedule
+   (`fe_megatron.training.lr_schedule`);
+4. the checkpoint's state, when it resumes;
+5. `begin`: the start record.
+
+`fe_megatron.training.loop.train` then drives the run.  Nothing here imports megatron or deepspeed.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import os
 import torch
 
 from fe_megatron.tables.lookahead import HOST_TOKENS
+from fe_megatron.tables.plan import TablePlan
 from fe_megatron.training.distributed import current_device, log
 
 REQUEUE_MARKER = "requeue_requested"
@@ -106,6 +117,11 @@ class EngineRun:
 
     def save(self, step: int) -> None:
         raise NotImplementedError
+
+
+def table_plan(cfg, bf16_run: bool = False, stage_without_memory: bool = False):
+    """The run's `TablePlan`, None without memory."""
+    return None if cfg.memory is None else TablePlan.for_run(cfg, bf16_run, stage_without_memory)
 
 
 def load_run_tokenizer(cfg):

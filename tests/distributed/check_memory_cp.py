@@ -36,7 +36,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tables", choices=["replicated", "rows"], default="replicated")
     tables = parser.parse_args().tables
-    initialize(context_parallel_size=2, table_sharding=tables)
+    initialize(context_parallel_size=2)
     group = parallel_state.get_context_parallel_group()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     check = Checker()

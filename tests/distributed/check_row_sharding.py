@@ -87,7 +87,7 @@ def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtyp
     from fe_megatron.tables.plan import TablePlan
     from fe_megatron.training.config import OptimizerArgs
 
-    initialize(tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=7, table_sharding=tables)
+    initialize(tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=7)
     mc = memory_config()
     cfg = tiny_transformer_config(tp=tp, pp=pp, **(dict(recompute_granularity="full", recompute_method="uniform",
                                                          recompute_num_layers=1) if recompute else {}))
@@ -127,12 +127,14 @@ def load_model(model, path):
 
 
 def check_memory(check: Checker, model, ddp, tables: str):
-    """Each rank holds about 1/N of every table, and so does its gradient buffer; DDP's dense
-    buffer holds no table."""
+    """Each rank holds about 1/N of every table, and so does its store's gradient accumulator; DDP's
+    buffers hold no table."""
     from megatron.core import parallel_state
 
-    n = parallel_state.get_expert_model_parallel_world_size()
-    check.true(f"memory-parallel group is DP x CP ({n})", n == parallel_state.get_data_parallel_world_size())
+    from fe_megatron.megatron.parallel import table_row_group
+
+    n = dist.get_world_size(table_row_group())
+    check.true(f"the tables' row group is DP x CP ({n})", n == parallel_state.get_data_parallel_world_size())
     dense_buffer = sum(buffer.numel for buffer in ddp.buffers)
     for layer in model.stage_memory_layers:
         weight, partition = layer.memory.tables.weight, layer.memory.row_partition
@@ -140,11 +142,12 @@ def check_memory(check: Checker, model, ddp, tables: str):
         bound = total_rows / n + len(partition.branch_rows)  # one row of rounding per branch
         check.true(f"layer {layer.layer_index}: {weight.shape[0]} local rows <= {bound:.0f} (total {total_rows})",
                    total_rows / n - len(partition.branch_rows) <= weight.shape[0] <= bound)
-        check.true("table gradient buffer is the shard's size", weight.main_grad.numel() == weight.numel())
-        check.true("table parameter and gradient bytes are 1/N of the table's",
-                   (weight.numel() + weight.main_grad.numel()) * 4 <= 2 * 4 * bound * weight.shape[1])
-        check.true("no table in DDP's dense (all-reduced) buffer",
-                   all(weight is not p for buffer in ddp.buffers for p in buffer.params))
+        main_grad = layer.memory.tables.store.main_grad
+        check.true("table gradient accumulator is the shard's size", main_grad.numel() == weight.numel())
+        check.true("table and gradient bytes are 1/N of the table's",
+                   (weight.numel() + main_grad.numel()) * 4 <= 2 * 4 * bound * weight.shape[1])
+        check.true("no table in DDP's buffers",
+                   all(weight is not p for buffer in ddp.buffers + ddp.expert_parallel_buffers for p in buffer.params))
     check.true("the dense buffer exists", dense_buffer > 0)
 
 

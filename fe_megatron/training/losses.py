@@ -1,0 +1,27 @@
+"""What both engines compute alike for a step: the language-model loss of a microbatch and the
+report of a step whose loss or gradient norm is not finite.  Nothing here imports megatron or
+deepspeed."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_mean(per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over the positions ``loss_mask`` keeps (Megatron's definition), in fp32."""
+    mask = loss_mask.reshape(-1).float()
+    return (per_token_losses.reshape(-1).float() * mask).sum() / mask.sum().clamp_min(1)
+
+
+def nonfinite_microbatch(index: int, lm_loss: float) -> str:
+    """This rank's line for microbatch ``index`` whose loss is not finite."""
+    return f"rank {torch.distributed.get_rank()} microbatch {index}: lm loss {lm_loss}"
+
+
+def nonfinite_report(mine: list, lm_loss: float, grad_norm: float) -> list:
+    """Every rank's `nonfinite_microbatch` lines (a collective: call it on every rank); when no loss
+    was other than finite, the one line that says the gradient norm was not."""
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    found = [line for part in everyone for line in part]
+    return found or [f"every microbatch's loss is finite (mean {lm_loss}) but the gradient norm is {grad_norm}"]
