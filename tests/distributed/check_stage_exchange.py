@@ -51,7 +51,7 @@ def main():
     mine = everyone[rank]
 
     for kind in ("parameter", "main_grad", "store"):
-        sources, grads = [], []
+        sources = []
         for partition, whole in zip(partitions, wholes):
             shard = partition.take(whole).clone()
             if kind == "store":
