@@ -134,6 +134,15 @@ def test_an_expert_parallel_moe_backbone_trains_beside_row_sharded_tables(small_
         proc = run_pretrain(["--config", CONFIG, "--save", runs[tables], f"parallel.table_sharding={tables}"] + moe,
                             nproc=2)
         assert "in stores because of " in proc.stdout and "an expert-parallel backbone" in proc.stdout
+        runs[tables + "_stdout"] = proc.stdout
+    # every expert counted once, as fe-plan's budget counts them
+    import re
+
+    from fe_megatron.planning.budget import total_params
+    from fe_megatron.training.config import load_train_config
+
+    counted = int(re.search(r"model factorengram: ([\d,]+) parameters", runs["rows_stdout"]).group(1).replace(",", ""))
+    assert counted == total_params(load_train_config(CONFIG, moe).memory)
     rows, whole = final_curve(runs["rows"]), final_curve(runs["replicated"])
     assert set(rows) == set(whole) == {1, 2, 3, 4}
     for step in rows:

@@ -2,8 +2,8 @@
 
 Backbone assumptions (the paper's Llama-style Transformer): attention with Q and output
 projections of d x d and K, V projections of d x (query groups x head width), SwiGLU FFN of width ``ffn_hidden_size``
-(three d x f matrices), two RMSNorms per layer plus a final one, no biases, tied input
-and output embeddings.
+(three d x f matrices; with ``num_experts`` one such FFN per expert and a d x experts router),
+two RMSNorms per layer plus a final one, no biases, tied input and output embeddings.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ def layer_params(config: MemoryConfig) -> int:
     backbone = config.backbone
     d, f = backbone.hidden_size, backbone.ffn_hidden_size
     key_value_width = d // backbone.num_attention_heads * (backbone.num_query_groups or backbone.num_attention_heads)
-    return 2 * d * d + 2 * d * key_value_width + 3 * d * f + 2 * d
+    experts = backbone.num_experts
+    ffn = experts * 3 * d * f + d * experts if experts else 3 * d * f
+    return 2 * d * d + 2 * d * key_value_width + ffn + 2 * d
 
 
 def backbone_params(config: MemoryConfig) -> int:

@@ -136,7 +136,12 @@ def main(argv=None) -> int:
     try:
         config, name, train_config = _load(args)
         layout_flags = (args.tp, args.pp, args.dp, args.table_sharding)
-        if any(value is not None for value in layout_flags) or train_config is not None:
+        per_rank = any(value is not None for value in layout_flags) or train_config is not None
+        if per_rank and config.backbone.num_experts:
+            print(f"# per-rank estimates: not made for an MoE backbone (model.num_experts="
+                  f"{config.backbone.num_experts}; they do not split experts over expert-parallel ranks); the budget "
+                  "below counts every expert")
+        elif per_rank:
             settings = resolve_settings(args, train_config)
             value = {key: entry[0] for key, entry in settings.items()}
             if value["seq_length"] is None:

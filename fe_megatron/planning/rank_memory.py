@@ -129,6 +129,10 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
         raise ValueError(f"precision {precision!r} is not one of fp32, bf16")
     if config.num_layers % pp:
         raise ValueError(f"pipeline size {pp} does not divide num_layers={config.num_layers}")
+    if config.backbone.num_experts:
+        raise ValueError(f"model.num_experts={config.backbone.num_experts}: the per-rank estimates are for a dense "
+                         "backbone (they do not split experts over expert-parallel ranks); fe_megatron.planning.budget "
+                         "counts the experts' parameters")
     plan = storage.plan(precision, bool(stages_without_memory(config.layers, config.num_layers, pp)), table_sharding)
     split_table_moments = distributed_optimizer and table_sharding == "replicated" and not plan.in_stores
     gradient, state = plan.gradient_bytes_per_parameter(), plan.state_bytes_per_parameter(config.branch_width // tp)
