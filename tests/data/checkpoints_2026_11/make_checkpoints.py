@@ -5,7 +5,7 @@ checkpoint 2, as the run's own tracker names it, and ``expected.json`` keeps the
 run logged at steps 3 and 4.  `tests/test_table_checkpoints.py` resumes every checkpoint with
 today's code and checks those values.
 
-    python tests/data/checkpoints_2026_11/make_checkpoints.py   # from the repository root
+    python tests/data/checkpoints_2026_11/make_checkpoints.py [MODE ...]   # from the repository root
 
 The training data is made from the bundled corpus with ``tokenizer.model`` (kept here: the
 resume guard checks the tokenizer's sha256), exactly as the test makes it.  The runs work in a
@@ -45,6 +45,7 @@ MODES = {
     "megatron_rows": (2, {"parallel.table_sharding": "rows"}),
     "megatron_bf16_stores": (1, {"memory.table_dtype": "bf16"}),
     "megatron_host_tier": (1, {"memory.table_placement": "host"}),
+    "megatron_rowwise_adagrad": (2, {"parallel.table_sharding": "rows", "optimizer.table_update": "rowwise_adagrad"}),
     "deepspeed_zero3": (2, {"training.engine": "deepspeed", "parallel.table_sharding": "zero",
                             "deepspeed": "{zero_optimization: {stage: 3}}"}),
     "deepspeed_rows": (2, {"training.engine": "deepspeed", "parallel.table_sharding": "rows",
@@ -85,19 +86,24 @@ def logged_steps(save: str, steps) -> dict:
     return values
 
 
-def main() -> None:
+def main(modes=None) -> None:
+    """Write every mode of ``modes`` (default: all of them) and its expected values, keeping the
+    other modes' folders and values."""
     from fe_megatron.checkpoint.files import write_tracker
     from fe_megatron.deepspeed.engine import write_deepspeed_latest
 
     from tests.test_train import pretrain_cmd
     from tests.torchrun_util import clean_environment
 
-    expected = {}
+    with open(os.path.join(HERE, "expected.json")) as fh:
+        expected = {mode: values for mode, values in json.load(fh)["modes"].items() if mode in MODES}
     env = clean_environment()
     work = tempfile.mkdtemp(prefix="fe_megatron_checkpoints_")
     tokenizer = shutil.copy(TOKENIZER, work)
     data = make_data(work, tokenizer)
     for mode, (nproc, _) in MODES.items():
+        if modes and mode not in modes:
+            continue
         save = os.path.join(work, mode)
         subprocess.run(pretrain_cmd(nproc) + ["--config", CONFIG, "--save", save]
                        + overrides(mode, data, tokenizer), check=True, env=env, cwd=ROOT)
@@ -112,9 +118,10 @@ def main() -> None:
         expected[mode] = {"processes": nproc, "overrides": {k: str(v) for k, v in MODES[mode][1].items()},
                           "steps": logged_steps(save, range(SAVED_STEP + 1, LAST_STEP + 1))}
     with open(os.path.join(HERE, "expected.json"), "w") as fh:
-        json.dump({"tiny": {k: str(v) for k, v in TINY.items()}, "modes": expected}, fh, indent=1)
+        json.dump({"tiny": {k: str(v) for k, v in TINY.items()},
+                   "modes": {mode: expected[mode] for mode in MODES if mode in expected}}, fh, indent=1)
     shutil.rmtree(work)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
