@@ -128,6 +128,21 @@ def holds_weights_only(folder: str) -> bool:
     return "scheduler" not in dist_checkpointing.load_common_state_dict(folder)
 
 
+def _read_row_states_as_saved(folder: str, optimizer) -> None:
+    """Tell each table optimizer how ``folder`` holds rowwise_adagrad's per-row state: one value per
+    row, or, in checkpoints written before that, repeated across each row's columns (`fe_megatron.megatron.table_optimizer.TableOptimizer.sharded_state_dict`).
+    ``folder`` None: by row, as every save writes it."""
+    from fe_megatron.megatron.table_optimizer import TableOptimizer
+
+    members = [m for m in compat.optimizer_members(optimizer) if isinstance(m, TableOptimizer)]
+    if not members or members[0].tables.update != "rowwise_adagrad":
+        return
+    repeated = folder is not None and any(key.startswith("optimizer.state.momentum.")
+                                          for key in dist_checkpointing.load_tensors_metadata(folder))
+    for member in members:
+        member.momentum_layout = "columns" if repeated else "rows"
+
+
 def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed_optimizer: bool = False,
                     restore_rng: bool = True) -> int:
     """Load checkpoint ``folder`` (model, optimizer, schedule, and with ``restore_rng`` this rank's
@@ -141,6 +156,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
                                                       folder)["model"])
         return 0
     _give_fresh_adam_states_a_step(optimizer)
+    _read_row_states_as_saved(folder, optimizer)
     sharded = _state(model_chunks, optimizer, scheduler, None, True, distributed_optimizer)
     state = dist_checkpointing.load(sharded, folder)
     model.load_state_dict(state["model"])
@@ -150,6 +166,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
                                                                                                  optimizer)])
     with torch.no_grad():  # the distributed optimizer copies into views of the parameters
         optimizer.load_state_dict(state["optimizer"])
+    _read_row_states_as_saved(None, optimizer)  # and write them by row from now on
     if getattr(scheduler, "override_opt_param_scheduler", False):  # training.schedule_on_resume=config
         compat.restore_group_values(optimizer, before)
     _restore_adam_step_counts(state["optimizer"], optimizer)

@@ -279,6 +279,13 @@ def optimizer_state_sharding(state_dict: dict, model_sharded_state_dict: dict, p
     optim_state_to_sharding_state(state_dict, id_to_sharded_param_map, exclude_keys=exclude_keys)
 
 
+def sharded_parameters(model_sharded_state_dict: dict, parameters) -> dict:
+    """``{index: ShardedTensor or factory}``: the model's sharded object of each of ``parameters``."""
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    return get_param_id_to_sharded_param_map(model_sharded_state_dict, parameters)
+
+
 # --------------------------------------------------------------------------- dist_checkpointing internals
 def install_checkpoint_writer_queue(make_queue: Callable) -> None:
     """megatron-core's checkpoint writer collects results through a module-level queue

@@ -87,6 +87,7 @@ class TableOptimizer(compat.fp32_optimizer_class()):
         super().__init__(tables.optimizer, config, init_state_fn=lambda optimizer, _: optimizer.initialize_state())
         self.tables = tables
         self.global_grad_norm = None  # set by TableChainedOptimizer.get_grad_norm
+        self.momentum_layout = "rows"  # how rowwise_adagrad's state is checkpointed (sharded_state_dict)
         for group in tables.optimizer.param_groups:  # what the scheduler and the checkpoint loader read
             group.update(max_lr=config.lr * table_lr_mult, min_lr=(config.min_lr or 0.0) * table_lr_mult,
                          lr_mult=table_lr_mult, wd_mult=table_weight_decay_mult, is_expert_parallel=True,
@@ -129,26 +130,86 @@ class TableOptimizer(compat.fp32_optimizer_class()):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
         """As `FP32Optimizer`'s, over the tables (which `get_parameters` does not list), with the
         step count always written, from the counter every stage keeps: only global rank 0 writes a
-        checkpoint's common part, and its stage may hold no table.  ``rowwise_adagrad``'s one value
-        per row is written repeated across the row's columns, so that it shards and reshards with the
-        table's own layout (tensor-parallel columns, row shards) in megatron-core's machinery; it
-        is read back from the first column."""
+        checkpoint's common part, and its stage may hold no table.
+
+        ``rowwise_adagrad``'s one value per row is written as ``optimizer.state.row_momentum.<table>``,
+        a [global rows, 1] tensor sharded by rows as the table is (`row_state_sharding`): 4 bytes
+        per row instead of per table parameter.
+        Checkpoints written before that (``momentum_layout = "columns"``, which `load_checkpoint`
+        sets from the checkpoint's own keys) hold it repeated across the row's columns, under
+        ``optimizer.state.momentum.<table>``; they are read back from the first column."""
         if is_loading:
             self.optimizer.initialize_state()
         state_dict = self.state_dict()
-        for index, state in list(state_dict["state"].items()):  # rowwise_adagrad's [rows] state, as the table's
-            if "momentum" in state:  # (a new dict: torch's state_dict shares the live state's)
-                momentum, width = state["momentum"], self.tables.weights[index].shape[1]
+        rowwise = {}
+        for index, state in list(state_dict["state"].items()):  # rowwise_adagrad's [rows] state
+            if "momentum" not in state:
+                continue
+            momentum = state["momentum"]  # (a new dict below: torch's state_dict shares the live state's)
+            if self.momentum_layout == "columns":
+                width = self.tables.weights[index].shape[1]
                 repeated = momentum.new_zeros(momentum.shape[0], width) if is_loading else \
                     momentum.unsqueeze(1).expand(-1, width).contiguous()
                 state_dict["state"][index] = dict(state, momentum=repeated)
+            else:
+                rowwise[index] = momentum.new_zeros(momentum.shape[0], 1) if is_loading else momentum.unsqueeze(1)
+                state_dict["state"][index] = {key: value for key, value in state.items() if key != "momentum"}
         compat.optimizer_state_sharding(state_dict, model_sharded_state_dict, self.tables.weights, exclude_keys="step")
+        if rowwise:
+            tables = compat.sharded_parameters(model_sharded_state_dict, self.tables.weights)
+            for index, momentum in rowwise.items():
+                state_dict["state"][index][ROW_STATE] = row_state_sharding(
+                    momentum, tables[index], self.tables.weights[index].table_layout)
         state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
         return state_dict
 
     def load_state_dict(self, state_dict) -> None:
         self.tables.steps = int(state_dict["state"]["common_step"])
+        for state in state_dict["state"].values():
+            if isinstance(state, dict) and ROW_STATE in state:
+                state["momentum"] = state.pop(ROW_STATE)  # [rows, 1]: rowwise_adagrad reads its first column
         super().load_state_dict(state_dict)
+
+
+ROW_STATE = "row_momentum"
+
+
+def row_state_sharding(state: torch.Tensor, table, layout):
+    """A table's per-row state ``state`` ([local rows, 1]) as the checkpoint's [global rows, 1]
+    tensor, sharded by rows as the table is (``table``: the table's ShardedTensor, or for row
+    shards its factory; ``layout``: its `TableLayout`).  The tensor-parallel ranks of a row hold the
+    same value (a row's squares are summed over its columns), so they are replicas of each other:
+    the shape does not depend on the layout, and a checkpoint reshards across TP, DP and row
+    sharding as the table does."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    key = f"optimizer.state.{ROW_STATE}.{table.key}"
+
+    def replica(table_replica, local, width):  # the table's replica id, and the columns' rank
+        return (*(table_replica if isinstance(table_replica, tuple) else (table_replica,)), local // width)
+
+    if isinstance(table, ShardedTensor):  # whole tables, their columns split over TP
+        local_shape = tuple(table.local_shape[:-1]) + (1,)
+        return ShardedTensor(key=key, data=state.view(local_shape), dtype=torch.float32, local_shape=local_shape,
+                             global_shape=tuple(table.global_shape[:-1]) + (1,),
+                             global_offset=tuple(table.global_offset[:-1]) + (0,), axis_fragmentations=None,
+                             replica_id=replica(table.replica_id, table.global_offset[-1], table.local_shape[-1]))
+    pieces = table.build_fn(table.key, table.data, table.replica_id, None)  # the table's own row pieces
+    first_piece = next(iter(pieces.values()))
+    global_rows = first_piece.global_shape[0]
+    replica_id = replica(table.replica_id, first_piece.global_offset[1], first_piece.local_shape[1])
+
+    def build(key, data, _replica_id, flattened_range):
+        return {f"rows{first}": ShardedTensor(key=key, data=data[local:local + rows], dtype=data.dtype,
+                                              local_shape=(rows, 1), global_shape=(global_rows, 1),
+                                              global_offset=(first, 0), axis_fragmentations=None,
+                                              replica_id=replica_id)
+                for first, rows, local in layout.row_slices}
+
+    def merge(loaded):
+        return torch.cat([loaded[f"rows{first}"] for first, _, _ in layout.row_slices])
+
+    return ShardedTensorFactory(key, state, build, merge, replica_id)
 
 
 class TableChainedOptimizer(compat.chained_optimizer_class()):
