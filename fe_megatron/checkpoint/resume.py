@@ -138,11 +138,6 @@ class RunStart:
     weights_only: bool  # it starts from weights without optimizer state (a conversion's, or a Hugging Face model)
     datasets: tuple
 
-    @property
-    def resumes(self) -> bool:
-        """Whether it continues a run: optimizer state, schedule and step from a checkpoint."""
-        return self.start_at.kind == "checkpoint" and not self.weights_only
-
 
 def start_run(cfg, engine: str, data_parallel_size: int, plan, layout: dict = None,
               find_checkpoint=None, refuse_table_change=None, holds_weights_only=None) -> RunStart:
@@ -153,14 +148,13 @@ def start_run(cfg, engine: str, data_parallel_size: int, plan, layout: dict = No
     weights alone (a conversion's)."""
     from fe_megatron.checkpoint import resume_guard
     from fe_megatron.checkpoint.run_info import run_info
+    from fe_megatron.training.distributed import log
     from fe_megatron.training.run import load_run_tokenizer, run_datasets
 
     tokenizer = load_run_tokenizer(cfg)
     info = run_info(cfg, data_parallel_size, layout)
     if plan is not None:
         info["tables"] = plan.mode  # how the tables are trained, which a resumed run must match
-    from fe_megatron.training.distributed import log
-
     start_at = start_point(cfg, engine, find_checkpoint, log)
     checkpoint = start_at.kind == "checkpoint"
     weights_only = start_at.kind == "hf" or (checkpoint and holds_weights_only is not None

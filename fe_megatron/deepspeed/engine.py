@@ -449,8 +449,8 @@ def set_up(cfg) -> DeepSpeedRun:
     step = 0
     if kind == "checkpoint":
         step = load_checkpoint(engine, tables, where, cfg.save, resized)
-        log(f"resumed from {where} at iteration {step}"
-            + (f", saved by {saved_data_parallel_size(start.start_at.saved, dp)} data-parallel ranks" if resized else ""))
+        saved_by = f", saved by {saved_data_parallel_size(start.start_at.saved, dp)} data-parallel ranks"
+        log(f"resumed from {where} at iteration {step}" + (saved_by if resized else ""))
     elif kind == "hf":
         log(f"loaded the weights of {where} (a Hugging Face model); training starts at step 0")
 

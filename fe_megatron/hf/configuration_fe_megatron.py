@@ -58,8 +58,8 @@ class FactorEngramConfig(LlamaConfig):
         model's FFN is dense."""
         if backbone.num_experts:
             raise ValueError(f"the backbone has {backbone.num_experts} experts per layer (model.num_experts), and the "
-                             "Hugging Face model's FFN is dense: an MoE model has no Hugging Face form here (fe-pretrain "
-                             "reports its validation and test perplexity in the run's metrics.jsonl)")
+                             "Hugging Face model's FFN is dense: an MoE model has no Hugging Face form here "
+                             "(fe-pretrain reports its validation and test perplexity in the run's metrics.jsonl)")
         memory_fields = None
         if memory is not None:
             memory_fields = {f.name: getattr(memory, f.name) for f in dataclasses.fields(memory)

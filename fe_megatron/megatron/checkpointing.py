@@ -130,8 +130,9 @@ def holds_weights_only(folder: str) -> bool:
 
 def _read_row_states_as_saved(folder: str, optimizer) -> None:
     """Tell each table optimizer how ``folder`` holds rowwise_adagrad's per-row state: one value per
-    row, or, in checkpoints written before that, repeated across each row's columns (`fe_megatron.megatron.table_optimizer.TableOptimizer.sharded_state_dict`).
-    ``folder`` None: by row, as every save writes it."""
+    row, or, in checkpoints written before that, repeated across each row's columns
+    (`fe_megatron.megatron.table_optimizer.TableOptimizer.sharded_state_dict`).  ``folder`` None:
+    one value per row, as every save writes it."""
     from fe_megatron.megatron.table_optimizer import TableOptimizer
 
     members = [m for m in compat.optimizer_members(optimizer) if isinstance(m, TableOptimizer)]

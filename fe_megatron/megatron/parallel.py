@@ -37,7 +37,8 @@ def initialize(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, s
     if (data_parallel * context_parallel_size) % expert_parallel_size:
         raise ValueError(f"expert-parallel size {expert_parallel_size} does not divide the data-parallel (x CP) size "
                          f"{data_parallel * context_parallel_size} of world size {world} at TP x PP = "
-                         f"{tensor_parallel_size} x {pipeline_parallel_size}: choose parallel.expert among its divisors")
+                         f"{tensor_parallel_size} x {pipeline_parallel_size}: choose parallel.expert among its "
+                         "divisors")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
                                              pipeline_model_parallel_size=pipeline_parallel_size,
                                              context_parallel_size=context_parallel_size,

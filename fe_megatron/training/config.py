@@ -189,9 +189,9 @@ class TrainConfig:
         if isinstance(p.expert, bool) or not isinstance(p.expert, int) or p.expert < 1:
             fail("parallel", "expert", f"{p.expert!r} must be an integer >= 1")
         if p.expert > 1 and (not self.model.num_experts or self.model.num_experts % p.expert):
-            fail("parallel", "expert", f"{p.expert} must divide model.num_experts={self.model.num_experts} (the experts "
-                                       "are split evenly over the expert-parallel ranks); set parallel.expert=1 for a "
-                                       "dense backbone")
+            fail("parallel", "expert", f"{p.expert} must divide model.num_experts={self.model.num_experts} (the "
+                                       "experts are split evenly over the expert-parallel ranks); set "
+                                       "parallel.expert=1 for a dense backbone")
         if t.engine == "megatron":
             if self.deepspeed is not None:
                 fail(None, "deepspeed", "is read by training.engine=deepspeed only; set it, or remove the section")
