@@ -67,12 +67,12 @@ def pretrain(cfg) -> dict:
             raise ConfigError("kernel_backend", f"{err} (docs/kernels.md)", section="training") from None
     ops.set_deterministic_backward(t.deterministic_table_grads)
     engine = engine_module(t.engine)
-    ops.set_backend(t.kernel_backend)  # the whole process's, every thread's
-    run = engine.set_up(cfg)
-    try:
-        return train(run)
-    finally:
-        run.metrics.close()
+    with ops.use_backend(t.kernel_backend):  # the whole process's, every thread's, for the run
+        run = engine.set_up(cfg)
+        try:
+            return train(run)
+        finally:
+            run.metrics.close()
 
 
 def main(argv=None) -> int:

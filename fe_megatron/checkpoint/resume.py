@@ -132,7 +132,6 @@ def _some_names(directory: str) -> str:
 class RunStart:
     """What an engine settles before it builds a model (`start_run`)."""
 
-    plan: object  # the TablePlan (None: no memory)
     info: dict  # the run info its checkpoints carry, with the schedule in force
     start_at: object  # the StartPoint: "new", "checkpoint" or "hf", and its folder
     weights_only: bool  # it starts from weights without optimizer state (a conversion's, or a Hugging Face model)
@@ -166,4 +165,4 @@ def start_run(cfg, engine: str, data_parallel_size: int, plan, layout: dict = No
     # a resumed run keeps its checkpoint's schedule; a new one, or weights alone, follows the config
     info["schedule"] = resume_guard.schedule_in_force(start_at.saved if checkpoint and not weights_only else None,
                                                       info)
-    return RunStart(plan, info, start_at, weights_only, run_datasets(cfg, tokenizer, data_parallel_size))
+    return RunStart(info, start_at, weights_only, run_datasets(cfg, tokenizer, data_parallel_size))

@@ -54,6 +54,15 @@ def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: in
 
 def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,
              overlap_grad_reduce: bool = False) -> DistributedDataParallel:
+    """``model`` in Megatron's DDP.  Row-sharded tables must be in stores by then
+    (`fe_megatron.megatron.table_optimizer.manage_tables`, as `fe_megatron.tables.plan` rules):
+    DDP would reduce their rows, different on every rank, over the expert-data-parallel ranks."""
+    if parallel_state.get_expert_data_parallel_world_size() > 1:
+        held = [name for name, param in model.named_parameters() if getattr(param, "row_sharded", False)]
+        if held:
+            raise ValueError(f"row-sharded tables {held[:2]} are parameters, which DDP would all-reduce over the "
+                             "data-parallel ranks although each holds other rows; move them into stores first "
+                             "(fe_megatron.megatron.table_optimizer.manage_tables), as TablePlan rules for rows")
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
                                                use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(config=transformer_config, ddp_config=ddp_config, module=model)

@@ -57,7 +57,6 @@ def count_parameters(model) -> int:
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     from fe_megatron.megatron.parallel import table_row_group
-
     from fe_megatron.memory.branch import memory_branches
 
     # [whole on this stage, row-sharded, an expert's]
@@ -66,8 +65,8 @@ def count_parameters(model) -> int:
         if name.endswith("output_layer.weight") and getattr(model, "share_embeddings_and_output_weights", False):
             continue  # the last stage's copy of the tied embedding
         if param_is_not_tensor_parallel_duplicate(param):
-            kind = 1 if getattr(param, "row_sharded", False) else 2 if not getattr(param, "allreduce", True) else 0
-            local[kind] += param.numel()
+            expert = not getattr(param, "allreduce", True) and not getattr(param, "is_memory_table", False)
+            local[1 if getattr(param, "row_sharded", False) else 2 if expert else 0] += param.numel()
     for branch in memory_branches(model).values():  # tables in stores are buffers (table_optimizer.py)
         if branch.tables.store is not None:
             local[0 if branch.row_partition is None else 1] += branch.tables.weight.numel()
@@ -156,7 +155,8 @@ def set_up(cfg) -> MegatronRun:
     dp = parallel_state.get_data_parallel_world_size()
     plan = table_plan(cfg, use_bf16(t, on_gpu), bool(cfg.memory and stages_without_memory(
         cfg.memory.layers, m.num_layers, p.pipeline)))
-    start = start_run(cfg, "megatron", dp, plan, find_checkpoint=find_megatron_checkpoint(cfg),
+    start = start_run(cfg, "megatron", dp, plan, {"expert": p.expert} if p.expert > 1 else None,
+                      find_checkpoint=find_megatron_checkpoint(cfg),
                       refuse_table_change=refuse_table_optimizer_change, holds_weights_only=holds_weights_only)
     resume_from = start.start_at.folder if start.start_at.kind == "checkpoint" else None
 
@@ -181,7 +181,8 @@ def set_up(cfg) -> MegatronRun:
                       attention_mask=causal_mask(m.seq_length, current_device()),
                       metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, step), start_step=step,
                       parameters=count_parameters(model))
-    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f", {plan.describe()}" if plan is not None else ""),
+    begin(run, f"TP={p.tensor} PP={p.pipeline} DP={dp}" + (f" EP={p.expert}" if p.expert > 1 else "")
+          + (f", {plan.describe()}" if plan is not None else ""),
           world_size=torch.distributed.get_world_size(), dp=dp, tp=p.tensor, pp=p.pipeline)
     return run
 

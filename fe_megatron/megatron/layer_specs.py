@@ -35,7 +35,7 @@ def get_gpt_layer_with_factorengram_spec(memory_config: MemoryConfig, backend: s
 
     backend: ``"local"`` (megatron.core's own modules; runs on CPU) or ``"te"``
     (Transformer Engine, optional). table_sharding: ``"replicated"`` (whole tables on every
-    data-parallel rank) or ``"rows"`` (rows sharded over the expert-parallel group, see
+    data-parallel rank) or ``"rows"`` (rows sharded over the tables' own row group, see
     `fe_megatron.megatron.memory_layer`). ``spec_kwargs`` go to megatron's spec function
     (e.g. ``qk_layernorm``, ``normalization``).
     """

@@ -1,5 +1,6 @@
-"""The Megatron engine's tables in stores: bf16 tables, the host tier, bf16 optimizer state, a
-sparse table update, and every table of a bf16 run.
+"""The Megatron engine's tables in stores: row-sharded tables, bf16 tables, the host tier, bf16
+optimizer state, a sparse table update, and every table of a bf16 run or of an expert-parallel
+backbone.
 
 When the run's tables are in stores (`fe_megatron.tables.plan.TablePlan`) `manage_tables` moves every memory
 branch of this pipeline stage into one before the model goes to the GPU, so host-resident tables
@@ -51,15 +52,18 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
     if (saved_info.get("config") or {}).get("memory") is None or saved == current \
             or not any(distributed):
         return
-    where = {"stores": "in table stores (bf16 tables, the host tier, bf16 state, a bf16 run, or a pipeline stage "
-                       "without memory)",
-             "parameters": "as Megatron's parameters (fp32 tables on the device, fp32 state, an fp32 run)"}
+    where = {"stores": "in table stores (row-sharded tables, bf16 tables, the host tier, bf16 state, a sparse "
+                       "update, a bf16 run, an expert-parallel backbone, or a pipeline stage without memory)",
+             "parameters": "as Megatron's parameters (whole fp32 tables on the device, fp32 state, AdamW, an fp32 "
+                           "run; also row-sharded tables in checkpoints written before they moved to the table "
+                           "optimizer)"}
     raise CheckpointError(f"{folder} trained its tables {where[saved]}, and this run trains them "
                           f"{where[current]}; with parallel.distributed_optimizer the two keep "
                           "the tables' Adam moments in layouts that do not load into each other. Resume with the "
-                          "checkpoint's memory.table_dtype, memory.table_placement, optimizer.table_state_dtype, "
-                          "training.precision and parallel.pipeline, or start a new run from its weights "
-                          "(fe-convert mcore-to-hf, then hf-to-mcore, and --load the output)")
+                          "settings that kept them where the checkpoint did (parallel.table_sharding, parallel.expert, "
+                          "memory.table_dtype, memory.table_placement, optimizer.table_state_dtype, "
+                          "optimizer.table_update, training.precision, parallel.pipeline), or start a new run from "
+                          "its weights (fe-convert mcore-to-hf, then hf-to-mcore, and --load the output)")
 
 
 def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int,

@@ -100,7 +100,8 @@ class RowwiseAdagrad(SparseTableOptimizer):
         return {"momentum": torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)}
 
     def stored_state(self, key, value):
-        """fp32, and one value per row (Megatron's checkpoints write it repeated across the row's columns)."""
+        """fp32, one value per row: Megatron's checkpoints hold it as [rows, 1], or, before that, repeated
+        across the row's columns; either is read from its first column."""
         return (value[:, 0] if value.dim() == 2 else value).float()
 
     def _update(self, param, ids, grad, state, step, group):
