@@ -138,8 +138,12 @@ def _read_row_states_as_saved(folder: str, optimizer) -> None:
     members = [m for m in compat.optimizer_members(optimizer) if isinstance(m, TableOptimizer)]
     if not members or members[0].tables.update != "rowwise_adagrad":
         return
-    repeated = folder is not None and any(key.startswith("optimizer.state.momentum.")
-                                          for key in dist_checkpointing.load_tensors_metadata(folder))
+    repeated = False
+    if folder is not None:  # the keys from torch's own metadata (megatron-core 0.19's reader of it fails on torch 2.15)
+        import torch.distributed.checkpoint as dcp
+
+        keys = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+        repeated = any(key.startswith("optimizer.state.momentum.") for key in keys)
     for member in members:
         member.momentum_layout = "columns" if repeated else "rows"
 
