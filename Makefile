@@ -65,8 +65,10 @@ cuda-check: setup
 # Every GPU path in one call, on a GPU machine whose python has the project's dependencies (not the
 # CPU venv): builds the kernels, runs their tests and benchmarks, GPU training runs against CPU
 # references, ZeRO-3 and generation; writes gpu_results/gpu_check.{json,md}. Exits 2 without a GPU.
+# On a GPU machine, with the python that holds a CUDA torch; GPU_CHECK_ARGS adds e.g. --budget-s 600
+GPU_RESULTS ?= gpu_results
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py --out gpu_results
+	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_RESULTS) $(GPU_CHECK_ARGS)
 
 plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m

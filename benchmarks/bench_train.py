@@ -83,6 +83,8 @@ def main():
                                                 bf16_run=tconfig.bf16).in_stores:
             tables = manage_tables(model, OptimizerArgs(lr=1e-4), "fp32", "replicated", device, seed=1,
                                    update=update)
+        if tconfig.bf16:  # every parameter in bf16, as the engine's build_stage_model makes them
+            model.to(torch.bfloat16)
         if on_gpu:
             model.cuda()
         ddp = wrap_ddp(model, tconfig)

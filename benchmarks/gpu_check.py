@@ -1,6 +1,6 @@
 """Every GPU-specific path of fe_megatron in one call, with one results file (``make gpu-check``).
 
-    python benchmarks/gpu_check.py [--out gpu_results] [--steps 60]
+    python benchmarks/gpu_check.py [--out gpu_results] [--steps 60] [--budget-s SECONDS] [--skip STEP ...]
 
 Steps, each a subprocess with its own log under ``OUT/logs/`` and its own time limit:
 
@@ -12,30 +12,35 @@ Steps, each a subprocess with its own log under ``OUT/logs/`` and its own time l
    and the forward gather as a fraction of the measured device copy bandwidth);
 5. ``train-bench``: ``bench_train.py --size 340m-layer`` (one memory layer at the 340M width
    against the plain layer, tokens/s and their ratio);
-6. ``table-storage``: ``bench_table_storage.py`` on the GPU: every table storage's peak device
+6. ``pretrain``: the demo config for ``--steps`` steps, four times: fp32 on the CPU (the
+   reference), fp32 on the GPU with the CUDA kernels (both from one set of initial weights made on
+   the CPU, ``start-weights``, so the curves must agree to fp32 rounding: 1e-3 relative), bf16
+   on the GPU with the CUDA kernels (with the Transformer Engine spec and its own initialization
+   where Transformer Engine is installed, else the local spec from the shared weights: the curve
+   must stay within 5% of the reference), and bf16 with bf16 tables and bf16 table state in host
+   memory (the host tier on a GPU, from the shared weights: within 5%);
+7. ``hf-generate``: the GPU fp32 run converted with ``fe-convert mcore-to-hf``, greedy generation on
+   the GPU and on the CPU, token for token;
+8. ``deepspeed-zero3``: the DeepSpeed engine, ZeRO-3, on the GPU in bf16 against the same run on
+   the CPU in fp32, from the same initial weights (within 5%);
+9. ``table-storage``: ``bench_table_storage.py`` on the GPU: every table storage's peak device
    memory and tokens/s, the host tier with its one-microbatch lookahead against the host tier
    fetching each layer's rows when it needs them (what the lookahead hides) and against the
    device tier; it must run every storage, and bf16 tables with bf16 state must take at most 55%
-   of fp32 tables' bytes;
-7. ``pretrain``: the demo config for ``--steps`` steps, four times: fp32 on the CPU (the
-   reference), fp32 on the GPU with the CUDA kernels (both from one set of initial weights made on
-   the CPU, ``start-weights``, so the curves must agree to fp32 rounding: 1e-3 relative), bf16
-   on the GPU with the Transformer Engine spec and the CUDA kernels (its own initialization: the
-   curve must stay within 5% of the reference), and bf16 with bf16 tables and bf16 table state in
-   host memory (the host tier on a GPU, from the shared weights: within 5%);
-8. ``deepspeed-zero3``: the DeepSpeed engine, ZeRO-3, on the GPU in bf16 against the same run on
-   the CPU in fp32, from the same initial weights (within 5%);
-9. ``hf-generate``: the GPU fp32 run converted with ``fe-convert mcore-to-hf``, greedy generation on
-   the GPU and on the CPU, token for token.
+   of fp32 tables' bytes.
 
 ``OUT/gpu_check.json`` holds every step's status, seconds, numbers and log; the
-summary is printed and written to ``OUT/gpu_check.md``.  The exit status is 0 only when every
+summary is printed and written to ``OUT/gpu_check.md``, both rewritten after every step so that a
+check stopped from outside still leaves what it measured.  ``--budget-s`` bounds the whole check:
+each command runs at most until the budget ends, and the steps it leaves out are recorded as
+``not run``, by name (a lent GPU is often lent for minutes).  The exit status is 0 only when every
 step passed.  Without a GPU nothing runs: it says so and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -55,18 +60,32 @@ FP32_CURVE_RTOL = 1e-3
 BF16_CURVE_RTOL = 0.05
 
 
+# a command given less than this of the budget is not started
+MIN_COMMAND_S = 10
+
+
 class Checker:
-    def __init__(self, out: str):
+    def __init__(self, out: str, budget_s: float = None):
         self.out = out
         self.logs = os.path.join(out, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.steps = []
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+
+    def time_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
     def run(self, name: str, cmd: list, timeout: int, env: dict = None) -> tuple:
-        """Run ``cmd`` from the repository root, its output into ``logs/<name>.log``; ``(rc, output)``."""
+        """Run ``cmd`` from the repository root, its output into ``logs/<name>.log``; ``(rc, output)``.
+        The command's limit is ``timeout`` or what is left of the budget, whichever is less."""
         log = os.path.join(self.logs, f"{name}.log")
         merged = dict(os.environ, **(env or {}))
         start = time.perf_counter()
+        timeout = int(min(timeout, self.time_left()))
+        if timeout < MIN_COMMAND_S:
+            with open(log, "a") as fh:
+                fh.write(f"$ {' '.join(cmd)}\n[gpu_check] not run: the time budget is spent\n")
+            return 124, "[gpu_check] not run: the time budget is spent"
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=merged, capture_output=True, text=True, timeout=timeout)
             rc, output = proc.returncode, proc.stdout + proc.stderr
@@ -87,6 +106,18 @@ class Checker:
             entry["why"] = why
         self.steps.append(entry)
         print(f"[gpu_check] {name}: {entry['status']} ({seconds:.0f} s){': ' + why if why else ''}", flush=True)
+        self.write()
+
+    def not_run(self, name: str, why: str) -> None:
+        self.steps.append({"step": name, "status": "not run", "seconds": 0.0, "numbers": {}, "why": why})
+        print(f"[gpu_check] {name}: not run: {why}", flush=True)
+        self.write()
+
+    def write(self) -> None:
+        with open(os.path.join(self.out, "gpu_check.json"), "w") as fh:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "steps": self.steps}, fh, indent=1)
+        with open(os.path.join(self.out, "gpu_check.md"), "w") as fh:
+            fh.write(summary(self))
 
 
 def json_lines(text: str) -> list:
@@ -133,19 +164,28 @@ def environment(c: Checker) -> None:
 
 
 def build(c: Checker) -> bool:
+    import torch
+
     start = time.perf_counter()
-    rc, _ = c.run("build", [PY, "setup.py", "build_ext", "--inplace"], 1800)
+    # only this GPU's architecture (torch's default list compiles every kernel for each it knows),
+    # with a compiler job per core
+    major, minor = torch.cuda.get_device_capability(0)
+    env = {"TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}"),
+           "MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))}
+    rc, _ = c.run("build", [PY, "setup.py", "build_ext", "--inplace"], 1800, env)
     rc2, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"], 120)
     backends = output.strip().splitlines()[-1] if output.strip() else ""
     ok = rc == 0 and rc2 == 0 and "cuda" in backends
-    c.record("build", ok, time.perf_counter() - start, {"backends": backends},
+    c.record("build", ok, time.perf_counter() - start, {"backends": backends, **env},
              "" if ok else "the CUDA extension did not build or load (see the log)")
     return ok
 
 
 def kernel_tests(c: Checker) -> None:
     start = time.perf_counter()
-    rc, output = c.run("kernel-tests", [PY, "-m", "pytest", "-q", "-rs", "tests/test_kernels.py"], 1800)
+    # with pytest-xdist, a test that crashes its process is reported as failed and the others still run
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") else []
+    rc, output = c.run("kernel-tests", [PY, "-m", "pytest", "-q", "-rs", *workers, "tests/test_kernels.py"], 1800)
     summary = [line for line in output.splitlines() if " passed" in line or " failed" in line]
     c.record("kernel-tests", rc == 0, time.perf_counter() - start, {"summary": summary[-1] if summary else ""})
 
@@ -248,33 +288,43 @@ def pretrain(c: Checker, steps: int, tokenizer: str, prefix: str, mcore_start: s
     """Returns the GPU fp32 run's directory (for hf-generate), or None."""
     start = time.perf_counter()
     load = f"load={mcore_start}"  # the Transformer Engine spec names its weights otherwise: its own start
+    # bf16 with Transformer Engine's spec where it is installed, else with the local spec (and the shared start)
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    bf16_spec = ("training.transformer_impl=te",) if has_te else (load,)
     runs = {
         "cpu_fp32": ("training.precision=fp32", "training.kernel_backend=torch", load),
         "gpu_fp32": ("training.precision=fp32", "training.kernel_backend=cuda", load),
-        "gpu_bf16_te": ("training.precision=bf16", "training.kernel_backend=cuda", "training.transformer_impl=te"),
+        "gpu_bf16": ("training.precision=bf16", "training.kernel_backend=cuda", *bf16_spec),
         "gpu_bf16_host_tables": ("training.precision=bf16", "training.kernel_backend=cuda", "memory.table_dtype=bf16",
                                  "optimizer.table_state_dtype=bf16", "memory.table_placement=host", load),
     }
-    curves, failed = {}, []
+    curves, failed, not_run = {}, [], []
     for name, extra in runs.items():
         save, cmd = pretrain_args(c, name, steps, tokenizer, prefix, *extra)
+        if c.time_left() < MIN_COMMAND_S:
+            curves[name] = {}
+            not_run.append(name)
+            continue
         rc, _ = c.run("pretrain", cmd, 3000, CPU_ONLY if name.startswith("cpu") else None)
         curves[name] = lm_curve(save)
         if rc != 0 or not curves[name]:
             failed.append(name)
-    numbers = {"steps": steps, "final_lm_loss": {name: curve[max(curve)] for name, curve in curves.items() if curve}}
+    numbers = {"steps": steps, "bf16_spec": "te" if has_te else "local",
+               "final_lm_loss": {name: curve[max(curve)] for name, curve in curves.items() if curve}}
     fp32, fp32_steps = compare_curves(curves["gpu_fp32"], curves["cpu_fp32"])
-    bf16, bf16_steps = compare_curves(curves["gpu_bf16_te"], curves["cpu_fp32"])
+    bf16, bf16_steps = compare_curves(curves["gpu_bf16"], curves["cpu_fp32"])
     host, _ = compare_curves(curves["gpu_bf16_host_tables"], curves["cpu_fp32"])
-    numbers.update(gpu_fp32_vs_cpu_max_rel=fp32, gpu_bf16_te_vs_cpu_max_rel=bf16, logged_steps=fp32_steps,
+    numbers.update(gpu_fp32_vs_cpu_max_rel=fp32, gpu_bf16_vs_cpu_max_rel=bf16, logged_steps=fp32_steps,
                    gpu_bf16_host_tables_vs_cpu_max_rel=host)
     why = []
     if failed:
         why.append(f"runs that failed: {', '.join(failed)}")
+    if not_run:
+        why.append(f"runs not started, the time budget being spent: {', '.join(not_run)}")
     if fp32 > FP32_CURVE_RTOL:
         why.append(f"GPU fp32 curve differs from the CPU one by {fp32:.2e} (limit {FP32_CURVE_RTOL:.0e})")
     if bf16 > BF16_CURVE_RTOL:
-        why.append(f"GPU bf16 TE curve differs from the CPU fp32 one by {bf16:.2e} (limit {BF16_CURVE_RTOL:.0e})")
+        why.append(f"GPU bf16 curve differs from the CPU fp32 one by {bf16:.2e} (limit {BF16_CURVE_RTOL:.0e})")
     if host > BF16_CURVE_RTOL:
         why.append(f"GPU bf16 host-tier curve differs from the CPU fp32 one by {host:.2e} (limit "
                    f"{BF16_CURVE_RTOL:.0e})")
@@ -346,10 +396,18 @@ def summary(c: Checker) -> str:
     return "\n".join(lines) + "\n"
 
 
+STEPS = ("environment", "build", "kernel-tests", "kernel-bench", "train-bench", "pretrain", "hf-generate",
+         "deepspeed-zero3", "table-storage")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_results", help="results folder (default gpu_results)")
     parser.add_argument("--steps", type=int, default=60, help="training steps of each pretraining run (default 60)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds for the whole check; steps it leaves out are recorded as not run")
+    parser.add_argument("--skip", nargs="+", default=[], choices=STEPS[2:], metavar="STEP",
+                        help=f"steps to leave out, of: {', '.join(STEPS[2:])}")
     args = parser.parse_args(argv)
     import torch
 
@@ -357,28 +415,43 @@ def main(argv=None) -> int:
         print(f"gpu_check: no GPU is visible to torch {torch.__version__} (torch.cuda.is_available() is False); "
               "nothing was run. Run it on a machine with an NVIDIA GPU and a CUDA build of torch.", file=sys.stderr)
         return NO_GPU_EXIT
-    c = Checker(os.path.abspath(args.out))
+    c = Checker(os.path.abspath(args.out), args.budget_s)
     environment(c)
-    if build(c):
-        kernel_tests(c)
-        kernel_bench(c)
-        train_bench(c)
-        table_storage(c)
-        tokenizer, prefix = prepare_data(c)
-        hf_start, mcore_start = start_weights(c, tokenizer, prefix)
-        if mcore_start is None:
-            c.record("start-weights", False, 0.0, why="the shared initial weights could not be made (see the log)")
-        else:
-            run_dir = pretrain(c, args.steps, tokenizer, prefix, mcore_start)
-            deepspeed_zero3(c, args.steps, tokenizer, prefix, hf_start)
-            if run_dir is not None:
-                hf_generate(c, run_dir)
-    with open(os.path.join(c.out, "gpu_check.json"), "w") as fh:
-        json.dump({"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "steps": c.steps}, fh, indent=1)
-    text = summary(c)
-    with open(os.path.join(c.out, "gpu_check.md"), "w") as fh:
-        fh.write(text)
-    print(text)
+    if not build(c):
+        for name in STEPS[2:]:
+            c.not_run(name, "the CUDA kernels did not build")
+    else:
+        state = {}
+
+        def pretrain_step():
+            tokenizer, prefix = prepare_data(c)
+            state["data"] = tokenizer, prefix
+            state["hf_start"], mcore_start = start_weights(c, tokenizer, prefix)
+            if mcore_start is None:
+                c.record("pretrain", False, 0.0, why="the shared initial weights could not be made (see start-weights.log)")
+            else:
+                state["run_dir"] = pretrain(c, args.steps, tokenizer, prefix, mcore_start)
+
+        steps = {
+            "kernel-tests": lambda: kernel_tests(c),
+            "kernel-bench": lambda: kernel_bench(c),
+            "train-bench": lambda: train_bench(c),
+            "pretrain": pretrain_step,
+            "hf-generate": lambda: hf_generate(c, state["run_dir"]) if state.get("run_dir") else
+            c.not_run("hf-generate", "no GPU fp32 pretraining run to convert"),
+            "deepspeed-zero3": lambda: deepspeed_zero3(c, args.steps, *state["data"], state["hf_start"])
+            if state.get("hf_start") else c.not_run("deepspeed-zero3", "no shared initial weights (pretrain step)"),
+            "table-storage": lambda: table_storage(c),
+        }
+        for name, step in steps.items():
+            if name in args.skip:
+                c.not_run(name, "left out by --skip")
+            elif c.time_left() < MIN_COMMAND_S:
+                c.not_run(name, f"the time budget of {args.budget_s:.0f} s is spent")
+            else:
+                step()
+    c.write()
+    print(summary(c))
     return 0 if c.steps and all(step["status"] == "pass" for step in c.steps) else 1
 
 

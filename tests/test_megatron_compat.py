@@ -152,3 +152,22 @@ def test_the_cpu_backend_answers_cuda_streams_and_events(megatron_world):
     with cuda.stream(stream):
         pass
     assert cuda.Event().query() and not cuda.is_current_stream_capturing()
+
+
+def test_fused_softmax_is_asked_for_only_where_its_kernels_are_installed(monkeypatch):
+    """Megatron-Core fails in bf16 when masked_softmax_fusion is set and scaled_masked_softmax_cuda
+    is missing (seen on a GPU without apex or Megatron-LM's fused kernels)."""
+    from fe_megatron.megatron.engine import transformer_config_for
+    from fe_megatron.training.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert not transformer_config_for(cfg, on_gpu=False).masked_softmax_fusion
+    installed = {"scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"}
+    find_spec = compat.importlib.util.find_spec
+    monkeypatch.setattr(compat.importlib.util, "find_spec",
+                        lambda name, *a: object() if name in installed else find_spec(name, *a))
+    assert compat.fused_softmax_available()
+    assert transformer_config_for(cfg, on_gpu=True).masked_softmax_fusion
+    installed.clear()
+    assert not compat.fused_softmax_available()
+    assert not transformer_config_for(cfg, on_gpu=True).masked_softmax_fusion

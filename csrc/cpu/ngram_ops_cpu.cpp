@@ -8,7 +8,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 
@@ -67,36 +66,38 @@ torch::Tensor ngram_hash(torch::Tensor token_ids, torch::Tensor multipliers, tor
   return out;
 }
 
+// Every row index in [0, rows), checked before a kernel allocates or touches anything: one
+// vectorized min/max pass (the index array is a small fraction of the rows' bytes), and on failure
+// the first offending value and its flat position.
+void check_row_range(const torch::Tensor& flat_indices, int64_t rows, const char* op) {
+  if (flat_indices.numel() == 0) return;
+  const auto [min_index, max_index] = flat_indices.aminmax();
+  if (min_index.item<int64_t>() >= 0 && max_index.item<int64_t>() < rows) return;
+  const int64_t bad = flat_indices.lt(0).logical_or_(flat_indices.ge(rows)).nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK(false, op, ": row index ", flat_indices.data_ptr<int64_t>()[bad], " at flat position ", bad,
+              " is outside the table's rows [0, ", rows, ")");
+}
+
 torch::Tensor gather_rows_forward(torch::Tensor weight, torch::Tensor flat_indices) {
   check_long(flat_indices, "flat_indices");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu(),
               "fe_megatron cpp: weight must be a contiguous CPU [rows, width] tensor");
   check_float(weight, "weight");
   const int64_t count = flat_indices.numel(), rows = weight.size(0), width = weight.size(1);
+  check_row_range(flat_indices, rows, "gather_rows");  // before anything is allocated or copied
   auto out = torch::empty({count, width}, weight.options());
   const int64_t* idx = flat_indices.data_ptr<int64_t>();
   const size_t row_bytes = static_cast<size_t>(width) * weight.element_size();
   const char* src = static_cast<const char*>(weight.data_ptr());
   char* dst = static_cast<char*>(out.data_ptr());
-  std::atomic<int64_t> first_bad{count};
   at::parallel_for(0, count, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t r = idx[i];
-      if (r < 0 || r >= rows) {  // never read out of bounds; report after the loop
-        int64_t seen = first_bad.load();
-        while (i < seen && !first_bad.compare_exchange_weak(seen, i)) {}
-        continue;
-      }
       if (i + kPrefetchDistance < end) {  // rows are scattered over GBs: start the next misses early
-        const int64_t ahead = idx[i + kPrefetchDistance];
-        if (ahead >= 0 && ahead < rows) __builtin_prefetch(src + ahead * row_bytes);
+        __builtin_prefetch(src + idx[i + kPrefetchDistance] * row_bytes);
       }
-      std::memcpy(dst + i * row_bytes, src + r * row_bytes, row_bytes);
+      std::memcpy(dst + i * row_bytes, src + idx[i] * row_bytes, row_bytes);
     }
   });
-  const int64_t bad = first_bad.load();
-  TORCH_CHECK(bad == count, "gather_rows: row index ", (bad < count ? idx[bad] : 0), " at flat position ", bad,
-              " is outside the table's rows [0, ", rows, ")");
   return out;
 }
 
@@ -193,10 +194,7 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   check_float(out, "out");
   const int64_t count = flat_indices.numel();
   if (count == 0) return;
-  const auto [min_index, max_index] = flat_indices.aminmax();
-  const int64_t lo = min_index.item<int64_t>(), hi = max_index.item<int64_t>();
-  TORCH_CHECK(lo >= 0 && hi < out.size(0), "gather_rows backward: row index ", (lo < 0 ? lo : hi),
-              " is outside the table's rows [0, ", out.size(0), ")");
+  check_row_range(flat_indices, out.size(0), "gather_rows backward");
   if (out.scalar_type() == torch::kFloat32) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, grad_rows.scalar_type(), "grad_rows", [&] {
       row_partitioned_backward<scalar_t>(grad_rows.data_ptr<scalar_t>(), flat_indices.data_ptr<int64_t>(),

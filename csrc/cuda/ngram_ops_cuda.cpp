@@ -75,7 +75,9 @@ void gather_rows_backward(torch::Tensor grad_rows, torch::Tensor flat_indices, t
   const c10::cuda::CUDAGuard guard(out.device());
   const int64_t count = flat_indices.numel(), width = out.size(1);
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  if (!deterministic) {
+  // atomic adds only into fp32: into bf16 or fp16 each duplicate's add would round, so those sum
+  // every row's duplicates in fp32 first (the sorted reduction) and round once
+  if (!deterministic && out.scalar_type() == torch::kFloat32) {
     fe_megatron::launch_atomic_backward(grad_rows.data_ptr(), float_type(grad_rows, "grad_rows"),
                                         flat_indices.data_ptr<int64_t>(), out.data_ptr(), float_type(out, "out"), count,
                                         width, stream);

@@ -85,6 +85,14 @@ def unsupported_version_message() -> str | None:
 
 
 # --------------------------------------------------------------------------- TransformerLayer steps
+def fused_softmax_available() -> bool:
+    """Whether Megatron's fused masked-softmax kernels (``scaled_masked_softmax_cuda`` and its
+    causal sibling, from Megatron-LM's fused_kernels or apex) are installed.  Megatron-Core asks
+    for them in bf16 and fp16 when ``masked_softmax_fusion`` is set, and fails without them."""
+    return all(importlib.util.find_spec(name) is not None
+               for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda"))
+
+
 def _accepted(function) -> tuple[set, bool]:
     parameters = inspect.signature(function).parameters.values()
     names = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}

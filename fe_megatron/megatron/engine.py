@@ -28,6 +28,8 @@ def transformer_config_for(cfg, on_gpu: bool):
     ``cfg.parallel``, precision and recompute from ``cfg.training``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from fe_megatron.megatron import compat
+
     m, p, t = cfg.model, cfg.parallel, cfg.training
     bf16 = use_bf16(t, on_gpu)
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
@@ -42,7 +44,7 @@ def transformer_config_for(cfg, on_gpu: bool):
         ffn_hidden_size=m.ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=m.norm_eps, init_method_std=m.init_std, add_bias_linear=False,
         bias_activation_fusion=False, hidden_dropout=m.dropout, attention_dropout=m.dropout,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu and compat.fused_softmax_available(),
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=not on_gpu, tensor_model_parallel_size=p.tensor,
         pipeline_model_parallel_size=p.pipeline, sequence_parallel=p.sequence_parallel, bf16=bf16,

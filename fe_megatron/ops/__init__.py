@@ -15,8 +15,9 @@ that torch.compile traces a model through them without graph breaks.
 Two run-time switches, both off the hot path:
 
 * ``set_deterministic_backward(False)`` lets the table backward use atomic adds (cuda,
-  triton) instead of the sorted, deterministic reduction.  ``torch.use_deterministic_algorithms``
-  overrides it back to sorted.
+  triton) into fp32 gradients instead of the sorted, deterministic reduction (bf16 and fp16
+  gradients keep the sorted one, which sums in fp32 and rounds once per row, where an atomic add
+  would round once per duplicate).  ``torch.use_deterministic_algorithms`` overrides it back to sorted.
 * ``debug_checks()`` (or ``FE_MEGATRON_DEBUG_KERNELS=1``) range-checks every row index on
   the host before a kernel reads it, and names the offending value and position.  The
   C++ backend checks ranges always (it costs nothing measurable there).

@@ -156,7 +156,7 @@ def gather_rows_backward(grad_rows, flat_indices, out, deterministic=True):
     if count == 0:
         return
     block_w = _column_block(width)
-    if not deterministic:
+    if not deterministic and out.dtype == torch.float32:  # bf16 would round once per duplicate
         block_m = max(1, 4096 // block_w)
         _atomic_scatter_kernel[(triton.cdiv(count, block_m), triton.cdiv(width, block_w))](
             grad_rows, flat_indices, out, count, width, BLOCK_M=block_m, BLOCK_W=block_w)
@@ -173,8 +173,10 @@ def gather_rows_backward(grad_rows, flat_indices, out, deterministic=True):
 
 
 # ----------------------------------------------------------------------------- the table optimizer's update
-_LOW31 = 0x7FFFFFFF
-_MIXER = 0x45D9F3B
+# constants read inside @triton.jit functions must be tl.constexpr: the compiler refuses other
+# globals (Triton's CPU interpreter accepts them, so tests/test_kernels.py checks this by name)
+_LOW31 = tl.constexpr(0x7FFFFFFF)
+_MIXER = tl.constexpr(0x45D9F3B)
 UPDATE_BLOCK = 1024  # table elements per program
 
 
