@@ -68,14 +68,22 @@ torch::Tensor ngram_hash(torch::Tensor token_ids, torch::Tensor multipliers, tor
 
 // Every row index in [0, rows), checked before a kernel allocates or touches anything: one
 // vectorized min/max pass (the index array is a small fraction of the rows' bytes), and on failure
-// the first offending value and its flat position.
+// the first offending value and its flat position.  The error is raised with no tensor of this
+// module's own alive: on one GPU machine (GCC 13.3, torch 2.11) an error raised while a tensor
+// allocated here was still alive crashed the process instead.
 void check_row_range(const torch::Tensor& flat_indices, int64_t rows, const char* op) {
   if (flat_indices.numel() == 0) return;
-  const auto [min_index, max_index] = flat_indices.aminmax();
-  if (min_index.item<int64_t>() >= 0 && max_index.item<int64_t>() < rows) return;
+  int64_t lowest = 0, highest = 0;
+  {
+    const auto [min_index, max_index] = flat_indices.aminmax();
+    lowest = min_index.item<int64_t>();
+    highest = max_index.item<int64_t>();
+  }
+  if (lowest >= 0 && highest < rows) return;
   const int64_t bad = flat_indices.lt(0).logical_or_(flat_indices.ge(rows)).nonzero()[0][0].item<int64_t>();
-  TORCH_CHECK(false, op, ": row index ", flat_indices.data_ptr<int64_t>()[bad], " at flat position ", bad,
-              " is outside the table's rows [0, ", rows, ")");
+  const int64_t value = flat_indices.data_ptr<int64_t>()[bad];
+  TORCH_CHECK(false, op, ": row index ", value, " at flat position ", bad, " is outside the table's rows [0, ", rows,
+              ")");
 }
 
 torch::Tensor gather_rows_forward(torch::Tensor weight, torch::Tensor flat_indices) {

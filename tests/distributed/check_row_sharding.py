@@ -8,6 +8,9 @@ Run (one phase per invocation; tests/test_row_sharding.py and tests/test_table_s
       [--init DIR | --save-init DIR] [--load DIR] --steps A:B [--record F | --compare F [--tol X]] \
       [--save-step K DIR] [--save-final DIR | --compare-final DIR] [--check-memory]
 
+``--check-memory`` also checks, with rows and no pipeline, that DDP refuses row-sharded tables left
+as parameters.
+
 Every phase trains the tiny GPT (memory at layers 1 and 2) with Adam and clipping on the same
 global batches: 4 sequences per step, split over the data-parallel ranks.  Step 0 is random
 text, step 1 a microbatch of one repeated token (every row requested many times), step 2 a
@@ -151,6 +154,19 @@ def check_memory(check: Checker, model, ddp, tables: str):
     check.true("the dense buffer exists", dense_buffer > 0)
 
 
+def check_ddp_refuses_row_sharded_parameters(check: Checker, tp: int):
+    """Row-sharded tables left as parameters are refused by wrap_ddp, which would all-reduce rows
+    that differ on every data-parallel rank (the engines move them into stores first)."""
+    model = build_gpt_model(tiny_transformer_config(tp=tp), 128, SEQ, memory_config(), table_sharding="rows")
+    try:
+        wrap_ddp(model, tiny_transformer_config(tp=tp))
+        message = "(it accepted them)"
+    except ValueError as err:
+        message = str(err)
+    check.true(f"wrap_ddp refuses row-sharded tables left as parameters, naming them and the fix: {message}",
+               "row-sharded tables" in message and "tables.weight" in message and "manage_tables" in message)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tables", choices=["rows", "replicated"], required=True)
@@ -213,6 +229,8 @@ def main():
         load_model(model, args.compare_final)
         for name, param in weights(model).items():
             check.close(f"parameter {name} after step {last - 1}", mine[name], param.detach().float(), args.tol)
+    if args.check_memory and args.tables == "rows" and args.pp == 1:  # after training: it draws random weights
+        check_ddp_refuses_row_sharded_parameters(check, args.tp)
     check.finish()
 
 
