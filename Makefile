@@ -64,8 +64,8 @@ cuda-check: setup
 
 # Every GPU path in one call, on a GPU machine whose python has the project's dependencies (not the
 # CPU venv): builds the kernels, runs their tests and benchmarks, GPU training runs against CPU
-# references, ZeRO-3 and generation; writes gpu_results/gpu_check.{json,md}. Exits 2 without a GPU.
-# On a GPU machine, with the python that holds a CUDA torch; GPU_CHECK_ARGS adds e.g. --budget-s 600
+# references, ZeRO-3 and generation; writes $(GPU_RESULTS)/gpu_check.{json,md}. Exits 2 without a GPU.
+# PYTHON=... names that python; GPU_CHECK_ARGS adds options, e.g. "--budget-s 600 --skip table-storage".
 GPU_RESULTS ?= gpu_results
 gpu-check:
 	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_RESULTS) $(GPU_CHECK_ARGS)

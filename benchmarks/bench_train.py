@@ -9,7 +9,9 @@ FactorEngram with each table update of ``--table-updates`` (``optimizer.table_up
     python benchmarks/bench_train.py [--size tiny|small|340m-layer] [--steps 10] \
         [--table-updates adamw,rowwise_adagrad,lazy_adam]
 
-On a GPU machine it runs in bf16; on CPU in fp32.
+On a GPU machine it runs in bf16; on CPU in fp32.  ``matmul_bound_ratio`` is the ratio of the two
+models' matrix-product work per token (`matmul_macs_per_token`): the tokens/s ratio a step bound by
+its matrix products would reach, whatever the tables cost.
 """
 
 import argparse
@@ -34,6 +36,27 @@ SIZES = {
                                      ffn_hidden_size=2816, seq_length=4096),
                        memory=dict(preset="factorengram-340m", layers=[0]), mbs=4, micro=2),
 }
+
+
+def matmul_macs_per_token(backbone, memory=None) -> int:
+    """Multiply-accumulates per token of the model's matrix products in one forward pass (the
+    backward's are twice these for both models, so ratios hold for the step): attention (with the
+    full score matrix, as the local spec computes it), the gated MLP and the output layer, plus, with
+    ``memory`` (FactorEngram), per memory layer the query ``Q^T h`` (Eq. 7; not with gate 'none'),
+    ``D q`` (Eq. 7, basis gate), ``D^T (z * alpha)`` (Eq. 8) and ``V e`` (Eq. 9)."""
+    d, seq, ffn = backbone.hidden_size, backbone.seq_length, backbone.ffn_hidden_size
+    kv = d * (backbone.num_query_groups or backbone.num_attention_heads) // backbone.num_attention_heads
+    per_layer = d * d + 2 * d * kv + 2 * seq * d + d * d + 3 * d * ffn
+    macs = backbone.num_layers * per_layer + d * backbone.vocab_size
+    if memory is not None:
+        if memory.kind != "factorengram":
+            raise ValueError(f"matmul_macs_per_token counts FactorEngram's branch, not kind={memory.kind!r}")
+        s, d_m = memory.coeff_width, memory.memory_dim
+        query = d * d_m if memory.gate != "none" else 0
+        gate = s * d_m if memory.gate == "basis" else 0
+        branch = query + gate + s * d_m + d_m * memory.output_size
+        macs += len(memory.layers) * branch
+    return macs
 
 
 def main():
@@ -102,11 +125,15 @@ def main():
             torch.cuda.synchronize()
         results[kind] = tokens_per_step * args.steps / (time.perf_counter() - start)
         del ddp, opt, model, tables
-    device_name = torch.cuda.get_device_name() if on_gpu else f"{platform.machine()} CPU, {torch.get_num_threads()} threads"
+    device_name = (torch.cuda.get_device_name() if on_gpu
+                   else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
+    # the ratio a step bound by its matrix products would reach: what no table work can beat
+    bound = matmul_macs_per_token(backbone) / matmul_macs_per_token(backbone, memory)
     print(json.dumps({"size": args.size, "device": device_name, "date": time.strftime("%Y-%m-%d"),
                       **{f"{kind}_tokens_per_s": round(value) for kind, value in results.items()},
                       **{f"{kind}_ratio": round(value / results["transformer"], 3) for kind, value in results.items()
-                         if kind != "transformer"}}))
+                         if kind != "transformer"},
+                      "matmul_bound_ratio": round(bound, 3)}))
     shutdown()
 
 

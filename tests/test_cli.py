@@ -152,3 +152,30 @@ def test_gpu_check_without_a_gpu_says_so_and_runs_nothing(tmp_path):
     assert proc.returncode == 2
     assert "no GPU is visible" in proc.stderr and "nothing was run" in proc.stderr
     assert not out.exists()
+
+
+def test_gpu_check_budget_ends_commands_with_their_children_and_refuses_to_start_late(tmp_path, monkeypatch):
+    """gpu_check's Checker: a command outliving what is left of --budget-s is killed with the processes
+    it started (its own session), and a command with too little left is not started (BudgetSpent)."""
+    import importlib.util
+    import time
+
+    spec = importlib.util.spec_from_file_location("gpu_check", "benchmarks/gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    monkeypatch.setattr(gpu_check, "MIN_COMMAND_S", 1)
+    checker = gpu_check.Checker(str(tmp_path), budget_s=3)
+    marker = tmp_path / "child_survived"
+    # the shell starts a child that would write the marker after 6 s, then waits for it
+    script = f"(sleep 6; touch {marker}) & wait"
+    start = time.monotonic()
+    rc, output = checker.run("sleeper", ["bash", "-c", script], timeout=600)
+    assert rc == 124 and "timed out after" in output and time.monotonic() - start < 5
+    with pytest.raises(gpu_check.BudgetSpent):
+        checker.run("late", [sys.executable, "-c", "print('ran')"], timeout=600)
+    assert "not run: the time budget is spent" in (tmp_path / "logs" / "late.log").read_text()
+    time.sleep(4)
+    assert not marker.exists(), "the command's child outlived the timeout"
+    curve = tmp_path / "metrics.jsonl"
+    curve.write_text('{"step": 10, "lm_loss": 6.5}\n{"step": 20, "lm_lo')  # a run stopped mid-write
+    assert gpu_check.lm_curve(str(tmp_path)) == {10: 6.5}

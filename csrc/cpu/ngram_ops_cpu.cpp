@@ -80,8 +80,9 @@ void check_row_range(const torch::Tensor& flat_indices, int64_t rows, const char
     highest = max_index.item<int64_t>();
   }
   if (lowest >= 0 && highest < rows) return;
-  const int64_t bad = flat_indices.lt(0).logical_or_(flat_indices.ge(rows)).nonzero()[0][0].item<int64_t>();
-  const int64_t value = flat_indices.data_ptr<int64_t>()[bad];
+  const auto flat = flat_indices.reshape(-1);  // positions in flat order, whatever the caller's shape
+  const int64_t bad = flat.lt(0).logical_or_(flat.ge(rows)).nonzero()[0][0].item<int64_t>();
+  const int64_t value = flat.data_ptr<int64_t>()[bad];
   TORCH_CHECK(false, op, ": row index ", value, " at flat position ", bad, " is outside the table's rows [0, ", rows,
               ")");
 }
