@@ -98,18 +98,38 @@ def assert_same_curve(got: dict, expected: dict, tolerance: float = 1e-5):
     return worst
 
 
+MOE_ARGUMENTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+                 "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]
+
+
 @needs_trainer
-@pytest.mark.parametrize("layout", ["tp2", "pp2-memory-on-stage-2", "dp2-rows"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2-memory-on-stage-2", "dp2-rows", "dp2-rows-rowwise-adagrad",
+                                    "ep2-moe", "dp2-host-bf16"])
 def test_layouts_match_fe_pretrain(small_data, tmp_path, layout):
-    """2 processes: TP=2; PP=2 with the only memory layer on the second stage; DP=2 with row-sharded tables."""
+    """2 processes: TP=2; PP=2 with the only memory layer on the second stage; DP=2 with row-sharded tables,
+    updated by AdamW or by a sparse rule; an MoE backbone with 4 experts over EP=2 beside whole tables.
+    bf16 tables with bf16 state in host memory, at DP=2.
+    The table plan is fe-pretrain's: tables in stores, trained by the chain's table member, except whole
+    fp32 tables updated by AdamW on a dense backbone with memory on every stage (the trainer's parameters)."""
     lm_extra, fe_sections, memory = [], {}, dict(MEMORY)
     if layout == "tp2":
         lm_extra, fe_sections = ["--tensor-model-parallel-size", "2"], {"parallel": {"tensor": 2}}
     elif layout == "pp2-memory-on-stage-2":
         memory["layers"] = [3]
         lm_extra, fe_sections = ["--pipeline-model-parallel-size", "2"], {"parallel": {"pipeline": 2}}
-    else:
+    elif layout == "dp2-rows":
         lm_extra, fe_sections = ["--fe-table-sharding", "rows"], {"parallel": {"table_sharding": "rows"}}
+    elif layout == "dp2-rows-rowwise-adagrad":
+        lm_extra = ["--fe-table-sharding", "rows", "--fe-table-update", "rowwise_adagrad"]
+        fe_sections = {"parallel": {"table_sharding": "rows"}, "optimizer": {"table_update": "rowwise_adagrad"}}
+    elif layout == "dp2-host-bf16":
+        lm_extra = ["--fe-table-placement", "host", "--fe-table-dtype", "bf16", "--fe-table-state-dtype", "bf16"]
+        memory.update(table_placement="host", table_dtype="bf16")
+        fe_sections = {"optimizer": {"table_state_dtype": "bf16"}}
+    else:
+        lm_extra = MOE_ARGUMENTS
+        fe_sections = {"model": {**BACKBONE, "num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01},
+                       "parallel": {"expert": 2}}
     fe_save, lm_save = str(tmp_path / "fe"), str(tmp_path / "lm")
     launch(["fe_megatron.train", "--config", fe_pretrain_config(small_data, tmp_path, memory, **fe_sections),
             "--save", fe_save], nproc=2)
@@ -119,13 +139,40 @@ def test_layouts_match_fe_pretrain(small_data, tmp_path, layout):
     worst = assert_same_curve(losses(lm_save), losses(fe_save))
     print(f"{layout}: largest per-step lm loss difference against fe-pretrain {worst:.2e}")
     assert "sparsity loss:" in proc.stdout
+    in_stores = layout != "tp2"
+    assert ("in stores" in proc.stdout) == in_stores and ("as the engine's parameters" in proc.stdout) != in_stores
+    if layout == "dp2-rows-rowwise-adagrad":  # the table member's rows and row-wise state resume, and convert
+        resumed = str(tmp_path / "resumed")
+        shutil.copytree(os.path.join(lm_save, "iter_0000006"), os.path.join(resumed, "iter_0000006"))
+        with open(os.path.join(resumed, "latest_checkpointed_iteration.txt"), "w") as fh:
+            fh.write("6")
+        launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, resumed, yaml_path),
+                *lm_extra, "--load", resumed], nproc=2)
+        after, uninterrupted = losses(resumed), losses(lm_save)
+        assert sorted(after) == list(range(7, STEPS + 1)), sorted(after)
+        assert all(after[step] == uninterrupted[step] for step in after), (after, uninterrupted)
+        check_conversion(resumed, tmp_path)
+
+
+def check_conversion(save: str, tmp_path):
+    """fe-convert mcore-to-hf of the run's last checkpoint: the Hugging Face model's logits equal the
+    Megatron model's (loaded in one process)."""
+    from transformers import AutoModelForCausalLM
+
+    from fe_megatron.convert.to_hf import mcore_to_hf
+    from tests.test_hf import megatron_logits
+
+    hf_dir = mcore_to_hf(save, str(tmp_path / "hf"))
+    tokens = torch.randint(0, 512, (2, 48))
+    expected = megatron_logits(save, tokens, 1, tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+    with torch.no_grad():
+        got = model(tokens).logits
+    assert (got - expected).abs().max() < 1e-5, (got - expected).abs().max()
 
 
 @needs_trainer
 def test_one_process_matches_fe_pretrain_resumes_exactly_and_converts(small_data, tmp_path):
-    from tests.test_hf import megatron_logits
-    from fe_megatron.convert.to_hf import mcore_to_hf
-
     fe_save, lm_save, resumed = str(tmp_path / "fe"), str(tmp_path / "lm"), str(tmp_path / "resumed")
     launch(["fe_megatron.train", "--config", fe_pretrain_config(small_data, tmp_path), "--save", fe_save], nproc=1)
     arguments = megatron_lm_arguments(small_data, lm_save, memory_yaml(tmp_path))
@@ -142,16 +189,7 @@ def test_one_process_matches_fe_pretrain_resumes_exactly_and_converts(small_data
     assert sorted(after) == list(range(7, STEPS + 1)), sorted(after)
     assert all(after[step] == losses(lm_save)[step] for step in after), (after, losses(lm_save))
 
-    # fe-convert mcore-to-hf: the Hugging Face model's logits equal the Megatron model's
-    from transformers import AutoModelForCausalLM
-
-    hf_dir = mcore_to_hf(resumed, str(tmp_path / "hf"))
-    tokens = torch.randint(0, 512, (2, 48))
-    expected = megatron_logits(resumed, tokens, 1, tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
-    with torch.no_grad():
-        got = model(tokens).logits
-    assert (got - expected).abs().max() < 1e-5, (got - expected).abs().max()
+    check_conversion(resumed, tmp_path)  # fe-convert mcore-to-hf: the Hugging Face logits equal the Megatron ones
 
 
 @needs_trainer
@@ -178,12 +216,13 @@ def test_without_factorengram_arguments_it_trains_the_stock_gpt_model(small_data
 
 @needs_trainer
 def test_arguments_the_memory_branch_cannot_honor_are_refused_by_name(small_data, tmp_path):
-    arguments = megatron_lm_arguments(small_data, str(tmp_path / "run"), memory_yaml(tmp_path, layers=[3]))
+    arguments = megatron_lm_arguments(small_data, str(tmp_path / "run"), memory_yaml(tmp_path, table_dtype="fp8"))
     proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, "--calculate-per-token-loss",
-                   "--pipeline-model-parallel-size", "2", "--fe-table-lr-mult", "2"], nproc=2, expect_ok=False)
+                   "--context-parallel-size", "2", "--fe-table-sharding", "rows"], nproc=2, expect_ok=False)
     assert proc.returncode != 0
     assert "error: --calculate-per-token-loss" in proc.stderr, proc.stderr[-3000:]
-    assert "pipeline stages [0] hold no memory layer" in proc.stderr, proc.stderr[-3000:]
+    assert "error: --fe-table-sharding rows with --context-parallel-size > 1" in proc.stderr, proc.stderr[-3000:]
+    assert "error: table_dtype=fp8: fp8 tables are for serving" in proc.stderr, proc.stderr[-3000:]
     assert not os.path.exists(os.path.join(tmp_path, "run", "iter_0000001"))
 
 

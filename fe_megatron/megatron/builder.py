@@ -106,8 +106,28 @@ def build_optimizer(model_chunks: list, optimizer_config: OptimizerConfig, table
                                            table_weight_decay_mult))
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks, config_overrides=overrides)
     if tables is not None:
-        optimizer = TableChainedOptimizer(compat.optimizer_members(optimizer) + [
-            TableOptimizer(tables, optimizer.config, table_lr_mult, table_weight_decay_mult)])
+        optimizer = with_table_member(optimizer, tables, table_lr_mult, table_weight_decay_mult)
+    return check_group_identifiers(optimizer)
+
+
+def with_table_member(optimizer, tables, table_lr_mult: float = 1.0, table_weight_decay_mult: float = 1.0):
+    """Megatron's optimizer chain ``optimizer`` with a `TableOptimizer` over ``tables`` (the stores of
+    `fe_megatron.megatron.table_optimizer.manage_tables`) as its last member; fe-pretrain's engine and
+    Megatron-LM's trainer (`fe_megatron.megatron_lm`) both build it here."""
+    member = TableOptimizer(tables, optimizer.config, table_lr_mult, table_weight_decay_mult)
+    # the table groups say is_expert_parallel (no dense group of Megatron's does); beside an expert-parallel
+    # MoE backbone's groups of the same multipliers they say is_decoupled_lr too, which no expert group does
+    # (the identifiers of the tables' groups written before MoE backbones existed stay as they were)
+    taken = {tuple(group.get(key) for key in compat.STRUCTURAL_GROUP_KEYS) for group in optimizer.param_groups}
+    for group in member.param_groups:
+        if tuple(group.get(key) for key in compat.STRUCTURAL_GROUP_KEYS) in taken:
+            group["is_decoupled_lr"] = True
+    return TableChainedOptimizer(compat.optimizer_members(optimizer) + [member])
+
+
+def check_group_identifiers(optimizer):
+    """``optimizer``, refused when two of its parameter groups share the keys a checkpoint loader tells
+    groups apart by."""
     # tell the groups apart by what they hold, as every supported release can (compat.STRUCTURAL_GROUP_KEYS)
     identifiers = compat.STRUCTURAL_GROUP_KEYS
     keys = [tuple(group.get(key) for key in identifiers) for group in optimizer.param_groups]

@@ -442,6 +442,19 @@ def add_trainer_param_group_overrides(overrides: dict) -> None:
     training.get_megatron_optimizer_config = with_overrides
 
 
+def extend_trainer_optimizer(extend: Callable) -> None:
+    """Megatron-LM's trainer hands the optimizer it builds (``get_megatron_optimizer``'s chain) to
+    ``extend`` and trains with what that returns (the chain with the tables' member added)."""
+    from megatron.training import training
+
+    standard = training.get_megatron_optimizer
+
+    def extended(*args, **kwargs):
+        return extend(standard(*args, **kwargs))
+
+    training.get_megatron_optimizer = extended
+
+
 def add_training_log_entries(entries: Callable[[dict, int], dict]) -> None:
     """Megatron-LM's trainer logs ``entries(loss_dict, iteration)`` (``{name: 1-element tensor}``;
     called on every rank after each step, where collectives are safe, with the step's reduced
@@ -624,6 +637,8 @@ def _check_trainer():
              "megatron.training.training.get_megatron_optimizer_config is gone")
     _require("get_megatron_optimizer_config(args)" in inspect.getsource(training.setup_model_and_optimizer),
              "setup_model_and_optimizer no longer builds its optimizer config with get_megatron_optimizer_config")
+    _require("get_megatron_optimizer(" in inspect.getsource(training.setup_model_and_optimizer),
+             "setup_model_and_optimizer no longer builds its optimizer with training.get_megatron_optimizer")
     _has_parameters(initialize.initialize_megatron, ("allow_no_cuda",), "initialize_megatron")
     _require(callable(getattr(initialize, "_warmup_jit_function", None)), "initialize._warmup_jit_function is gone")
     _require(callable(getattr(training, "initialize_megatron", None)), "training.initialize_megatron is gone")

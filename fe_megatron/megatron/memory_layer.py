@@ -17,8 +17,7 @@ table_row_group`: every data-parallel rank, whatever an MoE backbone's expert pa
 live in stores, as do bf16 tables, the host tier, bf16 optimizer state and the tables of an
 expert-parallel backbone: they are not parameters at all, and `fe_megatron.megatron.table_optimizer`
 trains them as the chain's table member, saved under the same names, which is why a checkpoint of
-one loads into the other.  (Megatron-LM's own trainer, which runs no stores, keeps row-sharded
-tables as parameters over an expert-parallel group of the same ranks: `fe_megatron.megatron_lm`.)
+one loads into the other.  Megatron-LM's own trainer (`fe_megatron.megatron_lm`) follows the same plan.
 """
 
 from __future__ import annotations

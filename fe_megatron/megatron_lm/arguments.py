@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from fe_megatron.config import BackboneConfig, MemoryConfig
-from fe_megatron.memory.sharding import stages_without_memory
-from fe_megatron.training.config import OptimizerArgs, ParallelArgs
+from fe_megatron.config import TABLE_PLACEMENTS, BackboneConfig, MemoryConfig
+from fe_megatron.tables.sparse_update import TABLE_UPDATES
+from fe_megatron.training.config import TABLE_STATE_DTYPES, OptimizerArgs, ParallelArgs
 
 TABLE_SHARDINGS = ("replicated", "rows")
 
@@ -34,6 +34,14 @@ def add_factorengram_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                             "data-parallel (x context-parallel) ranks, looked up with an all-to-all")
     group.add_argument("--fe-table-dtype", default=None, choices=("fp32", "bf16"),
                        help="the tables' storage dtype (overrides the config's table_dtype)")
+    group.add_argument("--fe-table-placement", default=None, choices=TABLE_PLACEMENTS,
+                       help="device, or host: the tables and their optimizer state in host memory (overrides the "
+                            "config's table_placement)")
+    group.add_argument("--fe-table-state-dtype", default=OptimizerArgs.table_state_dtype, choices=TABLE_STATE_DTYPES,
+                       help="the tables' gradient accumulators and optimizer moments (default %(default)s)")
+    group.add_argument("--fe-table-update", default=OptimizerArgs.table_update, choices=TABLE_UPDATES,
+                       help="adamw: every row, every step (the paper's); rowwise_adagrad, lazy_adam: only the rows "
+                            "a step touched (default %(default)s)")
     group.add_argument("--fe-table-lr-mult", default=OptimizerArgs.table_lr_mult, type=float,
                        help="the tables' learning rate = this x the learning rate (default %(default)s)")
     group.add_argument("--fe-table-weight-decay-mult", default=OptimizerArgs.table_weight_decay_mult, type=float,
@@ -69,6 +77,8 @@ def memory_config_from_args(args) -> Optional[MemoryConfig]:
         overrides["layers"] = list(args.fe_memory_layers)
     if args.fe_table_dtype is not None:
         overrides["table_dtype"] = args.fe_table_dtype
+    if args.fe_table_placement is not None:
+        overrides["table_placement"] = args.fe_table_placement
     backbone = backbone_from_megatron_args(args)
     if args.fe_memory_config is not None:
         return MemoryConfig.from_yaml(args.fe_memory_config, backbone=backbone, **overrides)
@@ -79,13 +89,6 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
     """Why the memory branch cannot honor this command line (empty: it can). Each entry names the
     argument and what to do instead."""
     refused = []
-    if getattr(args, "expert_model_parallel_size", 1) > 1:
-        refused.append(f"--expert-model-parallel-size {args.expert_model_parallel_size}: Megatron-LM's trainer keeps "
-                       "the memory tables as its parameters, which it would reduce over part of the data-parallel "
-                       "ranks only (row-sharded ones over an expert-parallel group of their own); train an "
-                       "expert-parallel MoE backbone beside the memory branch with fe-pretrain (model.num_experts, "
-                       "parallel.expert), whose table optimizer shards rows over every data-parallel rank, or use "
-                       "--expert-model-parallel-size 1 here")
     if args.fe_table_sharding == "rows" and args.context_parallel_size > 1:
         refused.append("--fe-table-sharding rows with --context-parallel-size > 1: use fe-pretrain, or replicated "
                        "tables")
@@ -101,15 +104,7 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
     if args.calculate_per_token_loss:
         refused.append("--calculate-per-token-loss: the sparsity term is scaled as a mean per microbatch; "
                        "train without it")
-    if memory.table_placement != "device" or memory.table_dtype not in ("fp32", "bf16"):
-        refused.append(f"table_placement={memory.table_placement}, table_dtype={memory.table_dtype}: tables in host "
-                       "memory or fp8 are trained by fe-pretrain's table stores, which Megatron-LM's trainer does "
-                       "not run; use fe-pretrain, or device tables in fp32/bf16")
-    custom_group = args.fe_table_lr_mult != 1.0 or args.fe_table_weight_decay_mult != 1.0
-    stages_without = stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size)
-    if custom_group and stages_without:
-        refused.append(f"--fe-table-lr-mult/--fe-table-weight-decay-mult other than 1 while pipeline stages "
-                       f"{stages_without} hold no memory layer: those stages would have no table parameter group, "
-                       "and a checkpoint's optimizer groups (written once for every rank) would not load there; "
-                       "keep both at 1 or place a memory layer on every stage")
+    if memory.table_dtype not in ("fp32", "bf16"):
+        refused.append(f"table_dtype={memory.table_dtype}: fp8 tables are for serving (fe-convert --table-dtype); "
+                       "train fp32 or bf16 tables")
     return refused

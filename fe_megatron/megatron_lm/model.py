@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -49,6 +49,9 @@ class FactorEngramGPTModelConfig(GPTModelConfig):
     builder = "fe_megatron.megatron_lm.model.FactorEngramGPTModelBuilder"
     memory_config: Optional[MemoryConfig] = None
     table_sharding: str = "replicated"
+    # called with each built model before the trainer wraps it in DDP, where the table plan keeps the tables
+    # in stores (`fe_megatron.megatron_lm.run.TrainerState.take_tables`)
+    tables_into_stores: Optional[Callable] = None
 
 
 class FactorEngramGPTModelBuilder(GPTModelBuilder):
@@ -75,4 +78,7 @@ class FactorEngramGPTModelBuilder(GPTModelBuilder):
     def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
         config = self._model_config
         with compat.building_gpt_model_as(functools.partial(FactorEngramGPTModel, memory_config=config.memory_config)):
-            return super().build_model(pg_collection, pre_process, post_process, vp_stage)
+            model = super().build_model(pg_collection, pre_process, post_process, vp_stage)
+        if config.tables_into_stores is not None:
+            config.tables_into_stores(model)
+        return model

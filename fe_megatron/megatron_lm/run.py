@@ -53,11 +53,12 @@ def run(argv: list) -> int:
         model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
         model_config.memory_config = memory
         model_config.table_sharding = args.fe_table_sharding
-        if args.fe_table_sharding == "rows":
-            # the tables' rows over the data-parallel (x CP) ranks: Megatron's expert-parallel group, whose size
-            # the process groups take from here (the model's TransformerConfig, which has no experts, keeps 1)
-            args.expert_model_parallel_size = args.data_parallel_size * args.context_parallel_size
     state = TrainerState(args, memory)
+    if memory is not None and state.plan.in_stores:
+        # as fe-pretrain's Megatron engine: the tables move into stores before the trainer wraps the model in
+        # DDP, and the table optimizer joins the chain the trainer builds
+        model_config.tables_into_stores = state.take_tables
+        compat.extend_trainer_optimizer(state.add_table_member)
     model_config.post_wrap_hooks.append(state.remember_model)
     compat.add_training_log_entries(state.log_entries)
     compat.after_each_save(state.seal_checkpoint)
@@ -85,6 +86,19 @@ def _refuse(problems: list, args) -> int:
     return 2
 
 
+def table_plan_of(args, memory):
+    """The run's `TablePlan`, by fe-pretrain's rules for its Megatron engine, printed once."""
+    from fe_megatron.megatron_lm.run_info import train_config_of
+    from fe_megatron.memory.sharding import stages_without_memory
+    from fe_megatron.tables.plan import TablePlan
+
+    stage_without = bool(stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size))
+    plan = TablePlan.for_run(train_config_of(args, memory), bf16_run=args.bf16, stage_without_memory=stage_without)
+    if args.rank == 0:
+        print(f"fe_megatron: {plan.describe()}", flush=True)
+    return plan
+
+
 def _table_group_overrides(args) -> dict:
     from fe_megatron.megatron.builder import table_group_overrides
 
@@ -98,6 +112,8 @@ class TrainerState:
     def __init__(self, args, memory):
         self.args = args
         self.memory = memory
+        self.plan = None if memory is None else table_plan_of(args, memory)  # who trains the tables
+        self.tables = None  # this stage's tables in stores (take_tables), where the plan puts them there
         self.model_chunks = []
         self._run_info = None
         self.metrics = None  # <save>/metrics.jsonl, on the rank that holds the losses (the last)
@@ -113,6 +129,26 @@ class TrainerState:
         without = stages_without_memory(self.memory.layers, self.args.num_layers,
                                         self.args.pipeline_model_parallel_size)
         return mpu.get_pipeline_model_parallel_rank() not in without
+
+    def take_tables(self, model) -> None:
+        """Move this stage's tables into stores, as the plan says (before the trainer wraps ``model``)."""
+        from fe_megatron.megatron.table_optimizer import manage_tables
+        from fe_megatron.megatron_lm.run_info import train_config_of
+        from fe_megatron.training.distributed import current_device
+
+        if self.tables is not None:
+            raise ValueError("the tables of this pipeline stage were already taken into stores: the memory branch "
+                             "is built for one model chunk per stage")
+        optimizer_args = train_config_of(self.args, self.memory).optimizer
+        self.tables = manage_tables(model, optimizer_args, self.plan.state_dtype, self.plan.sharding,
+                                    current_device(), self.args.seed, update=self.plan.update)
+
+    def add_table_member(self, optimizer):
+        """The trainer's optimizer chain with the tables' `TableOptimizer` as a member."""
+        from fe_megatron.megatron.builder import check_group_identifiers, with_table_member
+
+        return check_group_identifiers(with_table_member(optimizer, self.tables, self.args.fe_table_lr_mult,
+                                                         self.args.fe_table_weight_decay_mult))
 
     def remember_model(self, model_chunks: list) -> list:
         self.model_chunks = list(model_chunks)

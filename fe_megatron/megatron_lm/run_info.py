@@ -3,6 +3,8 @@ configuration terms, so that ``fe-convert mcore-to-hf`` converts its checkpoints
 
 from __future__ import annotations
 
+import dataclasses
+
 from fe_megatron.training.config import DataArgs, OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
 from fe_megatron.megatron_lm.arguments import backbone_from_megatron_args
 
@@ -22,17 +24,20 @@ def hf_conversion_problems(args) -> list:
 
 def train_config_of(args, memory) -> TrainConfig:
     """fe-pretrain's configuration for what the Megatron-LM arguments ``args`` train."""
+    experts = dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_aux_loss_coeff=args.moe_aux_loss_coeff) if args.num_experts else {}
     return TrainConfig(
-        model=backbone_from_megatron_args(args), memory=memory,
+        model=dataclasses.replace(backbone_from_megatron_args(args), **experts), memory=memory,
         parallel=ParallelArgs(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
                               sequence_parallel=args.sequence_parallel,
                               distributed_optimizer=args.use_distributed_optimizer,
-                              table_sharding=args.fe_table_sharding),
+                              table_sharding=args.fe_table_sharding, expert=args.expert_model_parallel_size),
         optimizer=OptimizerArgs(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                                 beta1=args.adam_beta1, beta2=args.adam_beta2, eps=args.adam_eps,
                                 clip_grad=args.clip_grad, warmup_steps=args.lr_warmup_iters,
                                 table_lr_mult=args.fe_table_lr_mult,
-                                table_weight_decay_mult=args.fe_table_weight_decay_mult),
+                                table_weight_decay_mult=args.fe_table_weight_decay_mult,
+                                table_state_dtype=args.fe_table_state_dtype, table_update=args.fe_table_update),
         training=TrainingArgs(train_steps=args.train_iters, micro_batch_size=args.micro_batch_size,
                               global_batch_size=args.global_batch_size, seed=args.seed,
                               precision="bf16" if args.bf16 else "fp32",
