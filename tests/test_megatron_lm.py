@@ -226,6 +226,34 @@ def test_arguments_the_memory_branch_cannot_honor_are_refused_by_name(small_data
     assert not os.path.exists(os.path.join(tmp_path, "run", "iter_0000001"))
 
 
+@needs_trainer
+def test_what_tables_in_stores_cannot_run_beside_is_refused_by_name(small_data, tmp_path):
+    arguments = megatron_lm_arguments(small_data, str(tmp_path / "run"), memory_yaml(tmp_path))
+    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, "--fe-table-sharding", "rows",
+                   "--ckpt-format", "torch", "--data-parallel-random-init"], nproc=2, expect_ok=False)
+    assert proc.returncode != 0
+    assert "error: --ckpt-format torch: the tables in stores" in proc.stderr, proc.stderr[-3000:]
+    assert "error: --data-parallel-random-init" in proc.stderr, proc.stderr[-3000:]
+    assert not os.path.exists(os.path.join(tmp_path, "run", "iter_0000001"))
+
+
+@needs_trainer
+def test_resuming_tables_trained_the_other_way_with_the_distributed_optimizer_is_refused(small_data, tmp_path):
+    """Tables saved as the trainer's parameters keep their moments in the distributed optimizer's flat
+    buffers, which the table optimizer of a run with tables in stores cannot read: refused by name."""
+    save = str(tmp_path / "run")
+    short = ["--train-iters", "2", "--save-interval", "2", "--eval-iters", "0", "--lr-warmup-iters", "0",
+             "--use-distributed-optimizer"]
+    arguments = megatron_lm_arguments(small_data, save, memory_yaml(tmp_path)) + short
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments], nproc=1)
+    with open(os.path.join(save, "iter_0000002", "fe_run.json")) as fh:
+        assert json.load(fh)["tables"] == "parameters"
+    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, "--load", save, "--fe-table-update",
+                   "rowwise_adagrad"], nproc=1, expect_ok=False)
+    assert proc.returncode != 0
+    assert "trained its tables as Megatron's parameters" in proc.stderr, proc.stderr[-3000:]
+
+
 @pytest.mark.skipif(compat.has_megatron_lm_trainer(), reason="this megatron-core has the Megatron-LM trainer")
 def test_without_the_trainer_the_entry_point_names_the_release_it_needs():
     proc = subprocess.run([sys.executable, "-m", "fe_megatron.megatron_lm.pretrain_gpt", "--num-layers", "2"],

@@ -13,8 +13,11 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=ROOT)
     output = proc.stdout + proc.stderr
-    lines = [line for line in output.splitlines() if "FAIL" in line or "Error" in line or "checks" in line]
-    assert proc.returncode == 0, "\n".join(lines[-40:]) or output[-4000:]
+    # the checks' verdicts, errors, and how each failed rank ended (exit code, signal: a rank can fail
+    # after every check passed)
+    keys = ("FAIL", "Error", "checks", "exitcode", "Signal", "rank      :")
+    lines = [line for line in output.splitlines() if any(key in line for key in keys)]
+    assert proc.returncode == 0, "\n".join(lines[-40:]) + "\n--- last output ---\n" + output[-1500:]
     return output
 
 

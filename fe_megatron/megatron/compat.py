@@ -20,7 +20,7 @@ each end was tested with).  What changed inside that range and is answered here:
   ``megatron.training.pretrain`` takes a config container and builds models through a
   ``GPTModelConfig``'s builder; `fe_megatron.megatron_lm` drives that trainer through the hooks in
   "Megatron-LM's trainer" below (the model class its builder constructs, the optimizer overrides,
-  the log, the save, and what a host without CUDA needs);
+  the optimizer chain it trains with, the log, the save, and what a host without CUDA needs);
 * later (megatron-core's main branch): ``_forward_post_mlp`` is gone; `post_mlp` does its work
   (the MLP's bias-dropout-add) when the layer lacks it.
 """

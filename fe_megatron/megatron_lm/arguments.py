@@ -104,7 +104,40 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
     if args.calculate_per_token_loss:
         refused.append("--calculate-per-token-loss: the sparsity term is scaled as a mean per microbatch; "
                        "train without it")
+    if getattr(args, "moe_use_upcycling", False):
+        refused.append("--moe-use-upcycling: it builds a second, dense model beside the run's, and the memory "
+                       "branch's tables are built once per pipeline stage; upcycle without the memory branch")
+    if args.num_experts and getattr(args, "expert_tensor_parallel_size", None) not in (
+            None, args.tensor_model_parallel_size):
+        refused.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} differs from "
+                       f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: the experts' data-parallel "
+                       "group then spans tensor-parallel ranks, over which the tables' columns differ; keep them "
+                       "equal")
     if memory.table_dtype not in ("fp32", "bf16"):
         refused.append(f"table_dtype={memory.table_dtype}: fp8 tables are for serving (fe-convert --table-dtype); "
                        "train fp32 or bf16 tables")
+    return refused
+
+
+def refused_with_stores(args) -> list:
+    """What the tables' stores (the table plan's, `fe_megatron.tables.plan`) cannot run beside: each entry
+    names the argument and what to do instead (empty: nothing)."""
+    refused = []
+    if args.fp16 or args.loss_scale is not None:
+        refused.append("--fp16 / --loss-scale: the tables in stores take unscaled gradients (fe-pretrain trains in "
+                       "bf16 or fp32 without loss scaling); train with --bf16 and no --loss-scale")
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        refused.append(f"--ckpt-format {args.ckpt_format}: the tables in stores and their optimizer state are saved "
+                       "in the distributed checkpoint format; use --ckpt-format torch_dist")
+    if getattr(args, "data_parallel_random_init", False):
+        refused.append("--data-parallel-random-init: DDP broadcasts parameters only, and tables in stores are not "
+                       "parameters, so replicated tables would differ across data-parallel ranks")
+    for name, flag in (("use_layer_wise_distributed_optimizer", "--use-layer-wise-distributed-optimizer"),
+                       ("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_torch_fsdp2", "--use-torch-fsdp2")):
+        if getattr(args, name, False):
+            refused.append(f"{flag}: the tables' optimizer joins Megatron's optimizer chain, which this option "
+                           "replaces; use the (distributed) optimizer of the default path")
+    if getattr(args, "init_model_with_meta_device", False):
+        refused.append("--init-model-with-meta-device: tables move into stores as soon as the model is built, "
+                       "which needs their values; build the model without it")
     return refused

@@ -5,9 +5,10 @@ megatron.training (0.19) builds models from a ``GPTModelConfig`` through the bui
 runs Megatron-LM's `GPTModelBuilder` unchanged: the same layer spec from the same arguments
 (Transformer Engine or local, MoE, qk-layernorm, heterogeneous layers, ``--spec``), the same
 model arguments (rotary settings, untied embeddings, vocabulary padding, pre/post-process and
-virtual stages). Two things change: the layer spec gets the memory branch on the configured
-layers (`with_memory`), and the model is a `FactorEngramGPTModel`, which hashes the token ids
-once per microbatch for those layers.
+virtual stages). Three things change: the layer spec gets the memory branch on the configured
+layers (`with_memory`); the model is a `FactorEngramGPTModel`, which hashes the token ids once
+per microbatch for those layers; and where the table plan keeps the tables in stores, the built
+model is handed to ``tables_into_stores`` before the trainer wraps it in DDP.
 """
 
 from __future__ import annotations
@@ -81,4 +82,10 @@ class FactorEngramGPTModelBuilder(GPTModelBuilder):
             model = super().build_model(pg_collection, pre_process, post_process, vp_stage)
         if config.tables_into_stores is not None:
             config.tables_into_stores(model)
+        elif config.table_sharding == "rows":
+            raise ValueError("table_sharding='rows' needs the tables in stores before DDP wraps the model (DDP would "
+                             "all-reduce rows that differ on every data-parallel rank): set "
+                             "FactorEngramGPTModelConfig.tables_into_stores and add the table optimizer to the "
+                             "chain, as fe_megatron.megatron_lm.run does (TrainerState.take_tables, "
+                             "add_table_member)")
         return model

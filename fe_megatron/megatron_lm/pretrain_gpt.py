@@ -13,8 +13,10 @@ memory branch. Without them this trains Megatron-LM's stock GPT model. It runs
   split (`fe_megatron.megatron_lm.batch`);
 * the loss: the LM loss as Megatron-LM computes it; the sparsity term (Eq. 12-13) enters through
   its auxiliary-loss scale, set here for every microbatch, and is logged as ``sparsity loss``;
-* the tables' parameter group (learning-rate and weight-decay multipliers) through Megatron-LM's
-  optimizer overrides;
+* the tables as fe-pretrain's table plan says (`fe_megatron.tables.plan`): the trainer's parameters,
+  in a group of their own (learning-rate and weight-decay multipliers) through Megatron-LM's
+  optimizer overrides, or in stores, trained by a table member added to the optimizer chain the
+  trainer builds;
 * checkpoints in Megatron-LM's format under ``--save``, with an ``fe_run.json`` beside them for
   ``fe-convert mcore-to-hf``.
 

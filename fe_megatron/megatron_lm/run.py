@@ -38,22 +38,34 @@ def run(argv: list) -> int:
         return _refuse([str(error)], args)
     problems = [f"{flag}: not carried over from Megatron-LM's pretrain_gpt.py; use that script for it"
                 for name, flag in NOT_CARRIED.items() if getattr(args, name, False)]
+    plan = None  # who trains the tables, with memory (`table_plan_of`)
     if memory is None:
         if problems:
             return _refuse(problems, args)
         model_config = gpt_config_from_args(args)
     else:
-        from fe_megatron.megatron_lm.arguments import refused_combinations
+        from fe_megatron.megatron_lm.arguments import refused_combinations, refused_with_stores
         from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
 
         problems += refused_combinations(args, memory)
+        if not problems:
+            try:
+                plan = table_plan_of(args, memory)
+            except ValueError as error:  # the run in fe-pretrain's terms fails its checks (ConfigError)
+                problems.append(str(error))
+        if plan is not None and plan.in_stores:
+            problems += refused_with_stores(args)
+        if not problems and args.load is not None:
+            problems += refused_resume(args, plan)
         if problems:
             return _refuse(problems, args)
+        if args.rank == 0:
+            print(f"fe_megatron: {plan.describe()}", flush=True)
         compat.add_trainer_param_group_overrides(_table_group_overrides(args))
         model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
         model_config.memory_config = memory
         model_config.table_sharding = args.fe_table_sharding
-    state = TrainerState(args, memory)
+    state = TrainerState(args, memory, plan)
     if memory is not None and state.plan.in_stores:
         # as fe-pretrain's Megatron engine: the tables move into stores before the trainer wraps the model in
         # DDP, and the table optimizer joins the chain the trainer builds
@@ -87,16 +99,37 @@ def _refuse(problems: list, args) -> int:
 
 
 def table_plan_of(args, memory):
-    """The run's `TablePlan`, by fe-pretrain's rules for its Megatron engine, printed once."""
+    """The run's `TablePlan`, by fe-pretrain's rules for its Megatron engine."""
     from fe_megatron.megatron_lm.run_info import train_config_of
     from fe_megatron.memory.sharding import stages_without_memory
     from fe_megatron.tables.plan import TablePlan
 
     stage_without = bool(stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size))
-    plan = TablePlan.for_run(train_config_of(args, memory), bf16_run=args.bf16, stage_without_memory=stage_without)
-    if args.rank == 0:
-        print(f"fe_megatron: {plan.describe()}", flush=True)
-    return plan
+    return TablePlan.for_run(train_config_of(args, memory), bf16_run=args.bf16, stage_without_memory=stage_without)
+
+
+def refused_resume(args, plan) -> list:
+    """fe-pretrain's table guard for ``--load``: with the distributed optimizer, a checkpoint whose tables
+    were trained the other way (as parameters, or in stores: ``fe_run.json``'s ``tables``; checkpoints
+    before this record trained them as parameters) keeps their optimizer state in a layout this run
+    cannot read."""
+    from fe_megatron.checkpoint.files import CheckpointError, iteration_dir, read_run_info, read_tracker
+    from fe_megatron.megatron.table_optimizer import refuse_table_optimizer_change
+
+    try:
+        iteration = read_tracker(args.load) if os.path.isdir(args.load) else None
+    except CheckpointError:  # e.g. a "release" tracker: Megatron-LM's loader reads what it names
+        return []
+    saved = read_run_info(iteration_dir(args.load, iteration)) if iteration is not None else None
+    if saved is None:
+        return []  # nothing to resume, or a checkpoint of Megatron-LM's own (no run info): Megatron-LM decides
+    # what the guard reads of this run's info (the whole one needs the process group, not up yet)
+    current = {"tables": plan.mode, "config": {"parallel": {"distributed_optimizer": args.use_distributed_optimizer}}}
+    try:
+        refuse_table_optimizer_change(iteration_dir(args.load, iteration), saved, current)
+    except CheckpointError as error:
+        return [str(error)]
+    return []
 
 
 def _table_group_overrides(args) -> dict:
@@ -109,11 +142,12 @@ class TrainerState:
     """What the trainer's callbacks share: the arguments, the memory configuration, this rank's
     model chunks (known once Megatron-LM has built them), and the run info its checkpoints carry."""
 
-    def __init__(self, args, memory):
+    def __init__(self, args, memory, plan=None):
         self.args = args
         self.memory = memory
-        self.plan = None if memory is None else table_plan_of(args, memory)  # who trains the tables
+        self.plan = plan  # who trains the tables (`table_plan_of`); None without memory
         self.tables = None  # this stage's tables in stores (take_tables), where the plan puts them there
+        self.table_member_added = False
         self.model_chunks = []
         self._run_info = None
         self.metrics = None  # <save>/metrics.jsonl, on the rank that holds the losses (the last)
@@ -147,6 +181,7 @@ class TrainerState:
         """The trainer's optimizer chain with the tables' `TableOptimizer` as a member."""
         from fe_megatron.megatron.builder import check_group_identifiers, with_table_member
 
+        self.table_member_added = True
         return check_group_identifiers(with_table_member(optimizer, self.tables, self.args.fe_table_lr_mult,
                                                          self.args.fe_table_weight_decay_mult))
 
@@ -158,6 +193,11 @@ class TrainerState:
         """``sparsity loss`` (lambda x L_sparsity, Eq. 12-13) for the trainer's log, from every stage;
         each step's losses also go to ``<save>/metrics.jsonl`` (as fe-pretrain writes them)."""
         entries = {}
+        if self.plan is not None and self.plan.in_stores and not self.table_member_added:
+            raise RuntimeError("the tables are in stores but the trainer's optimizer was built without their "
+                               "member (megatron.training no longer builds it through "
+                               "training.get_megatron_optimizer): the tables would not train; see "
+                               "fe_megatron.megatron.compat.extend_trainer_optimizer")
         if self.memory is not None:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
 
@@ -183,5 +223,5 @@ class TrainerState:
         if self.args.tokenizer_model is None:
             return  # a run info names the tokenizer file (--tokenizer-model); without one there is nothing to convert
         if self._run_info is None:
-            self._run_info = run_info_of(self.args, self.memory)
+            self._run_info = run_info_of(self.args, self.memory, self.plan)
         seal(iteration_dir(self.args.save, iteration), iteration, self._run_info)

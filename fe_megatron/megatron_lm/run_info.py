@@ -24,8 +24,11 @@ def hf_conversion_problems(args) -> list:
 
 def train_config_of(args, memory) -> TrainConfig:
     """fe-pretrain's configuration for what the Megatron-LM arguments ``args`` train."""
+    # --moe-aux-loss-coeff takes one value per load-balancing type: the run info keeps the first
+    coeff = args.moe_aux_loss_coeff
+    coeff = coeff[0] if isinstance(coeff, (list, tuple)) else coeff
     experts = dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                   moe_aux_loss_coeff=args.moe_aux_loss_coeff) if args.num_experts else {}
+                   moe_aux_loss_coeff=float(coeff)) if args.num_experts else {}
     return TrainConfig(
         model=dataclasses.replace(backbone_from_megatron_args(args), **experts), memory=memory,
         parallel=ParallelArgs(tensor=args.tensor_model_parallel_size, pipeline=args.pipeline_model_parallel_size,
@@ -49,13 +52,16 @@ def train_config_of(args, memory) -> TrainConfig:
         save=args.save, load=args.load, tensorboard_dir=args.tensorboard_dir)
 
 
-def run_info_of(args, memory) -> dict:
+def run_info_of(args, memory, plan=None) -> dict:
     """``fe_run.json`` for a checkpoint of this run (`fe_megatron.checkpoint.run_info.run_info`), plus the
-    trainer that wrote it and, where the backbone has no Hugging Face form, why."""
+    trainer that wrote it, how its tables were trained (``plan``'s mode, as fe-pretrain records it) and,
+    where the backbone has no Hugging Face form, why."""
     from fe_megatron.checkpoint.run_info import run_info
 
     info = run_info(train_config_of(args, memory), args.data_parallel_size)
     info["trainer"] = "megatron-lm"
+    if plan is not None:
+        info["tables"] = plan.mode
     problems = hf_conversion_problems(args)
     if problems:
         info["not_convertible"] = ("the Hugging Face model is RoPE, RMSNorm, SwiGLU without biases; this run "
