@@ -273,6 +273,27 @@ def pretrain_args(c: Checker, name: str, steps: int, tokenizer: str, prefix: str
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 
+
+def train_runs(c: Checker, step: str, runs: dict) -> tuple:
+    """Run each fe-pretrain command of ``runs`` (``{name: (save, command, env)}``) in turn:
+    ``(curves, failed, not_run)``, the logged LM loss per run, the runs that failed or logged
+    nothing, and those the budget left out (what the runs before them measured is kept)."""
+    curves, failed, not_run = {}, [], []
+    for name, (save, cmd, env) in runs.items():
+        try:
+            rc, _ = c.run(step, cmd, 3000, env)
+        except BudgetSpent:
+            not_run.append(name)
+            continue
+        curves[name] = lm_curve(save)
+        if rc != 0 or not curves[name]:
+            failed.append(name)
+    return curves, failed, not_run
+
+
+def final_losses(curves: dict) -> dict:
+    return {name: curve[max(curve)] for name, curve in curves.items() if curve}
+
 START = """
 import shutil, sys, torch
 from fe_megatron.convert.to_mcore import hf_to_mcore
@@ -313,19 +334,10 @@ def pretrain(c: Checker, steps: int, tokenizer: str, prefix: str, mcore_start: s
         "gpu_bf16_host_tables": ("training.precision=bf16", "training.kernel_backend=cuda", "memory.table_dtype=bf16",
                                  "optimizer.table_state_dtype=bf16", "memory.table_placement=host", load),
     }
-    curves, failed, not_run = {}, [], []
-    for name, extra in runs.items():
-        save, cmd = pretrain_args(c, name, steps, tokenizer, prefix, *extra)
-        try:
-            rc, _ = c.run("pretrain", cmd, 3000, CPU_ONLY if name.startswith("cpu") else None)
-        except BudgetSpent:  # keep what the runs before it measured
-            not_run.append(name)
-            continue
-        curves[name] = lm_curve(save)
-        if rc != 0 or not curves[name]:
-            failed.append(name)
-    numbers = {"steps": steps, "bf16_spec": "te" if has_te else "local",
-               "final_lm_loss": {name: curve[max(curve)] for name, curve in curves.items() if curve}}
+    curves, failed, not_run = train_runs(c, "pretrain", {
+        name: (*pretrain_args(c, name, steps, tokenizer, prefix, *extra), CPU_ONLY if name.startswith("cpu") else None)
+        for name, extra in runs.items()})
+    numbers = {"steps": steps, "bf16_spec": "te" if has_te else "local", "final_lm_loss": final_losses(curves)}
     why = [f"runs that failed: {', '.join(failed)}"] if failed else []
     if not_run:
         why.append(f"runs not started, the time budget being spent: {', '.join(not_run)}")
@@ -343,22 +355,21 @@ def pretrain(c: Checker, steps: int, tokenizer: str, prefix: str, mcore_start: s
 
 def deepspeed_zero3(c: Checker, steps: int, tokenizer: str, prefix: str, hf_start: str) -> None:
     start = time.perf_counter()
-    curves, failed = {}, []
-    for name, extra, env in (("ds_cpu_fp32", ("training.precision=fp32",), CPU_ONLY),
-                             ("ds_gpu_bf16", ("training.precision=bf16",), None)):
-        save, cmd = pretrain_args(c, name, steps, tokenizer, prefix, "training.engine=deepspeed",
-                                  "deepspeed={zero_optimization: {stage: 3}}", f"load={hf_start}", *extra)
-        rc, _ = c.run("deepspeed-zero3", cmd, 3000, env)
-        curves[name] = lm_curve(save)
-        if rc != 0 or not curves[name]:
-            failed.append(name)
-    difference, compared = compare_curves(curves["ds_gpu_bf16"], curves["ds_cpu_fp32"])
+    runs = {"ds_cpu_fp32": (("training.precision=fp32",), CPU_ONLY),
+            "ds_gpu_bf16": (("training.precision=bf16",), None)}
+    curves, failed, not_run = train_runs(c, "deepspeed-zero3", {
+        name: (*pretrain_args(c, name, steps, tokenizer, prefix, "training.engine=deepspeed",
+                              "deepspeed={zero_optimization: {stage: 3}}", f"load={hf_start}", *extra), env)
+        for name, (extra, env) in runs.items()})
+    difference, compared = compare_curves(curves.get("ds_gpu_bf16", {}), curves.get("ds_cpu_fp32", {}))
     why = [f"runs that failed: {', '.join(failed)}"] if failed else []
-    if not failed and difference > BF16_CURVE_RTOL:
+    if not_run:
+        why.append(f"runs not started, the time budget being spent: {', '.join(not_run)}")
+    if not failed and not not_run and difference > BF16_CURVE_RTOL:
         why.append(f"GPU bf16 curve differs from the CPU fp32 one by {difference:.2e} (limit {BF16_CURVE_RTOL:.0e})")
     c.record("deepspeed-zero3", not why, time.perf_counter() - start,
              {"gpu_bf16_vs_cpu_fp32_max_rel": difference, "logged_steps": compared,
-              "final_lm_loss": {name: curve[max(curve)] for name, curve in curves.items() if curve}}, "; ".join(why))
+              "final_lm_loss": final_losses(curves)}, "; ".join(why))
 
 
 GENERATE = """

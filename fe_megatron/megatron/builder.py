@@ -118,9 +118,9 @@ def with_table_member(optimizer, tables, table_lr_mult: float = 1.0, table_weigh
     # the table groups say is_expert_parallel (no dense group of Megatron's does); beside an expert-parallel
     # MoE backbone's groups of the same multipliers they say is_decoupled_lr too, which no expert group does
     # (the identifiers of the tables' groups written before MoE backbones existed stay as they were)
-    taken = {tuple(group.get(key) for key in compat.STRUCTURAL_GROUP_KEYS) for group in optimizer.param_groups}
+    taken = {compat.group_identifier(group) for group in optimizer.param_groups}
     for group in member.param_groups:
-        if tuple(group.get(key) for key in compat.STRUCTURAL_GROUP_KEYS) in taken:
+        if compat.group_identifier(group) in taken:
             group["is_decoupled_lr"] = True
     return TableChainedOptimizer(compat.optimizer_members(optimizer) + [member])
 
@@ -128,11 +128,9 @@ def with_table_member(optimizer, tables, table_lr_mult: float = 1.0, table_weigh
 def check_group_identifiers(optimizer):
     """``optimizer``, refused when two of its parameter groups share the keys a checkpoint loader tells
     groups apart by."""
-    # tell the groups apart by what they hold, as every supported release can (compat.STRUCTURAL_GROUP_KEYS)
-    identifiers = compat.STRUCTURAL_GROUP_KEYS
-    keys = [tuple(group.get(key) for key in identifiers) for group in optimizer.param_groups]
+    keys = [compat.group_identifier(group) for group in optimizer.param_groups]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"optimizer parameter groups {keys} share identifiers {identifiers}; "
+        raise ValueError(f"optimizer parameter groups {keys} share identifiers {compat.STRUCTURAL_GROUP_KEYS}; "
                          "a checkpoint of them would not load. Change optimizer.table_lr_mult or "
                          "optimizer.table_weight_decay_mult")
     return optimizer

@@ -197,6 +197,11 @@ STRUCTURAL_GROUP_KEYS = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupl
 SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")
 
 
+def group_identifier(group: dict) -> tuple:
+    """What tells parameter group ``group`` apart in every supported release (`STRUCTURAL_GROUP_KEYS`)."""
+    return tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS)
+
+
 def adopt_checkpoint_group_values(optimizer, loaded_groups: list) -> list:
     """``loaded_groups``: the checkpoint's parameter groups of each member of ``optimizer``'s chain.
     Give every current parameter group the values the checkpoint's group with the same
@@ -209,10 +214,10 @@ def adopt_checkpoint_group_values(optimizer, loaded_groups: list) -> list:
     kept = sorted(set(schedule_keys) | set(SCHEDULE_GROUP_KEYS))
     before = []
     for member, member_groups in zip(optimizer_members(optimizer), loaded_groups):
-        loaded = {tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS): group for group in member_groups}
+        loaded = {group_identifier(group): group for group in member_groups}
         for group in member.optimizer.param_groups:
             before.append({key: group.get(key) for key in kept})
-            match = loaded.get(tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS))
+            match = loaded.get(group_identifier(group))
             if match is not None:
                 for key in schedule_keys:
                     if key in match:

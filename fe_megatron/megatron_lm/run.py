@@ -38,7 +38,7 @@ def run(argv: list) -> int:
         return _refuse([str(error)], args)
     problems = [f"{flag}: not carried over from Megatron-LM's pretrain_gpt.py; use that script for it"
                 for name, flag in NOT_CARRIED.items() if getattr(args, name, False)]
-    plan = None  # who trains the tables, with memory (`table_plan_of`)
+    config, plan = None, None  # with memory: the run in fe-pretrain's terms, and who trains its tables
     if memory is None:
         if problems:
             return _refuse(problems, args)
@@ -49,10 +49,14 @@ def run(argv: list) -> int:
 
         problems += refused_combinations(args, memory)
         if not problems:
+            from fe_megatron.megatron_lm.run_info import train_config_of
+
             try:
-                plan = table_plan_of(args, memory)
+                config = train_config_of(args, memory)
             except ValueError as error:  # the run in fe-pretrain's terms fails its checks (ConfigError)
                 problems.append(str(error))
+            else:
+                plan = table_plan_of(config)
         if plan is not None and plan.in_stores:
             problems += refused_with_stores(args)
         if not problems and args.load is not None:
@@ -65,7 +69,7 @@ def run(argv: list) -> int:
         model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
         model_config.memory_config = memory
         model_config.table_sharding = args.fe_table_sharding
-    state = TrainerState(args, memory, plan)
+    state = TrainerState(args, memory, config, plan)
     if memory is not None and state.plan.in_stores:
         # as fe-pretrain's Megatron engine: the tables move into stores before the trainer wraps the model in
         # DDP, and the table optimizer joins the chain the trainer builds
@@ -98,14 +102,16 @@ def _refuse(problems: list, args) -> int:
     return 2
 
 
-def table_plan_of(args, memory):
-    """The run's `TablePlan`, by fe-pretrain's rules for its Megatron engine."""
-    from fe_megatron.megatron_lm.run_info import train_config_of
+def table_plan_of(config):
+    """The `TablePlan` of ``config`` (the run in fe-pretrain's terms), by the rules of fe-pretrain's
+    Megatron engine."""
     from fe_megatron.memory.sharding import stages_without_memory
     from fe_megatron.tables.plan import TablePlan
 
-    stage_without = bool(stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size))
-    return TablePlan.for_run(train_config_of(args, memory), bf16_run=args.bf16, stage_without_memory=stage_without)
+    stage_without = bool(stages_without_memory(config.memory.layers, config.model.num_layers,
+                                               config.parallel.pipeline))
+    return TablePlan.for_run(config, bf16_run=config.training.precision == "bf16",
+                             stage_without_memory=stage_without)
 
 
 def refused_resume(args, plan) -> list:
@@ -142,9 +148,10 @@ class TrainerState:
     """What the trainer's callbacks share: the arguments, the memory configuration, this rank's
     model chunks (known once Megatron-LM has built them), and the run info its checkpoints carry."""
 
-    def __init__(self, args, memory, plan=None):
+    def __init__(self, args, memory, config=None, plan=None):
         self.args = args
         self.memory = memory
+        self.config = config  # the run in fe-pretrain's terms (`train_config_of`); None without memory
         self.plan = plan  # who trains the tables (`table_plan_of`); None without memory
         self.tables = None  # this stage's tables in stores (take_tables), where the plan puts them there
         self.table_member_added = False
@@ -167,14 +174,12 @@ class TrainerState:
     def take_tables(self, model) -> None:
         """Move this stage's tables into stores, as the plan says (before the trainer wraps ``model``)."""
         from fe_megatron.megatron.table_optimizer import manage_tables
-        from fe_megatron.megatron_lm.run_info import train_config_of
         from fe_megatron.training.distributed import current_device
 
         if self.tables is not None:
             raise ValueError("the tables of this pipeline stage were already taken into stores: the memory branch "
                              "is built for one model chunk per stage")
-        optimizer_args = train_config_of(self.args, self.memory).optimizer
-        self.tables = manage_tables(model, optimizer_args, self.plan.state_dtype, self.plan.sharding,
+        self.tables = manage_tables(model, self.config.optimizer, self.plan.state_dtype, self.plan.sharding,
                                     current_device(), self.args.seed, update=self.plan.update)
 
     def add_table_member(self, optimizer):
@@ -218,10 +223,11 @@ class TrainerState:
         (what fe-convert reads and verifies)."""
         from fe_megatron.checkpoint.commit import seal
         from fe_megatron.checkpoint.files import iteration_dir
-        from fe_megatron.megatron_lm.run_info import run_info_of
+        from fe_megatron.megatron_lm.run_info import run_info_of, train_config_of
 
         if self.args.tokenizer_model is None:
             return  # a run info names the tokenizer file (--tokenizer-model); without one there is nothing to convert
         if self._run_info is None:
-            self._run_info = run_info_of(self.args, self.memory, self.plan)
+            config = self.config or train_config_of(self.args, self.memory)  # the stock model's: built here
+            self._run_info = run_info_of(self.args, config, self.plan)
         seal(iteration_dir(self.args.save, iteration), iteration, self._run_info)

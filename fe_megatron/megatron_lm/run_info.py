@@ -52,13 +52,14 @@ def train_config_of(args, memory) -> TrainConfig:
         save=args.save, load=args.load, tensorboard_dir=args.tensorboard_dir)
 
 
-def run_info_of(args, memory, plan=None) -> dict:
-    """``fe_run.json`` for a checkpoint of this run (`fe_megatron.checkpoint.run_info.run_info`), plus the
-    trainer that wrote it, how its tables were trained (``plan``'s mode, as fe-pretrain records it) and,
-    where the backbone has no Hugging Face form, why."""
+def run_info_of(args, config: TrainConfig, plan=None) -> dict:
+    """``fe_run.json`` for a checkpoint of this run (``config``: `train_config_of`; see
+    `fe_megatron.checkpoint.run_info.run_info`), plus the trainer that wrote it, how its tables were
+    trained (``plan``'s mode, as fe-pretrain records it) and, where the backbone has no Hugging Face
+    form, why."""
     from fe_megatron.checkpoint.run_info import run_info
 
-    info = run_info(train_config_of(args, memory), args.data_parallel_size)
+    info = run_info(config, args.data_parallel_size)
     info["trainer"] = "megatron-lm"
     if plan is not None:
         info["tables"] = plan.mode
