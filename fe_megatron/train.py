@@ -8,6 +8,7 @@ See `DESCRIPTION` (the ``--help`` text) and docs/training.md.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import os
 import sys
@@ -76,6 +77,9 @@ def pretrain(cfg) -> dict:
 
 
 def main(argv=None) -> int:
+    # a crash in native code (a kernel, a collective, the exit) prints every thread's Python stack
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     silence_known_third_party_warnings()
     # Megatron's tensor-parallel layers rely on one device connection to order their overlapped
     # communication (Megatron-LM's launch scripts set it); a value the user set is kept.

@@ -12,7 +12,7 @@ import torch
 
 from fe_megatron.config import ConfigError
 from fe_megatron.training.config import load_train_config
-from tests.test_train import CONFIG, ROOT, metrics, run_pretrain, small_overrides
+from tests.test_train import CONFIG, ENDS_CLEANLY, ROOT, metrics, run_pretrain, small_overrides
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
 
@@ -82,11 +82,11 @@ def deepspeed_run(start, name, stage, launcher="torchrun", **extra):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env["OMP_NUM_THREADS"] = "1"
         cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-               str(_free_port()), "--module", "fe_megatron.train"] + args
+               str(_free_port()), ENDS_CLEANLY] + args
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     else:
-        proc = run_pretrain(args, nproc=2)
+        proc = run_pretrain(args, nproc=2, ends_cleanly=True)
         # no third-party noise: torch's deprecation of ZeRO's collectives, DeepSpeed's accelerator guess
         noise = [line for line in (proc.stdout + proc.stderr).splitlines()
                  if "Warning" in line or "unable to detect" in line or "built successfully" in line]

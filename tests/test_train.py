@@ -27,15 +27,22 @@ def small_overrides(data, **extra):
     return [f"{k}={v}" for k, v in values.items()]
 
 
-def pretrain_cmd(nproc=1, python=sys.executable):
+# fe-pretrain, then a check that no process group's threads are left to end during Python's exit
+ENDS_CLEANLY = os.path.join(ROOT, "tests", "distributed", "ends_cleanly.py")
+
+
+def pretrain_cmd(nproc=1, python=sys.executable, ends_cleanly=False):
+    entry = [ENDS_CLEANLY] if ends_cleanly else ["-m", "fe_megatron.train"]
     if nproc == 1:
-        return [python, "-m", "fe_megatron.train"]
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "fe_megatron.train"]
+        return [python] + entry
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + entry
 
 
-def run_pretrain(args, nproc=1, check=True, extra_env=None, python=sys.executable):
-    proc = run_in_own_session(pretrain_cmd(nproc, python) + args, clean_environment(**(extra_env or {})))
+def run_pretrain(args, nproc=1, check=True, extra_env=None, python=sys.executable, ends_cleanly=False):
+    """fe-pretrain with ``args`` (under torchrun for ``nproc`` > 1); ``ends_cleanly``: through
+    tests/distributed/ends_cleanly.py, which also fails when process-group threads are left."""
+    proc = run_in_own_session(pretrain_cmd(nproc, python, ends_cleanly) + args,
+                              clean_environment(**(extra_env or {})))
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -174,7 +181,7 @@ def test_keep_records_up_to_drops_what_a_start_writes_again(tmp_path):
 def test_torchrun_two_processes(small_data, tmp_path, parallel):
     save = str(tmp_path / "run")
     proc = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data, **{
-        "training.train_steps": 4, "training.save_interval": 4}) + parallel, nproc=2)
+        "training.train_steps": 4, "training.save_interval": 4}) + parallel, nproc=2, ends_cleanly=True)
     out = proc.stdout
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in proc.stderr  # fe-pretrain sets it as Megatron-LM's scripts do
     dp = 1 if "parallel.tensor=2" in parallel else 2

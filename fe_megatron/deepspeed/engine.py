@@ -54,7 +54,7 @@ from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.memory.loss import weighted_sparsity
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.memory.sharding import ROW_SHARDED
-from fe_megatron.training.distributed import current_device, log
+from fe_megatron.training.distributed import current_device, destroy_process_groups, log
 from fe_megatron.training.loop import MetricsWriter
 from fe_megatron.training.losses import masked_mean, nonfinite_microbatch, nonfinite_report
 from fe_megatron.training.param_groups import parameter_groups
@@ -468,9 +468,8 @@ def set_up(cfg) -> DeepSpeedRun:
 
 
 def shut_down() -> None:
-    """DeepSpeed's engines (their ZeRO-3 hooks and helper threads), then the process group, in the
-    order DeepSpeed asks for: an engine torn down by the garbage collector after the group is gone
-    can abort the process at exit."""
+    """DeepSpeed's engines (their ZeRO-3 hooks and helper threads), then the process groups,
+    joined before Python exits (`destroy_process_groups`)."""
     while _ENGINES:
         _ENGINES.pop().destroy()
-    dist.destroy_process_group()
+    destroy_process_groups()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from fe_megatron.training.distributed import init_process_group, launcher_environment
+from fe_megatron.training.distributed import destroy_process_groups, init_process_group, launcher_environment
 from fe_megatron.megatron.cpu_backend import enable_cpu_backend
 
 
@@ -65,6 +65,7 @@ def set_seed(seed: int) -> None:
 
 
 def shutdown() -> None:
+    """Megatron's model-parallel state, then the process groups, joined before Python exits
+    (`destroy_process_groups`)."""
     parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_process_groups()

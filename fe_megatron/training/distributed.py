@@ -4,8 +4,11 @@ device, and logging from rank 0.  Both engines start here."""
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import socket
+import types
 
 import torch
 import torch.distributed as dist
@@ -57,6 +60,11 @@ def init_process_group(backend: str, timeout_minutes: float = 10.0) -> None:
     """
     from datetime import timedelta
 
+    # Imported after a group exists, torch._dynamo keeps the default group alive past
+    # destroy_process_group (DeepSpeed imports it while it starts), and the group's threads then
+    # end only during interpreter exit: see destroy_process_groups.
+    import torch._dynamo  # noqa: F401
+
     timeout = timedelta(minutes=timeout_minutes)
     refuse_loopback_across_hosts()  # under NCCL too: megatron-core also makes gloo groups
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
@@ -75,6 +83,62 @@ def init_process_group(backend: str, timeout_minutes: float = 10.0) -> None:
     if dist.get_world_size() > 1:
         log(f"process group: {describe_hosts()}; collectives time out after {timeout_minutes:g} min "
             "(parallel.distributed_timeout_minutes)")
+
+
+def destroy_process_groups() -> None:
+    """Destroy every process group and drop every reference to one, so that the groups' native
+    threads (gloo's work and transport loops) are joined now, while Python still runs.
+
+    A group that outlives ``destroy_process_group`` is destroyed while the interpreter exits,
+    where its threads can abort a finished run ("terminate called without an active exception",
+    SIGABRT: a failure to the launcher). Groups outlive it wherever something still refers to them:
+    library globals (Megatron's and DeepSpeed's registries of groups), modules and parameters
+    (``cp_group``, ``ds_process_group``), ``lru_cache``s, which keep their arguments (Megatron's
+    rotary embedding caches its module), and objects that the collector cannot free (a ZeRO-3
+    engine's hooks on autograd's nodes, a cycle through C++). So: empty the caches, destroy the
+    groups, and drop every reference to a group left in an object's or a module's attributes
+    (directly, or in a list, tuple or dict there) or in a closure. The process ends after this."""
+    for holder in gc.get_objects():
+        if type(holder) is functools._lru_cache_wrapper:  # type(), not isinstance: some objects warn
+            holder.cache_clear()
+    if dist.is_initialized():  # first: torch's own registry of the groups is attributes of an object too
+        dist.destroy_process_group()
+    gc.collect()
+    for holder in gc.get_objects():
+        kind = type(holder)
+        if kind is types.CellType:  # a closure's variable
+            if _is_group(_cell_contents(holder)):
+                holder.cell_contents = None
+        elif kind.__dictoffset__ != 0 and not issubclass(kind, type):
+            attributes = object.__getattribute__(holder, "__dict__")
+            for name, value in list(attributes.items()) if type(attributes) is dict else ():
+                kept = _without_groups(value)
+                if kept is not value:
+                    attributes[name] = kept
+    gc.collect()
+
+
+def _is_group(value) -> bool:
+    return issubclass(type(value), dist.ProcessGroup)  # not isinstance: some objects warn on __class__
+
+
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _without_groups(value):
+    """``value`` with its process groups replaced by None: None for a group, a copy for a list,
+    tuple or dict that holds one, ``value`` itself otherwise."""
+    if _is_group(value):
+        return None
+    if type(value) in (list, tuple) and any(_is_group(item) for item in value):
+        return type(value)(None if _is_group(item) else item for item in value)
+    if type(value) is dict and any(_is_group(item) for item in value.values()):
+        return {key: None if _is_group(item) else item for key, item in value.items()}
+    return value
 
 
 def _spans_hosts() -> bool:
