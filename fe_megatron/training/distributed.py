@@ -110,12 +110,21 @@ def destroy_process_groups() -> None:
             if _is_group(_cell_contents(holder)):
                 holder.cell_contents = None
         elif kind.__dictoffset__ != 0 and not issubclass(kind, type):
-            attributes = object.__getattribute__(holder, "__dict__")
-            for name, value in list(attributes.items()) if type(attributes) is dict else ():
+            for name, value in list(_attributes(holder).items()):
                 kept = _without_groups(value)
                 if kept is not value:
-                    attributes[name] = kept
+                    object.__getattribute__(holder, "__dict__")[name] = kept
     gc.collect()
+
+
+def _attributes(holder) -> dict:
+    """``holder.__dict__`` without its class's lookup hooks; empty where it has none (Python 3.12's
+    ``typing.TypeVar`` says it has one and raises) or it is not a plain dict."""
+    try:
+        attributes = object.__getattribute__(holder, "__dict__")
+    except AttributeError:
+        return {}
+    return attributes if type(attributes) is dict else {}
 
 
 def _is_group(value) -> bool:
