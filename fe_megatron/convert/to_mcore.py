@@ -98,7 +98,7 @@ def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[Memory
     and save a weights-only checkpoint plus ``train.yaml`` into ``directory``.  The checkpoint's
     tensors are stored by global name, so it loads at any ``tp``/``pp``; ``train.yaml`` records them
     (`train_yaml` says what else it holds)."""
-    from fe_megatron.megatron.parallel import initialize
+    from fe_megatron.megatron.parallel import initialize, shutdown
 
     import torch.distributed as dist
 
@@ -112,14 +112,15 @@ def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[Memory
         _write_megatron_run(source, backbone, memory, tokenizer_path, directory, final_directory, tp, pp,
                             table_sharding, settings)
     finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
         if started_here:
-            dist.destroy_process_group()
+            shutdown()  # the model-parallel state and the group, joined before Python exits
             for key, value in launcher_env.items():  # initialize() filled these in for its single process
                 if value is None:
                     os.environ.pop(key, None)
+        else:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
 
 
 def _write_megatron_run(source, backbone, memory, tokenizer_path, directory, final_directory, tp, pp,
