@@ -97,10 +97,14 @@ def destroy_process_groups() -> None:
     rotary embedding caches its module), and objects that the collector cannot free (a ZeRO-3
     engine's hooks on autograd's nodes, a cycle through C++). So: empty the caches, destroy the
     groups, and drop every reference to a group left in an object's or a module's attributes
-    (directly, or in a list, tuple or dict there) or in a closure. The process ends after this."""
+    (directly, or in a list, tuple or dict there) or in a closure. The process ends after this.
+
+    Only Megatron's and DeepSpeed's caches are emptied (`GROUP_CACHING_PACKAGES`): other libraries
+    keep registries in ``functools.cache`` (torch.compile's table of polyfills is one), and emptying
+    those breaks them for the rest of the process (a converter or a test calls this in-process)."""
     for holder in gc.get_objects():
-        if type(holder) is functools._lru_cache_wrapper:  # type(), not isinstance: some objects warn
-            holder.cache_clear()
+        if type(holder) is functools._lru_cache_wrapper and _defined_in(holder, GROUP_CACHING_PACKAGES):
+            holder.cache_clear()  # type(), not isinstance, above: some objects warn on __class__
     if dist.is_initialized():  # first: torch's own registry of the groups is attributes of an object too
         dist.destroy_process_group()
     gc.collect()
@@ -115,6 +119,16 @@ def destroy_process_groups() -> None:
                 if kept is not value:
                     object.__getattribute__(holder, "__dict__")[name] = kept
     gc.collect()
+
+
+# The packages whose lru_caches can hold a process group or a module with one (Megatron's rotary
+# embedding caches its forward, and so its module and its cp_group).
+GROUP_CACHING_PACKAGES = ("megatron", "deepspeed", "fe_megatron")
+
+
+def _defined_in(function, packages: tuple) -> bool:
+    module = getattr(function, "__module__", None) or ""
+    return module.split(".")[0] in packages
 
 
 def _attributes(holder) -> dict:
