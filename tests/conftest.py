@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 # The contract subset that `make test-newest` runs on the newest supported stack (docs/compatibility.md):
 # Megatron's internals, one-process training with save and exact resume, TP=2, PP=2 and DP=2 with
 # row-sharded tables against the single-process reference (one exchange per stage; a sparse table
-# update at every layout, resumed across them), DeepSpeed ZeRO-3 at 2 ranks, conversion
+# update at every layout, resumed across them), DeepSpeed ZeRO-3 at 2 ranks (tables in it and beside
+# it, clipped by one norm), conversion
 # to Hugging Face with equal logits, cached generation, torch.compile through the memory branch and the
 # kernels' torch.library operators, checkpoints across megatron-core releases, and Megatron-LM's own
 # trainer (megatron.training ships from 0.19 on), and a shutdown that leaves other libraries' caches alone.
@@ -34,6 +35,8 @@ NEWEST_STACK_SUBSET = (
     "tests/test_row_sharding.py::test_an_expert_parallel_moe_backbone_trains_beside_row_sharded_tables",
     "tests/test_table_update.py::test_rowwise_adagrad_trains_alike_at_every_layout_and_resumes_across_them",
     "tests/test_deepspeed.py::test_zero_3_matches_the_megatron_engine_and_resumes_exactly",
+    "tests/test_deepspeed.py::test_tables_outside_zero_are_clipped_as_tables_inside_it",
+    "tests/test_deepspeed.py::test_the_deepspeed_internals_that_clipping_wraps_are_there",
     "tests/test_hf.py::test_converted_logits_equal_megatron[1]",
     "tests/test_hf.py::test_converted_logits_equal_megatron[rows]",
     "tests/test_hf.py::test_cached_greedy_generation_equals_full_recompute",

@@ -10,8 +10,9 @@ same samples the Megatron engine reads at the same data-parallel size):
 * ``engine.backward`` and ``engine.step`` per microbatch (DeepSpeed accumulates and updates at the
   boundary); the learning rate of each parameter group is set first from `fe_megatron.training.lr_schedule`;
 * with the tables outside ZeRO (row-sharded, or whole in stores), their own optimizer runs after
-  the boundary (`fe_megatron.deepspeed.tables`); with the host tier each microbatch's rows are
-  fetched one microbatch ahead (`fe_megatron.tables.lookahead`).
+  the boundary (`fe_megatron.deepspeed.tables`), clipped by one norm with ZeRO's parameters
+  (`fe_megatron.deepspeed.clipping`); with the host tier each microbatch's rows are fetched one
+  microbatch ahead (`fe_megatron.tables.lookahead`).
 
 The optimizer is torch's AdamW with Megatron's parameter groups (no weight decay on biases and
 1-D tensors; the tables' learning-rate and weight-decay multipliers), handed to DeepSpeed as a
@@ -48,6 +49,7 @@ from fe_megatron.checkpoint.commit import agree_on_failure, commit, find_checkpo
 from fe_megatron.checkpoint.files import CheckpointError, write_run_info
 from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST, find_checkpoint_folder
 from fe_megatron.checkpoint.resume import start_run
+from fe_megatron.deepspeed.clipping import JointClipping
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
 from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
@@ -77,6 +79,7 @@ class DeepSpeedRun(EngineRun):
 
     engine: object  # deepspeed.DeepSpeedEngine around the FactorEngramForCausalLM
     tables: object  # StoredTables, or None when ZeRO holds the tables
+    clipping: object = None  # JointClipping of the engine and the tables outside ZeRO, or None
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
 
     def data_parallel_rank(self) -> int:
@@ -132,11 +135,15 @@ class DeepSpeedRun(EngineRun):
                 dist.all_reduce(sums)  # halt before the update, on every rank alike
                 if sums[2] > 0:
                     return self._nonfinite(sums, nonfinite)
+                if self.clipping is not None:
+                    self.clipping.begin_step()  # the tables' norm, which the engine's step clips by too
             self.engine.step()  # updates at the gradient-accumulation boundary only
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else 0.0
-        if self.tables is not None:
-            norm = (norm ** 2 + self.tables.step() ** 2) ** 0.5
+        if self.tables is not None:  # clipped by the one norm of every gradient
+            joint = self.clipping.norm()
+            self.tables.step(joint)
+            norm = joint if self.clipping.joined else (norm ** 2 + joint ** 2) ** 0.5
         count = len(batches) * dist.get_world_size()
         result = StepResult(float(sums[0]) / count, float(sums[1]) / count, norm, True)
         if not torch.isfinite(torch.tensor(norm)):
@@ -454,7 +461,8 @@ def set_up(cfg) -> DeepSpeedRun:
     elif kind == "hf":
         log(f"loaded the weights of {where} (a Hugging Face model); training starts at step 0")
 
-    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, datasets=start.datasets,
+    clipping = JointClipping(engine, tables) if tables is not None else None
+    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, clipping=clipping, datasets=start.datasets,
                        num_microbatches=microbatches_per_rank(t, dp),
                        metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, step), start_step=step,
                        parameters=parameters, step_index=step)
@@ -462,6 +470,8 @@ def set_up(cfg) -> DeepSpeedRun:
                     "replicated": "tables whole outside ZeRO"}[tables_mode]
     if plan is not None:
         where_tables += "; " + plan.describe()
+    if clipping is not None and cfg.optimizer.clip_grad > 0:
+        where_tables += "; " + clipping.describe()
     begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, {where_tables}",
           world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
     return run

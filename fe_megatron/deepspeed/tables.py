@@ -20,10 +20,8 @@ out (the rows are saved in files of their own, below); in stores on the device o
 their gradients averaged as DeepSpeed averages its own, with `TableAdamW` and the optimizer
 section's learning-rate and weight-decay multipliers.
 
-Gradient clipping: DeepSpeed clips its parameters by their own global norm; the tables are clipped
-by theirs (summed over the group), each against ``optimizer.clip_grad``.  Megatron's engine clips
-everything by one norm, so the two engines agree exactly only while no clipping happens
-(docs/deepspeed.md).
+Gradient clipping: one global norm over DeepSpeed's parameters and the tables, as Megatron's
+engine clips (`fe_megatron.deepspeed.clipping`: DeepSpeed's norm is widened by the tables').
 
 Checkpoints: ``tables_rank_NNNNN.pt`` per rank beside DeepSpeed's files (whole tables: rank 0's
 only), holding the rows and their `TableAdamW` state; `StoredTables.load` reads them at any
@@ -71,10 +69,12 @@ class StoredTables:
         """Table parameters of the whole model (every rank's rows)."""
         return self.tables.numel()
 
-    def step(self) -> float:
+    def step(self, norm: float = None) -> float:
         """Average the gradients over the data-parallel ranks (as DeepSpeed averages its own), clip
-        them by their global norm, update, and zero them.  Returns that norm (before clipping)."""
-        norm = self.tables.grad_norm()
+        them by ``norm`` (the global norm of every gradient, `fe_megatron.deepspeed.clipping`;
+        default: the tables' own), update, and zero them.  Returns the norm clipped by."""
+        if norm is None:
+            norm = self.tables.grad_norm()
         if self.clip_grad > 0:
             self.tables.clip(self.clip_grad / (norm + 1e-6))
         self.tables.step()

@@ -1,0 +1,154 @@
+"""One gradient norm over DeepSpeed's parameters and the tables outside ZeRO.
+
+Megatron's engine clips every gradient by one global norm (the table optimizer is a member of its
+chain, `fe_megatron.megatron.table_optimizer`).  Under DeepSpeed, tables outside ZeRO (row-sharded,
+or whole in stores) are updated by `fe_megatron.deepspeed.tables.StoredTables` beside the engine's
+optimizer, which computes its own norm inside its step.  `JointClipping` makes the two one: before
+the engine's update the tables' norm is computed, the engine's norm is widened to include it
+
+    ||g|| = sqrt(||g_DeepSpeed||^2 + ||g_tables||^2),
+
+so that DeepSpeed clips its parameters by it (and reports it), and the tables are then clipped by
+the same value.  The engines then agree step by step with clipping active, as without it.
+
+DeepSpeed has no public hook for a norm computed outside it, so the norm function of each of its
+optimizers is wrapped on the instance (DeepSpeed 0.19):
+
+* ZeRO 1 and 2 (``DeepSpeedZeroOptimizer``): ``scaled_global_norm``, the one global norm it clips by;
+* ZeRO 3 (``DeepSpeedZeroOptimizer_Stage3``): ``_get_norm_groups``, the per-group norms it combines;
+* stage 0 with fp32: the engine's ``clip_fp32_gradients`` (its gradients are already averaged).
+
+Any other optimizer (stage 0 with bf16: ``BF16_Optimizer``) keeps DeepSpeed's own clipping of its
+parameters and the tables are clipped by their own norm; a run says so when it starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Optional
+
+import torch
+
+# What is wrapped or called, by module, class (or None) and attribute: checked by
+# tests/test_deepspeed.py on the installed release, and named in docs/compatibility.md.
+DEEPSPEED_INTERNALS = (
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "scaled_global_norm"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "clip_fp32_gradients"),
+)
+
+
+def missing_internals() -> list:
+    """The `DEEPSPEED_INTERNALS` the installed DeepSpeed lacks, as ``module.Class.attribute``."""
+    missing = []
+    for module_name, class_name, attribute in DEEPSPEED_INTERNALS:
+        try:
+            holder = importlib.import_module(module_name)
+            holder = getattr(holder, class_name) if class_name else holder
+        except (ImportError, AttributeError):
+            holder = None
+        if not callable(getattr(holder, attribute, None)):
+            missing.append(".".join(part for part in (module_name, class_name, attribute) if part))
+    return missing
+
+
+class JointClipping:
+    """The joint norm of ``engine``'s parameters and ``tables`` (`StoredTables`) for each step.
+
+    Per step: `begin_step` (after the last backward, before ``engine.step()`` at the boundary)
+    computes the tables' norm; the engine's step clips by the joint norm; `norm` gives it, for
+    ``tables.step(norm)``.  ``joined``: whether the engine's optimizer is one whose norm is widened
+    (otherwise `norm` is the tables' own and DeepSpeed clips by its own)."""
+
+    def __init__(self, engine, tables):
+        self.engine, self.tables = engine, tables
+        self.tables_norm: Optional[float] = None
+        self.joint_norm: Optional[float] = None
+        self.joined = self._install(engine)
+
+    def describe(self) -> str:
+        optimizer = type(self.engine.optimizer).__name__
+        if self.joined:
+            return "one gradient norm over ZeRO's parameters and the tables"
+        return (f"clipping per part: DeepSpeed's {optimizer} clips its parameters by their norm, the tables are "
+                "clipped by theirs (ZeRO stage 1-3, or stage 0 in fp32, clip by one norm)")
+
+    def begin_step(self) -> None:
+        """The tables' norm for this step (their gradients reduced); collective over their groups."""
+        self.tables_norm = self.tables.tables.grad_norm()
+        self.joint_norm = None
+
+    def norm(self) -> float:
+        """The norm the tables are clipped by: the joint one the engine computed, or the tables' own."""
+        if self.joint_norm is not None:
+            return self.joint_norm
+        return self.tables_norm if self.tables_norm is not None else self.tables.tables.grad_norm()
+
+    # ------------------------------------------------------------------ the hooks
+    def _joint(self, engine_norms: list, scale: float, like=None) -> torch.Tensor:
+        """The L2 combination of DeepSpeed's norms ``engine_norms`` (times its loss scale ``scale``) and
+        the tables' norm, as a tensor on ``like``'s device; an invalid norm among them (DeepSpeed's
+        -1 sentinel, inf or nan) makes it inf, as DeepSpeed's own combination does."""
+        values = [float(norm) for norm in engine_norms]
+        tables = [self.tables_norm * scale] if self.tables_norm is not None else []  # none: not a step of ours
+        invalid = any(not math.isfinite(value) or value < 0 for value in values)
+        joint = math.inf if invalid else math.sqrt(sum(value * value for value in values + tables))
+        self.joint_norm = joint / scale if tables else None
+        return torch.tensor(joint, dtype=torch.float32, device=like.device if torch.is_tensor(like) else None)
+
+    def _install(self, engine) -> bool:
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        optimizer = engine.optimizer
+        kind = type(optimizer)
+        if kind is DeepSpeedZeroOptimizer:
+            original = _method(optimizer, "scaled_global_norm")
+
+            def scaled_global_norm(norm_type=2):
+                norm = original(norm_type)
+                return self._joint([norm], optimizer.loss_scale, like=norm)
+
+            optimizer.scaled_global_norm = scaled_global_norm
+            return True
+        if kind is DeepSpeedZeroOptimizer_Stage3:
+            original = _method(optimizer, "_get_norm_groups")
+
+            def get_norm_groups():
+                groups = original()  # DeepSpeed combines them into its norm: one group, the joint norm
+                return [self._joint(groups, optimizer.loss_scale, like=groups[0] if groups else None)]
+
+            optimizer._get_norm_groups = get_norm_groups
+            return True
+        if isinstance(optimizer, torch.optim.Optimizer) and not engine.zero_optimization() \
+                and not engine.bfloat16_enabled() and not engine.fp16_enabled():
+            _method(engine, "clip_fp32_gradients")
+            engine.clip_fp32_gradients = lambda: self._clip_fp32(engine)
+            return True
+        return False
+
+    @torch.no_grad()
+    def _clip_fp32(self, engine) -> None:
+        """Stage 0 in fp32: the engine's gradients (averaged over the ranks already) clipped by the joint
+        norm, as `StoredTables.step` clips the tables."""
+        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        squares = sum((torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads),
+                      torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None))
+        joint = float(self._joint([squares.sqrt()], 1.0))
+        coefficient = engine.gradient_clipping() / (joint + 1e-6)
+        if coefficient < 1.0:  # an invalid norm (inf) zeroes the gradients, as DeepSpeed's ZeRO clip does
+            for grad in grads:
+                grad.mul_(coefficient)
+
+
+def _method(holder, name: str):
+    """``holder.name``, or an error naming the DeepSpeed release it moved in."""
+    found = getattr(holder, name, None)
+    if not callable(found):
+        import deepspeed
+
+        raise RuntimeError(f"DeepSpeed {deepspeed.__version__}'s {type(holder).__name__} has no {name}(), which "
+                           "fe_megatron widens to one gradient norm with the tables outside ZeRO "
+                           "(fe_megatron/deepspeed/clipping.py); this release is not supported (docs/compatibility.md)")
+    return found
