@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from fe_megatron.megatron import compat
+from tests.test_train import ENDS_CLEANLY
 from tests.torchrun_util import clean_environment, run_in_own_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,8 +71,11 @@ def memory_yaml(tmp_path, **changes) -> str:
 
 
 def launch(module_args: list, nproc: int, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           *module_args]
+    """``torchrun -m MODULE ARGS``; a run expected to succeed goes through ends_cleanly.py, which also
+    fails it when a process group outlives its ``main``."""
+    module, *args = module_args
+    entry = [ENDS_CLEANLY, "--entry", module] if expect_ok else ["-m", module]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry, *args]
     proc = run_in_own_session(cmd, clean_environment())
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

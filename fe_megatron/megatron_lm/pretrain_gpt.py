@@ -27,6 +27,7 @@ script for those. Arguments the memory branch cannot honor are refused at start-
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from typing import Optional
@@ -51,6 +52,8 @@ def main(argv: Optional[list] = None) -> int:
     # as fe-pretrain and Megatron-LM's launch scripts set it (ordered tensor-parallel communication); a
     # value the user set is kept
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if not faulthandler.is_enabled():  # a crash in native code prints every thread's Python stack
+        faulthandler.enable()
     problem = _needs_trainer()
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

@@ -11,6 +11,7 @@ from functools import partial
 import torch
 
 from fe_megatron.megatron.cpu_backend import enable_cpu_backend
+from fe_megatron.training.distributed import destroy_process_groups
 
 # Megatron-LM's pretrain_gpt.py features this entry point does not carry (use that script for them)
 NOT_CARRIED = {"sft": "--sft", "fim_data": "--fim-data", "hybrid_context_parallel": "--hybrid-context-parallel",
@@ -89,8 +90,12 @@ def _pretrain(full_config, state) -> int:
 
     datasets = partial(steps.train_valid_test_datasets, state=state)
     datasets.is_distributed = True  # as Megatron-LM's provider: built on the ranks that read data
-    pretrain(full_config, datasets, ModelType.encoder_or_decoder, partial(steps.forward_step, state=state),
-             get_embedding_ranks=steps.get_embedding_ranks)
+    try:
+        pretrain(full_config, datasets, ModelType.encoder_or_decoder, partial(steps.forward_step, state=state),
+                 get_embedding_ranks=steps.get_embedding_ranks)
+    finally:  # also after Megatron-LM's sys.exit (its exit interval, duration and signal)
+        if torch.distributed.is_initialized():
+            destroy_process_groups()  # joined now: left to Python's exit, gloo's threads can abort the run
     return 0
 
 

@@ -1,14 +1,14 @@
-"""Run fe-pretrain's ``main`` with this script's arguments, then fail (exit 3) if a process
+"""Run fe-pretrain's ``main`` with this script's arguments (or, after ``--entry MODULE``, that
+module's ``main``: ``fe_megatron.megatron_lm.pretrain_gpt``), then fail (exit 3) if a process
 group's native threads are still running in this process.
 
 Such threads would end only while Python exits, where they have aborted finished runs
 ("terminate called without an active exception", SIGABRT: a failure to the launcher).
 Linux: the threads are read from /proc/self/task."""
 
+import importlib
 import os
 import sys
-
-from fe_megatron.train import main
 
 PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # the names torch and gloo give their threads
 
@@ -22,10 +22,15 @@ def process_group_threads() -> list:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    arguments, entry = sys.argv[1:], "fe_megatron.train"
+    if arguments[:1] == ["--entry"]:
+        entry, arguments = arguments[1], arguments[2:]
+    sys.argv = [entry, *arguments]  # as `python -m entry` would see them (Megatron-LM parses sys.argv)
+    code = importlib.import_module(entry).main(arguments)
     left = process_group_threads()
     if left:
-        print(f"rank {os.environ.get('RANK')}: fe-pretrain returned with process-group threads still running: "
-              f"{left}", flush=True)
+        counts = ", ".join(f"{name} x{left.count(name)}" for name in sorted(set(left)))
+        print(f"rank {os.environ.get('RANK')}: {entry} returned with process-group threads still running: "
+              f"{counts}", flush=True)
         sys.exit(3)
     sys.exit(code)
