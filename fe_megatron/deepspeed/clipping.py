@@ -18,8 +18,10 @@ optimizers is wrapped on the instance (DeepSpeed 0.19):
 * ZeRO 3 (``DeepSpeedZeroOptimizer_Stage3``): ``_get_norm_groups``, the per-group norms it combines;
 * stage 0 with fp32: the engine's ``clip_fp32_gradients`` (its gradients are already averaged).
 
-Any other optimizer (stage 0 with bf16: ``BF16_Optimizer``) keeps DeepSpeed's own clipping of its
-parameters and the tables are clipped by their own norm; a run says so when it starts.
+Any other optimizer keeps DeepSpeed's own clipping of its parameters, and the tables are clipped by
+their own norm; a run says so when it starts.  These are stage 0 with bf16 (``FP16_Optimizer``),
+ZeRO 1 with bf16 and fp32 gradient accumulation (``BF16_Optimizer``), and the subclasses of the
+ZeRO optimizers (ZenFlow, SuperOffload).
 """
 
 from __future__ import annotations
@@ -57,8 +59,8 @@ class JointClipping:
     """The joint norm of ``engine``'s parameters and ``tables`` (`StoredTables`) for each step.
 
     Per step: `begin_step` (after the last backward, before ``engine.step()`` at the boundary)
-    computes the tables' norm; the engine's step clips by the joint norm; `norm` gives it, for
-    ``tables.step(norm)``.  ``joined``: whether the engine's optimizer is one whose norm is widened
+    computes the tables' norm; the engine's step clips by the joint norm; `norms` gives it, for
+    ``tables.step``.  ``joined``: whether the engine's optimizer is one whose norm is widened
     (otherwise `norm` is the tables' own and DeepSpeed clips by its own)."""
 
     def __init__(self, engine, tables):
@@ -72,18 +74,23 @@ class JointClipping:
         if self.joined:
             return "one gradient norm over ZeRO's parameters and the tables"
         return (f"clipping per part: DeepSpeed's {optimizer} clips its parameters by their norm, the tables are "
-                "clipped by theirs (ZeRO stage 1-3, or stage 0 in fp32, clip by one norm)")
+                "clipped by theirs (one norm needs DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, or "
+                "stage 0 in fp32; docs/deepspeed.md)")
 
     def begin_step(self) -> None:
         """The tables' norm for this step (their gradients reduced); collective over their groups."""
         self.tables_norm = self.tables.tables.grad_norm()
         self.joint_norm = None
 
-    def norm(self) -> float:
-        """The norm the tables are clipped by: the joint one the engine computed, or the tables' own."""
-        if self.joint_norm is not None:
-            return self.joint_norm
-        return self.tables_norm if self.tables_norm is not None else self.tables.tables.grad_norm()
+    def norms(self, engine_norm: float) -> tuple:
+        """``(clip_by, total)`` after the engine's step: the norm to clip the tables by, and the norm of
+        every gradient (what the step reports).  Both are the joint norm where the engine computed
+        it; otherwise (clipping per part, or an engine that skipped its norm and its update: a
+        non-finite gradient) the tables' own, and the combination of ``engine_norm`` (DeepSpeed's
+        reported norm, inf after such a skip) with it."""
+        if self.tables_norm is None:
+            self.begin_step()
+        return step_norms(self.joint_norm, self.tables_norm, engine_norm)
 
     # ------------------------------------------------------------------ the hooks
     def _joint(self, engine_norms: list, scale: float, like=None) -> torch.Tensor:
@@ -140,6 +147,15 @@ class JointClipping:
         if coefficient < 1.0:  # an invalid norm (inf) zeroes the gradients, as DeepSpeed's ZeRO clip does
             for grad in grads:
                 grad.mul_(coefficient)
+
+
+def step_norms(joint_norm: Optional[float], tables_norm: float, engine_norm: float) -> tuple:
+    """``(clip_by, total)`` of `JointClipping.norms`: ``joint_norm`` where the engine computed it
+    (None where it did not), else the tables' norm and its combination with the engine's (an
+    infinite ``engine_norm``, DeepSpeed's report of a skipped step, stays infinite)."""
+    if joint_norm is not None:
+        return joint_norm, joint_norm
+    return tables_norm, math.hypot(engine_norm, tables_norm)
 
 
 def _method(holder, name: str):

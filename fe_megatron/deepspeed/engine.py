@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import math
 import os
 import re
 from datetime import timedelta
@@ -141,14 +142,18 @@ class DeepSpeedRun(EngineRun):
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else 0.0
         if self.tables is not None:  # clipped by the one norm of every gradient
-            joint = self.clipping.norm()
-            self.tables.step(joint)
-            norm = joint if self.clipping.joined else (norm ** 2 + joint ** 2) ** 0.5
+            clip_by, norm = self.clipping.norms(norm)
+            if math.isfinite(norm):
+                self.tables.step(clip_by)
+            else:  # DeepSpeed skipped its update (or took a zero one): the tables take none
+                self.tables.tables.zero_grad()
         count = len(batches) * dist.get_world_size()
         result = StepResult(float(sums[0]) / count, float(sums[1]) / count, norm, True)
-        if not torch.isfinite(torch.tensor(norm)):
-            result.updated, result.nonfinite = False, [f"every microbatch's loss is finite but the gradient norm "
-                                                       f"is {norm}; the parameters took the update"]
+        if not math.isfinite(norm):
+            tables = ", and the tables outside ZeRO took none" if self.tables is not None else ""
+            result.updated, result.nonfinite = False, [
+                f"every microbatch's loss is finite but the gradient norm is {norm}; DeepSpeed skipped its update "
+                f"or applied a zero gradient (ZeRO clips by an infinite norm){tables}"]
         return result
 
     def _nonfinite(self, sums, mine: list) -> StepResult:
