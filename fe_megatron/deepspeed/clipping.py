@@ -61,7 +61,7 @@ class JointClipping:
     Per step: `begin_step` (after the last backward, before ``engine.step()`` at the boundary)
     computes the tables' norm; the engine's step clips by the joint norm; `norms` gives it, for
     ``tables.step``.  ``joined``: whether the engine's optimizer is one whose norm is widened
-    (otherwise `norm` is the tables' own and DeepSpeed clips by its own)."""
+    (otherwise the tables are clipped by their own norm and DeepSpeed's parameters by theirs)."""
 
     def __init__(self, engine, tables):
         self.engine, self.tables = engine, tables

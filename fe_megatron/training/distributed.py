@@ -99,9 +99,10 @@ def destroy_process_groups() -> None:
     groups, and drop every reference to a group left in an object's or a module's attributes
     (directly, or in a list, tuple or dict there) or in a closure. The process ends after this.
 
-    Only Megatron's and DeepSpeed's caches are emptied (`GROUP_CACHING_PACKAGES`): other libraries
-    keep registries in ``functools.cache`` (torch.compile's table of polyfills is one), and emptying
-    those breaks them for the rest of the process (a converter or a test calls this in-process)."""
+    Only Megatron's, DeepSpeed's and fe_megatron's caches are emptied (`GROUP_CACHING_PACKAGES`):
+    other libraries keep registries in ``functools.cache`` (torch.compile's table of polyfills is
+    one), and emptying those breaks them for the rest of the process (a converter or a test calls
+    this in-process)."""
     for holder in gc.get_objects():
         if type(holder) is functools._lru_cache_wrapper and _defined_in(holder, GROUP_CACHING_PACKAGES):
             holder.cache_clear()  # type(), not isinstance, above: some objects warn on __class__
