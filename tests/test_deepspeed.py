@@ -1,10 +1,7 @@
 """The DeepSpeed engine: ZeRO 1/2/3 against the Megatron engine at DP=2, both table modes, exact
 resume, conversion to Hugging Face, and DeepSpeed configs that contradict the training config."""
 
-import argparse
-import contextlib
 import glob
-import io
 import json
 import os
 import shutil
@@ -228,14 +225,10 @@ def test_tables_outside_zero_are_clipped_as_tables_inside_it(zero3, rows3, tmp_p
     Adam moments of the rows run (their own files) are those of the zero run, whose tables are ZeRO's
     parameters.  (The loss curves alone cannot tell: Adam nearly ignores a gradient's scale; its first
     moment is that scale.)  Compared as sorted values, since the two lay rows out differently."""
-    from deepspeed.checkpoint import ds_to_universal
+    from fe_megatron.deepspeed.resize import write_universal
 
     universal = str(tmp_path / "universal")
-    args = argparse.Namespace(input_folder=os.path.join(zero3, "iter_0000004"), output_folder=universal,
-                              num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        ds_to_universal.main(args)
+    write_universal(os.path.join(zero3, "iter_0000004"), universal)
     inside = {os.path.basename(folder): torch.load(os.path.join(folder, "exp_avg.pt"), weights_only=True)
               for folder in glob.glob(os.path.join(universal, "zero", "*tables.weight"))}
     shards = table_moments(rows3)

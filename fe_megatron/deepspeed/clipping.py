@@ -87,10 +87,11 @@ class JointClipping:
         every gradient (what the step reports).  Both are the joint norm where the engine computed
         it; otherwise (clipping per part, or an engine that skipped its norm and its update: a
         non-finite gradient) the tables' own, and the combination of ``engine_norm`` (DeepSpeed's
-        reported norm, inf after such a skip) with it."""
-        if self.tables_norm is None:
-            self.begin_step()
-        return step_norms(self.joint_norm, self.tables_norm, engine_norm)
+        reported norm, inf after such a skip) with it.  Ends the step: until the next `begin_step`
+        the engine's norm is its own."""
+        norms = step_norms(self.joint_norm, self.tables_norm, engine_norm)
+        self.tables_norm = None
+        return norms
 
     # ------------------------------------------------------------------ the hooks
     def _joint(self, engine_norms: list, scale: float, like=None) -> torch.Tensor:

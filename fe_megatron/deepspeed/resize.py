@@ -35,18 +35,12 @@ def needs_universal_copy(folder: str, saved_data_parallel_size: int, data_parall
 def universal_copy(folder: str, save_dir: str) -> str:
     """``folder`` as a DeepSpeed universal checkpoint, in ``SAVE/.fe_universal/<tag>``; returns
     that path (same on every rank).  Collective: every rank must call it."""
-    from deepspeed.checkpoint import ds_to_universal
-
     out = os.path.join(save_dir, SCRATCH, os.path.basename(folder))
     error = None
     if dist.get_rank() == 0:
         try:
             shutil.rmtree(out, ignore_errors=True)  # a copy left by a run stopped mid-conversion
-            args = argparse.Namespace(input_folder=folder, output_folder=out, num_extract_workers=1,
-                                      num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                      inject_missing_state=True)
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                ds_to_universal.main(args)  # prints a progress bar per parameter
+            write_universal(folder, out)
         except Exception as err:  # noqa: BLE001 - every rank must learn it, not wait forever
             error = f"{type(err).__name__}: {err}"
     errors = [error]
@@ -55,6 +49,18 @@ def universal_copy(folder: str, save_dir: str) -> str:
         raise RuntimeError(f"could not rewrite {folder} for another data-parallel size (DeepSpeed's "
                            f"ds_to_universal): {errors[0]}; resume at the size that saved it")
     return out
+
+
+def write_universal(folder: str, out: str) -> None:
+    """DeepSpeed's ``ds_to_universal`` of checkpoint ``folder`` into ``out``: one folder per
+    parameter (``out/zero/<name>/``) holding its fp32 weights and Adam moments.  Quiet (it prints a
+    progress bar per parameter); one process."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=folder, output_folder=out, num_extract_workers=1, num_merge_workers=1,
+                              keep_temp_folder=False, strict=True, inject_missing_state=True)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        ds_to_universal.main(args)
 
 
 def remove_universal_copy(save_dir: str) -> None:

@@ -94,16 +94,12 @@ def _pretrain(full_config, state) -> int:
         pretrain(full_config, datasets, ModelType.encoder_or_decoder, partial(steps.forward_step, state=state),
                  get_embedding_ranks=steps.get_embedding_ranks)
     except SystemExit:  # Megatron-LM's own exits (exit interval, duration, signal): a finished run too
-        _end_process_groups()
-        raise
-    _end_process_groups()  # (after an error the process fails anyway: its peers may sit in a collective)
-    return 0
-
-
-def _end_process_groups() -> None:
-    """Joined now: left to Python's exit, gloo's threads can abort a finished run (docs/operations.md)."""
-    if torch.distributed.is_initialized():
         destroy_process_groups()
+        raise
+    # joined now: left to Python's exit, gloo's threads can abort a finished run (docs/operations.md);
+    # not after an error, where the process fails anyway and its peers may sit in a collective
+    destroy_process_groups()
+    return 0
 
 
 def _refuse(problems: list, args) -> int:

@@ -115,10 +115,11 @@ def destroy_process_groups() -> None:
             if _is_group(_cell_contents(holder)):
                 holder.cell_contents = None
         elif kind.__dictoffset__ != 0 and not issubclass(kind, type):
-            for name, value in list(_attributes(holder).items()):
+            attributes = _attributes(holder)
+            for name, value in list(attributes.items()):
                 kept = _without_groups(value)
                 if kept is not value:
-                    object.__getattribute__(holder, "__dict__")[name] = kept
+                    attributes[name] = kept
     gc.collect()
 
 
