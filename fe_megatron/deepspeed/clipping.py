@@ -16,12 +16,19 @@ optimizers is wrapped on the instance (DeepSpeed 0.19):
 
 * ZeRO 1 and 2 (``DeepSpeedZeroOptimizer``): ``scaled_global_norm``, the one global norm it clips by;
 * ZeRO 3 (``DeepSpeedZeroOptimizer_Stage3``): ``_get_norm_groups``, the per-group norms it combines;
-* stage 0 with fp32: the engine's ``clip_fp32_gradients`` (its gradients are already averaged).
+* stage 0 with fp32: the engine's ``clip_fp32_gradients`` (its gradients are already averaged);
+* stage 0 with bf16 (``FP16_UnfusedOptimizer``, for the torch AdamW that fe-pretrain hands
+  DeepSpeed): ``unscale_and_clip_grads``, which receives the norm it clips by (and the reported
+  norm, set just before, is widened with it);
+* ZeRO 1 with bf16 and fp32 gradient accumulation (``BF16_Optimizer``): ``get_grads_for_norm``,
+  the tensors it takes the norm of, to which one holding the tables' norm is added (its gradients
+  are whole and averaged on every rank, so their norm needs no reduction that would count it twice).
 
 Any other optimizer keeps DeepSpeed's own clipping of its parameters, and the tables are clipped by
-their own norm; a run says so when it starts.  These are stage 0 with bf16 (``FP16_Optimizer``),
-ZeRO 1 with bf16 and fp32 gradient accumulation (``BF16_Optimizer``), and the subclasses of the
-ZeRO optimizers (ZenFlow, SuperOffload).
+their own norm; a run says so when it starts.  These are the subclasses of the ZeRO optimizers
+(ZenFlow, SuperOffload), ``FP16_Optimizer`` (stage 0 with bf16 around DeepSpeed's FusedAdam), and
+``BF16_Optimizer`` under a model-parallel unit or with DeepSpeed's MoE layers: none of which
+fe-pretrain builds.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ DEEPSPEED_INTERNALS = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "scaled_global_norm"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "clip_fp32_gradients"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "unscale_and_clip_grads"),
+    ("deepspeed.runtime.bf16_optimizer", "BF16_Optimizer", "get_grads_for_norm"),
 )
 
 
@@ -67,6 +76,7 @@ class JointClipping:
         self.engine, self.tables = engine, tables
         self.tables_norm: Optional[float] = None
         self.joint_norm: Optional[float] = None
+        self.engine_reports_joint = False  # BF16_Optimizer: its reported norm is the joint one (no hook sees it)
         self.joined = self._install(engine)
 
     def describe(self) -> str:
@@ -74,8 +84,8 @@ class JointClipping:
         if self.joined:
             return "one gradient norm over ZeRO's parameters and the tables"
         return (f"clipping per part: DeepSpeed's {optimizer} clips its parameters by their norm, the tables are "
-                "clipped by theirs (one norm needs DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, or "
-                "stage 0 in fp32; docs/deepspeed.md)")
+                "clipped by theirs (one norm needs DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, "
+                "FP16_UnfusedOptimizer, BF16_Optimizer, or stage 0 in fp32; docs/deepspeed.md)")
 
     def begin_step(self) -> None:
         """The tables' norm for this step (their gradients reduced); collective over their groups."""
@@ -89,6 +99,8 @@ class JointClipping:
         non-finite gradient) the tables' own, and the combination of ``engine_norm`` (DeepSpeed's
         reported norm, inf after such a skip) with it.  Ends the step: until the next `begin_step`
         the engine's norm is its own."""
+        if self.engine_reports_joint and self.tables_norm is not None and math.isfinite(engine_norm):
+            self.joint_norm = engine_norm
         norms = step_norms(self.joint_norm, self.tables_norm, engine_norm)
         self.tables_norm = None
         return norms
@@ -100,12 +112,14 @@ class JointClipping:
         -1 sentinel, inf or nan) makes it inf, as DeepSpeed's own combination does."""
         values = [float(norm) for norm in engine_norms]
         tables = [self.tables_norm * scale] if self.tables_norm is not None else []  # none: not a step of ours
-        invalid = any(not math.isfinite(value) or value < 0 for value in values)
+        invalid = any(not math.isfinite(value) or value < 0 for value in values + tables)
         joint = math.inf if invalid else math.sqrt(sum(value * value for value in values + tables))
         self.joint_norm = joint / scale if tables else None
         return torch.tensor(joint, dtype=torch.float32, device=like.device if torch.is_tensor(like) else None)
 
     def _install(self, engine) -> bool:
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -128,6 +142,31 @@ class JointClipping:
                 return [self._joint(groups, optimizer.loss_scale, like=groups[0] if groups else None)]
 
             optimizer._get_norm_groups = get_norm_groups
+            return True
+        if kind is FP16_UnfusedOptimizer and not optimizer.fused_lamb_legacy:
+            original = _method(optimizer, "unscale_and_clip_grads")
+
+            def unscale_and_clip_grads(total_norm, apply_scale=True):
+                scale = optimizer.loss_scale_config.cur_scale
+                joint = self._joint([total_norm], scale, like=total_norm)
+                optimizer._global_grad_norm = joint / scale  # what the engine reports, set just before
+                return original(joint, apply_scale)
+
+            optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+            return True
+        if kind is BF16_Optimizer and optimizer.mpu is None and not optimizer.has_moe_layers:
+            original = _method(optimizer, "get_grads_for_norm")
+
+            def get_grads_for_norm(for_clipping=False):
+                grads = original(for_clipping=for_clipping)
+                if for_clipping or self.tables_norm is None:  # the tensors to clip, or not a step of ours
+                    return grads
+                non_expert, expert = grads
+                device = non_expert[0].device if non_expert else None
+                return non_expert + [torch.tensor([self.tables_norm], dtype=torch.float32, device=device)], expert
+
+            optimizer.get_grads_for_norm = get_grads_for_norm
+            self.engine_reports_joint = True
             return True
         if isinstance(optimizer, torch.optim.Optimizer) and not engine.zero_optimization() \
                 and not engine.bfloat16_enabled() and not engine.fp16_enabled():

@@ -341,9 +341,29 @@ def load_hf_weights(model, directory: str) -> None:
 
 
 # ----------------------------------------------------------------------------- set-up
-# What DeepSpeed prints on every rank that tells a user nothing (its shared-memory all-reduce for CPUs,
-# compiled on first use, announces itself with print()).
-KNOWN_DEEPSPEED_NOTICES = (re.compile(r"^DeepSpeed \S+ built successfully$"),)
+# What DeepSpeed prints with print() that tells a user nothing: its shared-memory all-reduce for CPUs,
+# compiled on first use, announces itself on every rank; BF16_Optimizer reports the memory in use
+# four times as it is built (see_memory_usage(force=True)), on rank 0
+KNOWN_DEEPSPEED_NOTICES = tuple(re.compile(pattern) for pattern in (
+    r"^DeepSpeed \S+ built successfully$",
+    r"^(begin bf16_optimizer|end bf16_ optimizer|(before|after) initializing group \d+)$",
+    r"^MA [\d.]+ GB\s+Max_MA [\d.]+ GB\s+CA [\d.]+ GB\s+Max_CA [\d.]+ GB\s*$",
+    r"^CPU Virtual Memory:  used = [\d.]+ GB, percent = [\d.]+%$",
+))
+
+
+@contextlib.contextmanager
+def known_notices_dropped():
+    """Run the block with DeepSpeed's `KNOWN_DEEPSPEED_NOTICES` left out of stdout; every other line
+    it printed is printed after it, also when it raised."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            yield
+    finally:
+        for line in printed.getvalue().splitlines():
+            if not any(notice.match(line) for notice in KNOWN_DEEPSPEED_NOTICES):
+                print(line, flush=True)
 
 
 _ENGINES: list = []  # the engines set_up made in this process, for shut_down
@@ -372,7 +392,7 @@ def _init_distributed(timeout_minutes: float) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_minutes)
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
+    with known_notices_dropped():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     # ZeRO's collectives run on DeepSpeed's clone of the world group, which it would create with
     # torch's default timeout (30 minutes under gloo): made here, it gets the run's timeout
@@ -381,9 +401,6 @@ def _init_distributed(timeout_minutes: float) -> None:
     if groups._WORLD_GROUP is None:
         groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())),
                                              timeout=timedelta(minutes=timeout_minutes))
-    for line in printed.getvalue().splitlines():
-        if not any(notice.match(line) for notice in KNOWN_DEEPSPEED_NOTICES):
-            print(line, flush=True)
 
 
 def build_engine(deepspeed, cfg, ds_config: dict, plan, tables_mode: str, hf_weights: str = None) -> tuple:
@@ -409,7 +426,8 @@ def build_engine(deepspeed, cfg, ds_config: dict, plan, tables_mode: str, hf_wei
     parameters = sum(param.numel() for param in model.parameters()) + (tables.numel() if tables else 0)
     optimizer = torch.optim.AdamW(parameter_groups(model, o), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    with known_notices_dropped():
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     _ENGINES.append(engine)
     return engine, tables, parameters
 
