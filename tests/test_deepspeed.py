@@ -34,6 +34,10 @@ def losses(save):
     return [(r["step"], r["lm_loss"], r["sparsity_loss"]) for r in metrics(save) if "lm_loss" in r]
 
 
+def grad_norms(save):
+    return [r["grad_norm"] for r in metrics(save) if "grad_norm" in r]
+
+
 def assert_same_curve(got, expected, rel=2e-5):
     assert [step for step, *_ in got] == [step for step, *_ in expected]
     for (step, lm, sparsity), (_, lm_ref, sparsity_ref) in zip(got, expected):
@@ -69,7 +73,7 @@ def megatron_run(start):
     the reference of every DeepSpeed run here."""
     save = str(start["base"] / "megatron")
     run_pretrain(["--config", CONFIG, "--load", start["mcore"], "--save", save] + overrides(start["data"]), nproc=2)
-    norms = [r["grad_norm"] for r in metrics(save) if "grad_norm" in r]
+    norms = grad_norms(save)
     assert len(norms) == STEPS and min(norms) > CLIP, f"clipping must be active at every step: norms {norms}"
     return save
 
@@ -126,14 +130,16 @@ def rows3(start):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("stage,launcher,sharding", [(0, "torchrun", "rows"), (1, "deepspeed", "rows"),
-                                                     (2, "torchrun", "replicated")])
+                                                     (2, "torchrun", "replicated"), (0, "torchrun", "replicated")])
 def test_zero_0_1_and_2_match_the_megatron_engine(start, megatron_run, rows3, stage, launcher, sharding):
-    """Same batches, same weights, clipping active: the loss curves agree to fp32 rounding, with the
-    tables as ZeRO's parameters and with them row-sharded outside it.  One norm clips both (DeepSpeed
-    without ZeRO and ZeRO 1 each have their own hook): the tables' moments are ZeRO-3's rows run's,
-    which test_tables_outside_zero_are_clipped_as_tables_inside_it checks against ZeRO's own."""
+    """Same batches, same weights, clipping active: the loss curves and the logged gradient norms agree
+    to fp32 rounding, with the tables as ZeRO's parameters and with them row-sharded outside it (also
+    without ZeRO, where DeepSpeed reports no norm and the run takes it).  One norm clips both
+    (DeepSpeed without ZeRO and ZeRO 1 each have their own hook): the tables' moments are ZeRO-3's
+    rows run's, which test_tables_outside_zero_are_clipped_as_tables_inside_it checks against ZeRO's own."""
     save = deepspeed_run(start, f"zero{stage}_{sharding}", stage, launcher, **{"parallel.table_sharding": sharding})
     assert_same_curve(losses(save), losses(megatron_run))
+    assert grad_norms(save) == pytest.approx(grad_norms(megatron_run), rel=1e-4)
     if sharding == "rows":
         for got, expected in zip(table_moments(save), table_moments(rows3)):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-9)
@@ -264,7 +270,7 @@ def test_the_bf16_optimizers_clip_the_tables_by_one_norm_too(start):
         assert f"DeepSpeed's {optimizer}" not in proc.stdout  # named only when it clips per part
         assert "one gradient norm over ZeRO's parameters and the tables" in proc.stdout
         assert not [line for line in proc.stdout.splitlines() if line.startswith(("MA ", "CPU Virtual Memory"))]
-        norms = [r["grad_norm"] for r in metrics(save) if "grad_norm" in r]
+        norms = grad_norms(save)
         assert len(norms) == 2 and min(norms) > CLIP, norms
         moments[optimizer] = table_moments(save, step=2)[0]
     expected = moments.pop("DeepSpeedZeroOptimizer")

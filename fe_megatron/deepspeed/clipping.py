@@ -65,19 +65,24 @@ def missing_internals() -> list:
 
 
 class JointClipping:
-    """The joint norm of ``engine``'s parameters and ``tables`` (`StoredTables`) for each step.
+    """The joint norm of ``engine``'s parameters and ``tables`` (`StoredTables`, or None: no tables
+    outside ZeRO) for each step.
 
     Per step: `begin_step` (after the last backward, before ``engine.step()`` at the boundary)
     computes the tables' norm; the engine's step clips by the joint norm; `norms` gives it, for
-    ``tables.step``.  ``joined``: whether the engine's optimizer is one whose norm is widened
-    (otherwise the tables are clipped by their own norm and DeepSpeed's parameters by theirs)."""
+    ``tables.step`` and the step's report.  ``joined``: whether the engine's optimizer is one whose
+    norm is widened (otherwise the tables are clipped by their own norm and DeepSpeed's parameters
+    by theirs).  A plain torch optimizer (stage 0 in fp32) has no norm DeepSpeed would report:
+    `begin_step` takes it, with or without tables, so that every step reports its gradient norm."""
 
-    def __init__(self, engine, tables):
+    def __init__(self, engine, tables=None):
         self.engine, self.tables = engine, tables
         self.tables_norm: Optional[float] = None
         self.joint_norm: Optional[float] = None
         self.engine_reports_joint = False  # BF16_Optimizer: its reported norm is the joint one (no hook sees it)
-        self.joined = self._install(engine)
+        self.takes_fp32_norm = isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization() \
+            and not engine.bfloat16_enabled() and not engine.fp16_enabled()
+        self.joined = self._install(engine) if tables is not None else False
 
     def describe(self) -> str:
         optimizer = type(self.engine.optimizer).__name__
@@ -88,9 +93,13 @@ class JointClipping:
                 "FP16_UnfusedOptimizer, BF16_Optimizer, or stage 0 in fp32; docs/deepspeed.md)")
 
     def begin_step(self) -> None:
-        """The tables' norm for this step (their gradients reduced); collective over their groups."""
-        self.tables_norm = self.tables.tables.grad_norm()
+        """The tables' norm for this step (their gradients reduced; collective over their groups) and,
+        for a plain torch optimizer, the joint norm with its gradients (averaged over the ranks by
+        the last backward)."""
+        self.tables_norm = self.tables.tables.grad_norm() if self.tables is not None else 0.0
         self.joint_norm = None
+        if self.takes_fp32_norm:
+            self._joint([_norm(self._fp32_grads())], 1.0)
 
     def norms(self, engine_norm: float) -> tuple:
         """``(clip_by, total)`` after the engine's step: the norm to clip the tables by, and the norm of
@@ -168,25 +177,32 @@ class JointClipping:
             optimizer.get_grads_for_norm = get_grads_for_norm
             self.engine_reports_joint = True
             return True
-        if isinstance(optimizer, torch.optim.Optimizer) and not engine.zero_optimization() \
-                and not engine.bfloat16_enabled() and not engine.fp16_enabled():
+        if self.takes_fp32_norm:
             _method(engine, "clip_fp32_gradients")
-            engine.clip_fp32_gradients = lambda: self._clip_fp32(engine)
+            engine.clip_fp32_gradients = self._clip_fp32
             return True
         return False
 
+    def _fp32_grads(self) -> list:
+        return [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+
     @torch.no_grad()
-    def _clip_fp32(self, engine) -> None:
+    def _clip_fp32(self) -> None:
         """Stage 0 in fp32: the engine's gradients (averaged over the ranks already) clipped by the joint
-        norm, as `StoredTables.step` clips the tables."""
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        squares = sum((torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads),
-                      torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None))
-        joint = float(self._joint([squares.sqrt()], 1.0))
-        coefficient = engine.gradient_clipping() / (joint + 1e-6)
+        norm (`begin_step`'s), as `StoredTables.step` clips the tables."""
+        grads = self._fp32_grads()
+        joint = self.joint_norm if self.joint_norm is not None else float(self._joint([_norm(grads)], 1.0))
+        coefficient = self.engine.gradient_clipping() / (joint + 1e-6)
         if coefficient < 1.0:  # an invalid norm (inf) zeroes the gradients, as DeepSpeed's ZeRO clip does
             for grad in grads:
                 grad.mul_(coefficient)
+
+
+def _norm(grads: list) -> torch.Tensor:
+    """The L2 norm of ``grads`` together, summed in float64."""
+    squares = sum((torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads),
+                  torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None))
+    return squares.sqrt()
 
 
 def step_norms(joint_norm: Optional[float], tables_norm: float, engine_norm: float) -> tuple:

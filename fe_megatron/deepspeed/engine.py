@@ -80,7 +80,7 @@ class DeepSpeedRun(EngineRun):
 
     engine: object  # deepspeed.DeepSpeedEngine around the FactorEngramForCausalLM
     tables: object  # StoredTables, or None when ZeRO holds the tables
-    clipping: object = None  # JointClipping of the engine and the tables outside ZeRO, or None
+    clipping: object = None  # JointClipping: the step's norm over the engine and the tables outside ZeRO
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
 
     def data_parallel_rank(self) -> int:
@@ -136,13 +136,11 @@ class DeepSpeedRun(EngineRun):
                 dist.all_reduce(sums)  # halt before the update, on every rank alike
                 if sums[2] > 0:
                     return self._nonfinite(sums, nonfinite)
-                if self.clipping is not None:
-                    self.clipping.begin_step()  # the tables' norm, which the engine's step clips by too
+                self.clipping.begin_step()  # the tables' norm, which the engine's step clips by too
             self.engine.step()  # updates at the gradient-accumulation boundary only
         norm = self.engine.get_global_grad_norm()
-        norm = float(norm) if norm is not None else 0.0
+        clip_by, norm = self.clipping.norms(float(norm) if norm is not None else 0.0)
         if self.tables is not None:  # clipped by the one norm of every gradient
-            clip_by, norm = self.clipping.norms(norm)
             if math.isfinite(norm):
                 self.tables.step(clip_by)
             else:  # DeepSpeed skipped its update (or took a zero one): the tables take none
@@ -484,7 +482,7 @@ def set_up(cfg) -> DeepSpeedRun:
     elif kind == "hf":
         log(f"loaded the weights of {where} (a Hugging Face model); training starts at step 0")
 
-    clipping = JointClipping(engine, tables) if tables is not None else None
+    clipping = JointClipping(engine, tables)
     run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=tables, clipping=clipping, datasets=start.datasets,
                        num_microbatches=microbatches_per_rank(t, dp),
                        metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, step), start_step=step,
@@ -493,7 +491,7 @@ def set_up(cfg) -> DeepSpeedRun:
                     "replicated": "tables whole outside ZeRO"}[tables_mode]
     if plan is not None:
         where_tables += "; " + plan.describe()
-    if clipping is not None and cfg.optimizer.clip_grad > 0:
+    if tables is not None and cfg.optimizer.clip_grad > 0:
         where_tables += "; " + clipping.describe()
     begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, {where_tables}",
           world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
