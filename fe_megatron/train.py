@@ -3,6 +3,12 @@
 The engines are `fe_megatron.megatron.engine` (the default) and `fe_megatron.deepspeed.engine`
 (``training.engine: deepspeed``); each has ``set_up(cfg)`` returning its run and ``shut_down()``.
 See `DESCRIPTION` (the ``--help`` text) and docs/training.md.
+
+Nothing heavy is imported at module level (torch, the engines: inside the functions).  A process
+that multiprocessing's ``spawn`` starts imports the parent's main module again, and this is that
+module under ``-m fe_megatron.train`` and ``fe-pretrain``: megatron-core's checkpoint writer starts
+its helper process so at the first save (`fe_megatron.megatron.checkpointing`), which took 1 s of
+the trainer's time while it imported torch again.
 """
 
 from __future__ import annotations
@@ -13,10 +19,6 @@ import importlib
 import os
 import sys
 
-import torch
-
-from fe_megatron import ops
-from fe_megatron.training.loop import NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE, NonFiniteError, train
 from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
 DESCRIPTION = """\
@@ -45,9 +47,11 @@ def engine_module(name: str):
     return importlib.import_module(f"fe_megatron.{name}.engine")
 
 
-def check_kernel_backend(name: str, device: torch.device) -> None:
-    """A forced kernel backend must be built and take tensors of the run's device: the tables'
-    gathers, their (row-exchanged) gradients and the hash all run on it."""
+def check_kernel_backend(name: str, device) -> None:
+    """A forced kernel backend must be built and take tensors of the run's device (a torch.device):
+    the tables' gathers, their (row-exchanged) gradients and the hash all run on it."""
+    from fe_megatron import ops
+
     backend = ops.get_backend(name)
     if device.type not in backend.devices:
         raise ValueError(f"kernel backend {name!r} runs on {'/'.join(backend.devices)} tensors, but this run's "
@@ -57,7 +61,11 @@ def check_kernel_backend(name: str, device: torch.device) -> None:
 
 def pretrain(cfg) -> dict:
     """Run (or resume) the configured pretraining; returns the final metrics."""
+    import torch
+
+    from fe_megatron import ops
     from fe_megatron.config import ConfigError
+    from fe_megatron.training.loop import train
 
     t = cfg.training
     if t.kernel_backend != "auto":
@@ -100,9 +108,12 @@ def main(argv=None) -> int:
                              "run this once before they start the workers")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
     args = parser.parse_intermixed_args(argv)  # overrides may sit between the options
+    import torch
+
     from fe_megatron.config import ConfigError
     from fe_megatron.data.sources import DataError
     from fe_megatron.training.config import load_train_config
+    from fe_megatron.training.loop import NONFINITE_EXIT_CODE, REQUEUE_EXIT_CODE, NonFiniteError
 
     overrides = list(args.overrides)
     if args.load:
