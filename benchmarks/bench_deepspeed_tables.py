@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 MODES = ["zero", "rows", "rows-bf16"]
+TIMEOUT_MINUTES = 30  # a collective without its peers fails after this
 SIZES = {  # as benchmarks/bench_table_sharding.py: the 340M model's 3:1 ratio of tables to backbone
     "small": dict(model=dict(vocab_size=32000, hidden_size=512, num_layers=6, num_attention_heads=8,
                              ffn_hidden_size=1408, seq_length=256),
@@ -59,6 +60,7 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
 
     from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.deepspeed.config import resolve
+    from fe_megatron.deepspeed.clipping import JointClipping
     from fe_megatron.deepspeed.engine import DeepSpeedRun, _init_distributed, build_model
     from fe_megatron.checkpoint.resume_guard import schedule_in_force
     from fe_megatron.deepspeed.tables import StoredTables
@@ -67,7 +69,7 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
 
     size = SIZES[size_name]
     tables, table_dtype = ("rows", "bf16") if mode == "rows-bf16" else (mode, "fp32")
-    _init_distributed()
+    _init_distributed(TIMEOUT_MINUTES)
     world, rank = dist.get_world_size(), dist.get_rank()
     backbone = BackboneConfig.from_dict(size["model"])
     cfg = TrainConfig(model=backbone, memory=MemoryConfig.from_dict(dict(size["memory"], table_dtype=table_dtype),
@@ -83,7 +85,8 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.optimizer), lr=1e-4)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=resolve(cfg, world, False))
     info = {"schedule": schedule_in_force(None, {"config": dataclasses.asdict(cfg)})}
-    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=row_tables, datasets=(), metrics=None,
+    run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=row_tables, clipping=JointClipping(engine, row_tables),
+                       datasets=(), metrics=None,
                        num_microbatches=size["microbatches"], start_step=0, parameters=0)
     gen = torch.Generator().manual_seed(100 + rank)
     seq, batches = backbone.seq_length, []
@@ -114,7 +117,7 @@ def gather_worker(repeats: int) -> None:
     from fe_megatron.config import MemoryConfig
     from fe_megatron.deepspeed.engine import _init_distributed
 
-    _init_distributed()
+    _init_distributed(TIMEOUT_MINUTES)
     world, rank = dist.get_world_size(), dist.get_rank()
     from fe_megatron.ngram import NgramHasher
 

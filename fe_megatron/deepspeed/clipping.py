@@ -87,10 +87,11 @@ class JointClipping:
     def describe(self) -> str:
         optimizer = type(self.engine.optimizer).__name__
         if self.joined:
-            return "one gradient norm over ZeRO's parameters and the tables"
+            return f"one gradient norm over DeepSpeed's parameters and the tables ({optimizer}'s, widened)"
         return (f"clipping per part: DeepSpeed's {optimizer} clips its parameters by their norm, the tables are "
                 "clipped by theirs (one norm needs DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, "
-                "FP16_UnfusedOptimizer, BF16_Optimizer, or stage 0 in fp32; docs/deepspeed.md)")
+                "FP16_UnfusedOptimizer without LAMB, BF16_Optimizer without a model-parallel unit or MoE layers, "
+                "or a torch optimizer in fp32; docs/deepspeed.md)")
 
     def begin_step(self) -> None:
         """The tables' norm for this step (their gradients reduced; collective over their groups) and,
@@ -99,7 +100,10 @@ class JointClipping:
         self.tables_norm = self.tables.tables.grad_norm() if self.tables is not None else 0.0
         self.joint_norm = None
         if self.takes_fp32_norm:
-            self._joint([_norm(self._fp32_grads())], 1.0)
+            grads = self._fp32_grads()
+            if not math.isfinite(float(self._joint([_norm(grads)], 1.0))):
+                for grad in grads:  # a torch optimizer steps whatever its gradients: zero ones, as ZeRO's clip leaves
+                    grad.zero_()
 
     def norms(self, engine_norm: float) -> tuple:
         """``(clip_by, total)`` after the engine's step: the norm to clip the tables by, and the norm of
@@ -158,7 +162,7 @@ class JointClipping:
             def unscale_and_clip_grads(total_norm, apply_scale=True):
                 scale = optimizer.loss_scale_config.cur_scale
                 joint = self._joint([total_norm], scale, like=total_norm)
-                optimizer._global_grad_norm = joint / scale  # what the engine reports, set just before
+                optimizer._global_grad_norm = float(joint) / scale  # what the engine reports, set just before
                 return original(joint, apply_scale)
 
             optimizer.unscale_and_clip_grads = unscale_and_clip_grads
@@ -189,12 +193,13 @@ class JointClipping:
     @torch.no_grad()
     def _clip_fp32(self) -> None:
         """Stage 0 in fp32: the engine's gradients (averaged over the ranks already) clipped by the joint
-        norm (`begin_step`'s), as `StoredTables.step` clips the tables."""
-        grads = self._fp32_grads()
-        joint = self.joint_norm if self.joint_norm is not None else float(self._joint([_norm(grads)], 1.0))
-        coefficient = self.engine.gradient_clipping() / (joint + 1e-6)
-        if coefficient < 1.0:  # an invalid norm (inf) zeroes the gradients, as DeepSpeed's ZeRO clip does
-            for grad in grads:
+        norm that `begin_step` took (the engine's step at the boundary always follows it), as
+        `StoredTables.step` clips the tables.  A non-finite norm: `begin_step` zeroed them."""
+        if not math.isfinite(self.joint_norm):
+            return
+        coefficient = self.engine.gradient_clipping() / (self.joint_norm + 1e-6)
+        if coefficient < 1.0:
+            for grad in self._fp32_grads():
                 grad.mul_(coefficient)
 
 

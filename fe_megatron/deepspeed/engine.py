@@ -80,7 +80,7 @@ class DeepSpeedRun(EngineRun):
 
     engine: object  # deepspeed.DeepSpeedEngine around the FactorEngramForCausalLM
     tables: object  # StoredTables, or None when ZeRO holds the tables
-    clipping: object = None  # JointClipping: the step's norm over the engine and the tables outside ZeRO
+    clipping: object  # JointClipping: the step's norm over the engine and the tables outside ZeRO
     step_index: int = 0  # the next optimizer step (0-based), which sets the learning rate
 
     def data_parallel_rank(self) -> int:
@@ -151,7 +151,8 @@ class DeepSpeedRun(EngineRun):
             tables = ", and the tables outside ZeRO took none" if self.tables is not None else ""
             result.updated, result.nonfinite = False, [
                 f"every microbatch's loss is finite but the gradient norm is {norm}; DeepSpeed skipped its update "
-                f"or applied a zero gradient (ZeRO clips by an infinite norm){tables}"]
+                f"or applied a zero gradient (ZeRO clips by an infinite norm; without ZeRO the gradients were "
+                f"zeroed){tables}"]
         return result
 
     def _nonfinite(self, sums, mine: list) -> StepResult:
@@ -341,7 +342,7 @@ def load_hf_weights(model, directory: str) -> None:
 # ----------------------------------------------------------------------------- set-up
 # What DeepSpeed prints with print() that tells a user nothing: its shared-memory all-reduce for CPUs,
 # compiled on first use, announces itself on every rank; BF16_Optimizer reports the memory in use
-# four times as it is built (see_memory_usage(force=True)), on rank 0
+# before and after it builds each parameter group (see_memory_usage(force=True)), on rank 0
 KNOWN_DEEPSPEED_NOTICES = tuple(re.compile(pattern) for pattern in (
     r"^DeepSpeed \S+ built successfully$",
     r"^(begin bf16_optimizer|end bf16_ optimizer|(before|after) initializing group \d+)$",
@@ -353,7 +354,8 @@ KNOWN_DEEPSPEED_NOTICES = tuple(re.compile(pattern) for pattern in (
 @contextlib.contextmanager
 def known_notices_dropped():
     """Run the block with DeepSpeed's `KNOWN_DEEPSPEED_NOTICES` left out of stdout; every other line
-    it printed is printed after it, also when it raised."""
+    it printed is printed after it, also when it raised (so it appears when the block ends, and not
+    at all if the process dies inside it; stderr and DeepSpeed's logger are not held)."""
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
