@@ -61,11 +61,10 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
     from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.deepspeed.config import resolve
     from fe_megatron.deepspeed.clipping import JointClipping
-    from fe_megatron.deepspeed.engine import DeepSpeedRun, _init_distributed, build_model
+    from fe_megatron.deepspeed.engine import DeepSpeedRun, _init_distributed, build_engine
     from fe_megatron.checkpoint.resume_guard import schedule_in_force
-    from fe_megatron.deepspeed.tables import StoredTables
+    from fe_megatron.tables.plan import TablePlan
     from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
-    from fe_megatron.training.param_groups import parameter_groups
 
     size = SIZES[size_name]
     tables, table_dtype = ("rows", "bf16") if mode == "rows-bf16" else (mode, "fp32")
@@ -79,11 +78,8 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
                       training=TrainingArgs(engine="deepspeed", train_steps=1000, micro_batch_size=size["micro_batch"],
                                             global_batch_size=size["micro_batch"] * size["microbatches"] * world),
                       deepspeed={"zero_optimization": {"stage": 3}})
-    torch.manual_seed(1)
-    model = build_model(cfg, dist.group.WORLD if tables == "rows" else None)
-    row_tables = StoredTables(model, cfg.optimizer, cfg.optimizer.table_state_dtype) if tables == "rows" else None
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.optimizer), lr=1e-4)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=resolve(cfg, world, False))
+    plan = TablePlan.for_run(cfg)  # fe-pretrain's own set-up (fe_megatron.deepspeed.engine.set_up), without data
+    engine, row_tables, _ = build_engine(deepspeed, cfg, resolve(cfg, world, False), plan, plan.mode)
     info = {"schedule": schedule_in_force(None, {"config": dataclasses.asdict(cfg)})}
     run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=row_tables, clipping=JointClipping(engine, row_tables),
                        datasets=(), metrics=None,

@@ -101,7 +101,8 @@ class JointClipping:
         self.joint_norm = None
         if self.takes_fp32_norm:
             grads = self._fp32_grads()
-            if not math.isfinite(float(self._joint([_norm(grads)], 1.0))):
+            self._joint([_norm(grads)], 1.0)  # sets joint_norm
+            if not math.isfinite(self.joint_norm):
                 for grad in grads:  # a torch optimizer steps whatever its gradients: zero ones, as ZeRO's clip leaves
                     grad.zero_()
 
