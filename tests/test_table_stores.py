@@ -55,18 +55,29 @@ def test_a_store_gathers_and_accumulates_what_the_parameter_would(placement):
     assert torch.equal(got, expected)
     torch.testing.assert_close(store.main_grad, branch.tables.weight.grad, rtol=1e-6, atol=1e-7)
     assert "tables.weight" not in dict(stored.named_parameters())  # no framework sees it as a parameter
+    assert "tables.weight" not in dict(stored.named_buffers())  # nor as a buffer (DDP would broadcast it)
     assert stored.state_dict(keep_vars=True)["tables.weight"] is store.weight  # checkpoints do, by the same name
 
 
 def test_module_casts_and_moves_leave_a_store_as_it_is():
     branch, hidden, ids = branch_and_inputs(table_dtype="bf16", table_placement="host")
     ManagedTables({"branch": branch}, OptimizerArgs(), "bf16")
+    rows = branch.tables.weight
     branch.to(torch.float64)
     assert branch.tables.weight.dtype == torch.bfloat16 and branch.dictionary.dtype == torch.float64
+    branch.float()
+    assert branch.tables.weight is rows and branch.dictionary.dtype == torch.float32
     assert branch.tables.store.main_grad.dtype == torch.bfloat16  # optimizer.table_state_dtype
     values = torch.randn(branch.tables.weight.shape)
     branch.load_state_dict(dict(branch.state_dict(), **{"tables.weight": values}))
     assert torch.equal(branch.tables.store.weight, values.to(torch.bfloat16))  # loaded into the store, rounded
+    assert branch.tables.weight is rows  # in place
+    state = branch.state_dict()
+    with pytest.raises(RuntimeError, match=r"size mismatch for tables.weight: copying a table of shape \(3, "):
+        branch.load_state_dict(dict(state, **{"tables.weight": torch.randn(3, rows.shape[1])}))
+    del state["tables.weight"]
+    with pytest.raises(RuntimeError, match="Missing key.*tables.weight"):
+        branch.load_state_dict(state)
 
 
 def test_host_gradients_are_added_in_arrival_order():

@@ -69,7 +69,7 @@ def count_parameters(model) -> int:
         if param_is_not_tensor_parallel_duplicate(param):
             expert = not getattr(param, "allreduce", True) and not getattr(param, "is_memory_table", False)
             local[1 if getattr(param, "row_sharded", False) else 2 if expert else 0] += param.numel()
-    for branch in memory_branches(model).values():  # tables in stores are buffers (table_optimizer.py)
+    for branch in memory_branches(model).values():  # tables in stores are no parameters (table_optimizer.py)
         if branch.tables.store is not None:
             local[0 if branch.row_partition is None else 1] += branch.tables.weight.numel()
     torch.distributed.all_reduce(local[1:2], group=table_row_group())

@@ -4,7 +4,8 @@ backbone.
 
 When the run's tables are in stores (`fe_megatron.tables.plan.TablePlan`) `manage_tables` moves every memory
 branch of this pipeline stage into one before the model goes to the GPU, so host-resident tables
-never touch it.  The tables are then buffers, not parameters:
+never touch it.  The tables are then neither parameters nor buffers of the model (their
+rows are the stores', `fe_megatron.memory.tables.NgramTables`):
 Megatron's DDP neither buckets nor all-reduces them and its optimizer keeps no fp32 copy of them.
 `TableOptimizer` trains them as a member of Megatron's `ChainedOptimizer` (in the place Megatron's
 own table optimizer holds otherwise, `fe_megatron.megatron.memory_layer`), so that

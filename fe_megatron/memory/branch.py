@@ -73,8 +73,8 @@ class MemoryBranch(nn.Module):
         return local_shape(self.kind, name, global_shape, self.parallel.tensor_parallel_size, self.row_partition)
 
     def local_tensor(self, name: str) -> torch.Tensor:
-        """This rank's values of parameter ``name`` (a parameter, or a table's buffer once its rows are
-        in a `TableStore`)."""
+        """This rank's values of parameter ``name`` (a parameter, or a table's rows wherever they live,
+        a `TableStore`'s included)."""
         module, _, attribute = name.rpartition(".")
         return getattr(self.get_submodule(module), attribute)
 

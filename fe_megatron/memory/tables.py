@@ -4,7 +4,7 @@ The rows are FactorEngram's coefficients z or Engram's dense embeddings; both ar
 the same way, by n-gram (`fe_megatron.ngram`).  They are stored as ``MemoryConfig.table_dtype``
 says (`fe_megatron.tables.storage`): fp32, bf16 or fp8 (for serving, where only the gathered
 rows are dequantized).  A table trained by fe_megatron's own optimizer lives in a `TableStore`
-(`manage`): device or host memory, outside the module's parameters.
+(`manage`): device or host memory, outside the module's parameters and buffers.
 """
 
 from typing import Optional
@@ -26,10 +26,17 @@ class NgramTables(nn.Module):
     Under tensor parallelism ``width`` is this rank's column slice of ``s_b``, and the result is
     its slice of every branch, branch-major.
 
-    ``weight`` is a parameter (fp32 tables trained by the engine's optimizer; bf16 and fp8
-    serving tables, which do not require gradients) until `manage` moves it into a `TableStore`;
-    it is then a buffer over the store's rows, still in the state dict under the same name, but
-    no parameter: no framework wraps, moves, casts or updates it.
+    ``weight`` is one of:
+
+    * a parameter: fp32 tables trained by the engine's optimizer, or bf16 and fp8 serving tables,
+      which do not require gradients;
+    * the rows of a `TableStore` (``store``), once `manage` has handed them to one for fe_megatron's
+      table optimizer: neither a parameter nor a buffer of the module, so no framework wraps,
+      moves, casts, partitions, broadcasts or updates them (``module.to``, ``.bfloat16()``, ZeRO,
+      DDP's buffer broadcast).  The state dict still holds them under ``weight``
+      (`_save_to_state_dict`, `_load_from_state_dict`) unless the engine saves them itself;
+    * an unset placeholder on the meta device, for tables mapped from a checkpoint file
+      (`release_for_mapping`).
     """
 
     def __init__(self, total_rows: int, width: int, table_dtype: str = "fp32"):
@@ -41,6 +48,7 @@ class NgramTables(nn.Module):
         if has_row_scale(table_dtype):
             self.row_scale = nn.Parameter(torch.ones(total_rows), requires_grad=False)
         self.store: Optional[TableStore] = None
+        self.store_in_state_dict = True
 
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         if self.weight.is_meta:
@@ -55,11 +63,22 @@ class NgramTables(nn.Module):
         scales = self.row_scale.index_select(0, flat) if has_row_scale(self.table_dtype) else None
         return dequantize_rows(rows, scales).reshape(*indices.shape[:-1], -1)
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """This table's rows (see the class docstring): the store's, else the parameter or placeholder."""
+        store = self.__dict__.get("store")
+        if store is not None:
+            return store.weight
+        for tensors in (self._parameters, self._buffers):
+            if "weight" in tensors:
+                return tensors["weight"]
+        raise AttributeError("this NgramTables holds no rows")
+
     def manage(self, placement: str, device=None, in_state_dict: bool = True) -> TableStore:
-        """Move the rows into a `TableStore` in ``placement`` ("device": on ``device``, default where
-        they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16).  ``in_state_dict``:
-        whether the module's state dict keeps them (under the same name), or an engine saves them
-        in files of its own.  Idempotent."""
+        """Hand the rows to a `TableStore` in ``placement`` ("device": on ``device``, default where
+        they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16); the parameter is
+        dropped.  ``in_state_dict``: whether the module's state dict keeps the rows (under the same
+        name), or an engine saves them in files of its own.  Idempotent."""
         if self.store is not None:
             return self.store
         if self.table_dtype not in ("fp32", "bf16") or self.weight.is_meta:
@@ -68,21 +87,32 @@ class NgramTables(nn.Module):
         weight = self.weight.detach().to(STORAGE[self.table_dtype])
         if placement == "device" and device is not None:
             weight = weight.to(device)
-        store = TableStore(weight, placement)
-        del self.weight
-        self.register_buffer("weight", store.weight, persistent=in_state_dict)
-        self.store = store
-        return store
+        del self._parameters["weight"]
+        self.store, self.store_in_state_dict = TableStore(weight, placement), in_state_dict
+        return self.store
 
-    def _apply(self, fn, recurse=True):
-        """``module.to(...)``, ``.cuda()``, ``.bfloat16()``: a store's rows stay where and as they are."""
-        if self.store is None:
-            return super()._apply(fn, recurse)
-        weight = self._buffers.pop("weight")
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._buffers["weight"] = weight
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.store is not None and self.store_in_state_dict:
+            destination[prefix + "weight"] = self.store.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "weight"
+        if self.store is None or not self.store_in_state_dict:
+            return
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            missing_keys.append(key)
+        elif tuple(state_dict[key].shape) != tuple(self.store.weight.shape):
+            error_msgs.append(f"size mismatch for {key}: copying a table of shape {tuple(state_dict[key].shape)}, "
+                              f"the shape in the current model is {tuple(self.store.weight.shape)}")
+        else:
+            with torch.no_grad():
+                self.store.weight.copy_(state_dict[key])
 
     def release_for_mapping(self) -> None:
         """Hold no rows: ``weight`` becomes an unset, non-persistent buffer of the same shape and
