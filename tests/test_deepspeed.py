@@ -442,6 +442,8 @@ def test_the_deepspeed_internals_that_clipping_wraps_are_there():
     ({"optimizer": {"type": "Lamb"}}, "optimizer.type='Lamb'"),
     ({"scheduler": {"type": "WarmupLR"}}, "remove deepspeed.scheduler"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4 is not one of 0, 1, 2, 3"),
+    ({"zero_optimization": {"stage": 2, "compute_grad_norm": False}},
+     "compute_grad_norm=False: fe-pretrain needs DeepSpeed's gradient norm"),
     ({"checkpoint": {"writer": {"type": "decoupled"}}}, "checkpoint.writer={'type': 'decoupled'}: fe-pretrain "
                                                        "commits every checkpoint itself"),
     ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage=true"),

@@ -80,6 +80,12 @@ def resolve(cfg, data_parallel_size: int, bf16: bool) -> dict:
     stage = zero.setdefault("stage", 0)
     if stage not in (0, 1, 2, 3):
         raise ConfigError("deepspeed", f"zero_optimization.stage={stage!r} is not one of 0, 1, 2, 3", None, None)
+    if zero.get("compute_grad_norm", True) is not True:
+        raise ConfigError("deepspeed", f"zero_optimization.compute_grad_norm={zero['compute_grad_norm']!r}: "
+                                       "fe-pretrain needs DeepSpeed's gradient norm: it logs it every step, clips the "
+                                       "tables outside ZeRO by the same global norm, and recognizes a skipped "
+                                       "(non-finite) update by it; remove zero_optimization.compute_grad_norm",
+                          None, None)
     if stage == 3 and cfg.parallel.table_sharding == "rows":
         zero.setdefault("stage3_param_persistence_threshold", 0)
 
