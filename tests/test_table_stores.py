@@ -57,6 +57,10 @@ def test_a_store_gathers_and_accumulates_what_the_parameter_would(placement):
     assert "tables.weight" not in dict(stored.named_parameters())  # no framework sees it as a parameter
     assert "tables.weight" not in dict(stored.named_buffers())  # nor as a buffer (DDP would broadcast it)
     assert stored.state_dict(keep_vars=True)["tables.weight"] is store.weight  # checkpoints do, by the same name
+    saved = stored.state_dict()["tables.weight"]  # detached: without the store's main_grad or layout
+    assert torch.equal(saved, store.weight) and not hasattr(saved, "main_grad") and not hasattr(saved, "table_layout")
+    with pytest.raises(AttributeError, match="rows are in a TableStore"):
+        stored.tables.weight = torch.zeros_like(store.weight)
 
 
 def test_module_casts_and_moves_leave_a_store_as_it_is():
@@ -78,6 +82,8 @@ def test_module_casts_and_moves_leave_a_store_as_it_is():
     del state["tables.weight"]
     with pytest.raises(RuntimeError, match="Missing key.*tables.weight"):
         branch.load_state_dict(state)
+    branch.load_state_dict(state, strict=False)  # not strict: a missing table is left as it is
+    assert torch.equal(branch.tables.store.weight, values.to(torch.bfloat16))
 
 
 def test_host_gradients_are_added_in_arrival_order():

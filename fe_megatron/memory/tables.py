@@ -72,7 +72,18 @@ class NgramTables(nn.Module):
         for tensors in (self._parameters, self._buffers):
             if "weight" in tensors:
                 return tensors["weight"]
-        raise AttributeError("this NgramTables holds no rows")
+        raise AttributeError("weight")
+
+    @weight.setter
+    def weight(self, value) -> None:  # reached only when neither a parameter nor a buffer holds the rows
+        raise AttributeError("this table's rows are in a TableStore, trained by fe_megatron's table optimizer: "
+                             "write them in place (tables.weight.copy_(...)) or with load_state_dict"
+                             if self.store is not None else "NgramTables.weight: assign a Parameter")
+
+    @weight.deleter
+    def weight(self) -> None:
+        raise AttributeError("this table's rows are in a TableStore, trained by fe_megatron's table optimizer; "
+                             "they stay there for the module's life")
 
     def manage(self, placement: str, device=None, in_state_dict: bool = True) -> TableStore:
         """Hand the rows to a `TableStore` in ``placement`` ("device": on ``device``, default where
@@ -81,9 +92,10 @@ class NgramTables(nn.Module):
         name), or an engine saves them in files of its own.  Idempotent."""
         if self.store is not None:
             return self.store
-        if self.table_dtype not in ("fp32", "bf16") or self.weight.is_meta:
+        mapped = "weight" in self._buffers  # release_for_mapping: a placeholder, or a view of a checkpoint file
+        if self.table_dtype not in ("fp32", "bf16") or mapped:
             raise ValueError(f"only fp32 and bf16 tables held in memory can be trained from a store; this one is "
-                             f"{'mapped from a file' if self.weight.is_meta else self.table_dtype}")
+                             f"{'mapped from a file (load the model without table_storage=mmap)' if mapped else self.table_dtype}")
         weight = self.weight.detach().to(STORAGE[self.table_dtype])
         if placement == "device" and device is not None:
             weight = weight.to(device)
@@ -94,7 +106,7 @@ class NgramTables(nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.store is not None and self.store_in_state_dict:
-            destination[prefix + "weight"] = self.store.weight
+            destination[prefix + "weight"] = self.store.weight if keep_vars else self.store.weight.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -106,11 +118,14 @@ class NgramTables(nn.Module):
         if key in unexpected_keys:
             unexpected_keys.remove(key)
         if key not in state_dict:
-            missing_keys.append(key)
+            if strict:
+                missing_keys.append(key)
+        elif not isinstance(state_dict[key], torch.Tensor):
+            error_msgs.append(f"{key}: expected a tensor, got {type(state_dict[key]).__name__}")
         elif tuple(state_dict[key].shape) != tuple(self.store.weight.shape):
             error_msgs.append(f"size mismatch for {key}: copying a table of shape {tuple(state_dict[key].shape)}, "
                               f"the shape in the current model is {tuple(self.store.weight.shape)}")
-        else:
+        else:  # in place, also under assign=True: the store keeps its rows' placement and dtype
             with torch.no_grad():
                 self.store.weight.copy_(state_dict[key])
 

@@ -240,7 +240,7 @@ def main():
 
 
 def weights(model) -> dict:
-    """Every parameter of the model, and the tables that live in stores (buffers, not parameters)."""
+    """Every parameter of the model, and the tables that live in stores (no parameters of the model)."""
     tables = {f"{name}.tables.weight": branch.tables.weight for name, branch in memory_branches(model).items()}
     return dict(model.named_parameters(), **tables)
 
