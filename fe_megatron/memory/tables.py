@@ -94,8 +94,9 @@ class NgramTables(nn.Module):
             return self.store
         mapped = "weight" in self._buffers  # release_for_mapping: a placeholder, or a view of a checkpoint file
         if self.table_dtype not in ("fp32", "bf16") or mapped:
+            what = "mapped from a file (load the model without table_storage=mmap)" if mapped else self.table_dtype
             raise ValueError(f"only fp32 and bf16 tables held in memory can be trained from a store; this one is "
-                             f"{'mapped from a file (load the model without table_storage=mmap)' if mapped else self.table_dtype}")
+                             f"{what}")
         weight = self.weight.detach().to(STORAGE[self.table_dtype])
         if placement == "device" and device is not None:
             weight = weight.to(device)
