@@ -73,7 +73,8 @@ class JointClipping:
     ``tables.step`` and the step's report.  ``joined``: whether the engine's optimizer is one whose
     norm is widened (otherwise the tables are clipped by their own norm and DeepSpeed's parameters
     by theirs).  A plain torch optimizer (stage 0 in fp32) has no norm DeepSpeed would report:
-    `begin_step` takes it, with or without tables, so that every step reports its gradient norm."""
+    `begin_step` takes it, with or without tables, so that every step reports its gradient norm, and
+    the engine's clip uses it instead of taking it a second time."""
 
     def __init__(self, engine, tables=None):
         self.engine, self.tables = engine, tables
@@ -82,7 +83,8 @@ class JointClipping:
         self.engine_reports_joint = False  # BF16_Optimizer: its reported norm is the joint one (no hook sees it)
         self.takes_fp32_norm = isinstance(engine.optimizer, torch.optim.Optimizer) and not engine.zero_optimization() \
             and not engine.bfloat16_enabled() and not engine.fp16_enabled()
-        self.joined = self._install(engine) if tables is not None else False
+        # a torch optimizer is clipped by the norm begin_step took, with or without tables: not by a second one
+        self.joined = self._install(engine) if tables is not None or self.takes_fp32_norm else False
 
     def describe(self) -> str:
         optimizer = type(self.engine.optimizer).__name__

@@ -16,9 +16,9 @@ the tables are ZeRO's parameters, as with ``zero``.)
 Either way `StoredTables` trains them with `fe_megatron.tables.managed.ManagedTables`, as the
 Megatron engine trains tables in stores: each table's rows leave the module's parameters for its
 store, which no framework moves, casts, partitions or updates, and which DeepSpeed's module
-checkpoint leaves out (the rows are saved in files of their own, below); in stores on the device or on the host,
-their gradients averaged as DeepSpeed averages its own, with `TableAdamW` and the optimizer
-section's learning-rate and weight-decay multipliers.
+checkpoint leaves out (the rows are saved in files of their own, below); in stores on the device
+or on the host, their gradients averaged as DeepSpeed averages its own, with `TableAdamW` and the
+optimizer section's learning-rate and weight-decay multipliers.
 
 Gradient clipping: one global norm over DeepSpeed's parameters and the tables, as Megatron's
 engine clips (`fe_megatron.deepspeed.clipping`: DeepSpeed's norm is widened by the tables').

@@ -113,9 +113,9 @@ class NgramTables(nn.Module):
                               error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        key = prefix + "weight"
         if self.store is None or not self.store_in_state_dict:
             return
+        key = prefix + "weight"
         if key in unexpected_keys:
             unexpected_keys.remove(key)
         if key not in state_dict:
