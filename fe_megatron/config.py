@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from fe_megatron.suggest import did_you_mean, unknown_name
+
 PLACEMENTS = ("before_attn", "before_ffn", "inside_ffn")
 GATES = ("basis", "scalar", "none")
 MEMORY_KINDS = ("factorengram", "engram")
@@ -334,7 +336,8 @@ class MemoryConfig:
         spec = values.get("backbone", BackboneConfig())
         if isinstance(spec, str):
             if spec not in BACKBONES:
-                raise ConfigError("backbone", f"unknown backbone {spec!r}; available: {', '.join(sorted(BACKBONES))}",
+                raise ConfigError("backbone", f"unknown backbone {spec!r}{did_you_mean(spec, BACKBONES)} "
+                                              f"(available: {', '.join(sorted(BACKBONES))})",
                                   _line(where.get("backbone")))
             spec = {"preset": spec}
         if isinstance(spec, dict):
@@ -382,7 +385,8 @@ def apply_preset(values: dict, presets: dict, what: str, where: Optional[dict], 
     if name is None:
         return values
     if name not in presets:
-        raise ConfigError("preset", f"unknown {what} preset {name!r}; available: {', '.join(sorted(presets))}",
+        raise ConfigError("preset", f"unknown {what} preset {name!r}{did_you_mean(name, presets)} "
+                                    f"(available: {', '.join(sorted(presets))})",
                           (where or {}).get("preset"), section)
     return {**presets[name], **values}
 
@@ -440,8 +444,7 @@ def _build(cls, values: dict, where: dict, section: str):
     unknown = sorted(set(values) - known)
     if unknown:
         key = unknown[0]
-        raise ConfigError(key, f"unknown field (known fields: {', '.join(sorted(known))})",
-                          _line(where.get(key)), section)
+        raise ConfigError(key, unknown_name("field", key, known), _line(where.get(key)), section)
     try:
         return cls(**values)
     except ConfigError as err:

@@ -73,6 +73,28 @@ def test_invalid_values_name_the_field_and_range(overrides, field, fragment):
     assert f"MemoryConfig.{field}" in str(info.value)
 
 
+def test_a_mistyped_name_is_answered_with_the_closest_known_one():
+    from fe_megatron.suggest import did_you_mean, unknown_name
+
+    assert did_you_mean("trian_steps", ["seed", "train_steps"], prefix="training.") == \
+        "; did you mean training.train_steps?"
+    assert did_you_mean("Train_Steps", ["train_steps"]) == "; did you mean train_steps?"
+    assert did_you_mean("zzz", ["train_steps"]) == ""
+    # a long list is left out beside a suggestion, kept without one or when it is short
+    many = [f"field_{i}" for i in range(20)] + ["train_steps"]
+    assert unknown_name("field", "trian_steps", many) == "unknown field; did you mean train_steps?"
+    assert unknown_name("field", "zzz", ["b", "a"]) == "unknown field (known: a, b)"
+    assert unknown_name("section", "optimiser", ["data", "optimizer"]) == \
+        "unknown section; did you mean optimizer? (known: data, optimizer)"
+    with pytest.raises(ConfigError, match=r"^MemoryConfig\.layer: unknown field; did you mean layers\?$"):
+        MemoryConfig.from_preset("factorengram-tiny", layer=[1])
+    with pytest.raises(ConfigError, match=r"unknown memory preset 'factorengram-340M'; did you mean "
+                                          r"factorengram-340m\? \(available: engram-1b, "):
+        MemoryConfig.from_preset("factorengram-340M")
+    with pytest.raises(ConfigError, match=r"unknown backbone 'Tiny'; did you mean tiny\? \(available: 1b, 340m, tiny\)"):
+        MemoryConfig.from_preset("factorengram-tiny", backbone="Tiny")
+
+
 def test_yaml_roundtrip_and_preset(tmp_path):
     path = tmp_path / "mem.yaml"
     path.write_text(textwrap.dedent("""\

@@ -307,6 +307,22 @@ def test_train_config_errors(overrides, field):
     assert re.search(rf"(^|: ){re.escape(field)}: ", str(info.value)) and not str(info.value).startswith("Memory")
 
 
+@pytest.mark.parametrize("override, answer", [
+    ("training.trian_steps=30", "training.trian_steps: unknown field; did you mean training.train_steps?"),
+    ("optimiser.lr=1e-3", "override 'optimiser.lr=1e-3': optimiser: unknown section; did you mean optimizer? "
+                          "(known: data, deepspeed, load, memory, model, optimizer, parallel, save, tensorboard_dir, "
+                          "training)"),
+    ("training.lr=1e-3", "training.lr: unknown field; lr is a field of optimizer: did you mean optimizer.lr?"),
+    ("training.zzz=1", "training.zzz: unknown field (known: deterministic_table_grads, engine, "),
+])
+def test_a_mistyped_key_is_answered_with_the_closest_known_one(override, answer):
+    with pytest.raises(ConfigError) as info:
+        load_train_config(CONFIG, [override])
+    assert answer in str(info.value)
+    if "did you mean training." in answer:  # the section's 20 fields are not listed beside the answer
+        assert "(known:" not in str(info.value)
+
+
 def test_train_config_error_names_the_file_line_or_override(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(open(CONFIG).read().replace("warmup_steps: 20", "warmup_steps: 900"))

@@ -24,6 +24,7 @@ from fe_megatron.tables.optimizer import STATE_DTYPES
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.tables.sparse_update import TABLE_UPDATES
 from fe_megatron.ops import BACKEND_NAMES
+from fe_megatron.suggest import unknown_name
 
 KERNEL_BACKENDS = ("auto",) + BACKEND_NAMES
 TRANSFORMER_IMPLS = ("local", "te")
@@ -221,9 +222,20 @@ class TrainConfig:
 
 
 def _where(where: dict, section: str, name: str) -> Optional[str]:
+    """The ``file:line`` (or override) of ``section.name``; with ``name`` empty, of the section itself:
+    for a section given as a mapping, where its first key is."""
     entry = where.get(section, {})
-    return entry.get(name) if isinstance(entry, dict) else entry
+    if not isinstance(entry, dict):
+        return entry
+    if name:
+        return entry.get(name)
+    while isinstance(entry, dict) and entry:
+        entry = next(iter(entry.values()))
+    return entry or None
 
+
+# the sections that are mappings of plain fields, and their classes
+FIELD_SECTIONS = {"parallel": ParallelArgs, "optimizer": OptimizerArgs, "training": TrainingArgs, "data": DataArgs}
 
 # sections that may be given as the path of a JSON file (the DeepSpeed config)
 JSON_FILE_SECTIONS = ("deepspeed",)
@@ -271,8 +283,12 @@ def _build_section(cls, values, section: str, where: dict):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(unknown[0], f"unknown field (known: {', '.join(sorted(known))})",
-                          _where(where, section, unknown[0]), section)
+        key = unknown[0]
+        owners = [name for name, other in FIELD_SECTIONS.items()
+                  if other is not cls and key in {f.name for f in dataclasses.fields(other)}]
+        message = (f"unknown field; {key} is a field of {owners[0]}: did you mean {owners[0]}.{key}?" if owners
+                   else unknown_name("field", key, known, prefix=f"{section}."))
+        raise ConfigError(key, message, _where(where, section, key), section)
     return cls(**values)
 
 
@@ -285,8 +301,7 @@ def load_train_config(path: Optional[str], overrides: List[str] = ()) -> TrainCo
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(tree) - known)
     if unknown:
-        raise ConfigError(unknown[0], f"unknown section (known: {', '.join(sorted(known))})",
-                          _where(where, unknown[0], ""), None)
+        raise ConfigError(unknown[0], unknown_name("section", unknown[0], known), _where(where, unknown[0], ""), None)
     model_where = where.get("model") if isinstance(where.get("model"), dict) else {}
     try:
         model = BackboneConfig.from_dict(tree.get("model") or {}, model_where)
