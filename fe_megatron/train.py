@@ -59,6 +59,20 @@ def check_kernel_backend(name: str, device) -> None:
                          f"{[n for n in ops.available_backends() if device.type in ops.get_backend(n).devices]}")
 
 
+def check_data_fits_tokenizer(cfg) -> None:
+    """Data made with another tokenizer is refused before anything starts (process groups, the
+    model, ``metrics.jsonl``): every token id of ``data.train_data`` must lie below the tokenizer's
+    piece count and ``model.vocab_size`` (`fe_megatron.data.vocab_check`).  A tokenizer larger than
+    the embedding is refused first, as such (`fe_megatron.training.run.load_run_tokenizer`)."""
+    from fe_megatron.data.datasets import parse_blend
+    from fe_megatron.data.vocab_check import check_token_ids_fit
+    from fe_megatron.training.run import load_run_tokenizer
+
+    tokenizer = load_run_tokenizer(cfg)
+    prefixes, _ = parse_blend(cfg.data.train_data)
+    check_token_ids_fit(prefixes, cfg.model.vocab_size, cfg.data.tokenizer_model, tokenizer.vocab_size)
+
+
 def pretrain(cfg) -> dict:
     """Run (or resume) the configured pretraining; returns the final metrics."""
     import torch
@@ -74,6 +88,7 @@ def pretrain(cfg) -> dict:
             check_kernel_backend(t.kernel_backend, device)
         except ValueError as err:
             raise ConfigError("kernel_backend", f"{err} (docs/kernels.md)", section="training") from None
+    check_data_fits_tokenizer(cfg)
     ops.set_deterministic_backward(t.deterministic_table_grads)
     engine = engine_module(t.engine)
     with ops.use_backend(t.kernel_backend):  # the whole process's, every thread's, for the run

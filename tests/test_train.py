@@ -279,6 +279,28 @@ def test_tokenizer_larger_than_model_vocab_fails_at_start(small_data, tmp_path):
     assert "has 512 tokens but model.vocab_size=256" in proc.stderr
 
 
+def test_data_made_with_another_tokenizer_fails_before_the_run_starts(small_data, tmp_path):
+    """The data was made with a 512-piece tokenizer; the run is given a 320-piece one and a 320-token
+    vocabulary.  Without the check it started and failed at the first forward, on a token id outside
+    the vocabulary, and left a metrics.jsonl that the next start reported dropping."""
+    from fe_megatron.data.cli import main as fe_data
+
+    smaller = tmp_path / "tok320"
+    assert fe_data(["train-tokenizer", "--input", small_data["subset"], "--output-prefix", str(smaller),
+                    "--vocab-size", "320"]) == 0
+    save = tmp_path / "run"
+    proc = run_pretrain(["--config", CONFIG, "--save", str(save)] + small_overrides(small_data, **{
+        "data.tokenizer_model": f"{smaller}.model", "model.vocab_size": 320,
+        "memory.table_capacity": "[320, 4096, 4096]"}), check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(rf"fe-pretrain: error: {re.escape(small_data['prefix'])}\.bin holds token id \d{{3}} \(its "
+                     rf"largest; every token read\), but the tokenizer {re.escape(str(smaller))}\.model has 320 "
+                     rf"pieces \(ids 0 to 319\): the data was made with another, larger tokenizer\. Re-run "
+                     rf"`fe-data preprocess --tokenizer-model ", proc.stderr), proc.stderr[-2000:]
+    assert not (save / "metrics.jsonl").exists()
+
+
 def test_missing_dataset_fails_at_start(small_data, tmp_path):
     proc = run_pretrain(["--config", CONFIG] + small_overrides(small_data, **{"data.train_data": "[/nonexistent/x]"}),
                         check=False)

@@ -14,7 +14,7 @@ from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from fe_megatron.data.sources import DataError
 
 
-def _parse_blend(train_data: List):
+def parse_blend(train_data: List):
     """``[prefix]`` or ``[weight, prefix, weight, prefix, ...]`` -> (prefixes, weights or None)."""
     if len(train_data) == 1:
         return [str(train_data[0])], None
@@ -27,12 +27,12 @@ def _parse_blend(train_data: List):
 
 def build_datasets(train_data: List, tokenizer, seq_length: int, split: str, sizes: List[int], seed: int,
                    cache_dir: str = None):
-    prefixes, weights = _parse_blend(train_data)
+    prefixes, weights = parse_blend(train_data)
     for prefix in prefixes:
         for path in (get_bin_path(prefix), get_idx_path(prefix)):
             if not os.path.isfile(path):
                 raise DataError(f"data.train_data: {path} does not exist; create it with fe-data preprocess")
-    _check_every_split_has_documents(prefixes, split, sizes)
+    every_split_problems(prefixes, split, sizes)
     config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
                               tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
@@ -40,23 +40,24 @@ def build_datasets(train_data: List, tokenizer, seq_length: int, split: str, siz
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
 
-def _check_every_split_has_documents(prefixes: List[str], split: str, sizes: List[int]) -> None:
+def every_split_problems(prefixes: List[str], split: str, sizes: List[int], split_flag: str = "data.split") -> None:
     """megatron.core loops forever building a split that received no document (its epochs never
-    reach the requested samples): refuse that split by name first."""
+    reach the requested samples): refuse that split by name first (``DataError``). ``sizes``: the
+    samples asked of each split (0: not built); ``split_flag``: what the user set the split with."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import normalize
 
     try:
-        shares = normalize([float(part) for part in split.split(",")])
+        shares = normalize([float(part) for part in split.replace("/", ",").split(",")])
     except ValueError:
-        raise DataError(f"data.split {split!r} must be comma-separated numbers such as 98,1,1") from None
+        raise DataError(f"{split_flag} {split!r} must be comma-separated numbers such as 98,1,1") from None
     for prefix in prefixes:
         documents = len(IndexedDataset(prefix).document_indices) - 1
         for index, name in enumerate(("train", "validation", "test")[:len(shares)]):
             # megatron.core gives split i int(round(share_i * documents)) documents
             if index < len(sizes) and sizes[index] and int(round(shares[index] * documents)) == 0:
-                raise DataError(f"data.split={split}: the {name} split of {prefix} gets none of its {documents} "
-                                f"documents; give it a larger share (e.g. data.split=90,5,5) or add documents")
+                raise DataError(f"{split_flag}={split}: the {name} split of {prefix} gets none of its {documents} "
+                                f"documents; give it a larger share (e.g. {split_flag}=90,5,5) or add documents")
 
 
 def microbatches(dataset, start_sample: int, num_microbatches: int, micro_batch_size: int, attention_mask):
