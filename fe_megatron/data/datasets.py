@@ -47,6 +47,7 @@ def every_split_problems(prefixes: List[str], split: str, sizes: List[int], spli
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import normalize
 
+    given = f"{split_flag} {split}" if split_flag.startswith("--") else f"{split_flag}={split}"
     try:
         shares = normalize([float(part) for part in split.replace("/", ",").split(",")])
     except ValueError:
@@ -55,9 +56,10 @@ def every_split_problems(prefixes: List[str], split: str, sizes: List[int], spli
         documents = len(IndexedDataset(prefix).document_indices) - 1
         for index, name in enumerate(("train", "validation", "test")[:len(shares)]):
             # megatron.core gives split i int(round(share_i * documents)) documents
-            if index < len(sizes) and sizes[index] and int(round(shares[index] * documents)) == 0:
-                raise DataError(f"{split_flag}={split}: the {name} split of {prefix} gets none of its {documents} "
-                                f"documents; give it a larger share (e.g. {split_flag}=90,5,5) or add documents")
+            # (a share of 0 asks for no such split: megatron.core builds none)
+            if index < len(sizes) and sizes[index] and shares[index] > 0 and int(round(shares[index] * documents)) == 0:
+                raise DataError(f"{given}: the {name} split of {prefix} gets none of its {documents} documents; give "
+                                f"it a larger share (e.g. {given.replace(split, '90,5,5')}) or add documents")
 
 
 def microbatches(dataset, start_sample: int, num_microbatches: int, micro_batch_size: int, attention_mask):

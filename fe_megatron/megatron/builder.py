@@ -125,14 +125,20 @@ def with_table_member(optimizer, tables, table_lr_mult: float = 1.0, table_weigh
     return TableChainedOptimizer(compat.optimizer_members(optimizer) + [member])
 
 
-def check_group_identifiers(optimizer):
-    """``optimizer``, refused when two of its parameter groups share the keys a checkpoint loader tells
-    groups apart by."""
-    keys = [compat.group_identifier(group) for group in optimizer.param_groups]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"optimizer parameter groups {keys} share identifiers {compat.STRUCTURAL_GROUP_KEYS}; "
-                         "a checkpoint of them would not load. Change optimizer.table_lr_mult or "
-                         "optimizer.table_weight_decay_mult")
+def check_group_identifiers(optimizer, identifier=None, remedy: str = "change optimizer.table_lr_mult or "
+                            "optimizer.table_weight_decay_mult"):
+    """``optimizer``, refused when two parameter groups of one member of its chain share the identifier
+    a checkpoint loader pairs groups by (each member loads its own groups). ``identifier(group)``:
+    `compat.group_identifier` (the keys every supported release compares; fe-pretrain's loader pairs
+    groups by them, `compat.adopt_checkpoint_group_values`) unless given; Megatron-LM's trainer passes
+    `compat.loader_group_identifier`, the installed release's own, which from 0.19 tells the
+    decoupled-learning-rate groups (``--decoupled-lr``) apart by their rate. ``remedy``: what to change."""
+    identifier = identifier or compat.group_identifier
+    for member in compat.optimizer_members(optimizer):
+        keys = [identifier(group) for group in member.param_groups]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"optimizer parameter groups {keys} share identifiers, so a checkpoint of them "
+                             f"would not load; {remedy}")
     return optimizer
 
 

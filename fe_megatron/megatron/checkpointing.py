@@ -160,7 +160,7 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
         model.load_state_dict(dist_checkpointing.load(_state(model_chunks, None, None, None, True, False),
                                                       folder)["model"])
         return 0
-    _give_fresh_adam_states_a_step(optimizer)
+    give_fresh_adam_states_a_step(optimizer)
     _read_row_states_as_saved(folder, optimizer)
     sharded = _state(model_chunks, optimizer, scheduler, None, True, distributed_optimizer)
     state = dist_checkpointing.load(sharded, folder)
@@ -221,7 +221,7 @@ def _torch_adam_members(optimizer) -> list:
             if isinstance(member, compat.distributed_optimizer_class())]
 
 
-def _give_fresh_adam_states_a_step(optimizer) -> None:
+def give_fresh_adam_states_a_step(optimizer) -> None:
     """Megatron's distributed optimizer on torch's Adam reads the step count off every parameter's
     state when it builds the state dict that a checkpoint is loaded into, and a freshly built
     optimizer has no state yet: give it zero moments and step 0, which the checkpoint overwrites."""
@@ -233,6 +233,20 @@ def _give_fresh_adam_states_a_step(optimizer) -> None:
                     state.setdefault("exp_avg", torch.zeros_like(param))
                     state.setdefault("exp_avg_sq", torch.zeros_like(param))
                     state["step"] = torch.tensor(0.0)
+
+
+def adopt_loaded_adam_step_counts(optimizer) -> None:
+    """After Megatron-LM's loader: the step count a distributed optimizer on torch's Adam loaded into its
+    parameter groups (where it saves it), put into every parameter's state, where torch's Adam reads it
+    (the loader leaves the count `give_fresh_adam_states_a_step` started from there)."""
+    for index, member in _torch_adam_members(optimizer):
+        steps = {group["step"] for group in member.optimizer.param_groups if "step" in group}
+        if len(steps) > 1:
+            raise ValueError(f"the checkpoint's optimizer {index} holds step counts {sorted(steps)}; expected one")
+        if steps:
+            step = float(steps.pop())
+            for param_state in member.optimizer.state.values():
+                param_state["step"] = torch.tensor(step)
 
 
 def _restore_adam_step_counts(state: dict, optimizer) -> None:

@@ -202,6 +202,12 @@ def group_identifier(group: dict) -> tuple:
     return tuple(group.get(key) for key in STRUCTURAL_GROUP_KEYS)
 
 
+def loader_group_identifier(group: dict) -> tuple:
+    """What the installed release's checkpoint loader pairs parameter group ``group`` by
+    (`param_group_identifier_keys`: from 0.19 also the group's schedule values)."""
+    return tuple(group.get(key) for key in param_group_identifier_keys())
+
+
 def adopt_checkpoint_group_values(optimizer, loaded_groups: list) -> list:
     """``loaded_groups``: the checkpoint's parameter groups of each member of ``optimizer``'s chain.
     Give every current parameter group the values the checkpoint's group with the same
@@ -490,6 +496,50 @@ def after_each_save(hook: Callable[[int], None]) -> None:
     training.save_checkpoint = save_then_hook
 
 
+def around_trainer_loads(before: Callable, after: Callable) -> None:
+    """Megatron-LM's trainer calls ``before(optimizer)`` right before it loads a checkpoint (``--load``)
+    into the model and the optimizer it built and ``after(optimizer)`` right after, and loads it without
+    autograd: in an fp32 run the distributed optimizer's main parameters are views of the model's, and
+    its loader copies into them in place, which autograd refuses for views of parameters (fe-pretrain's
+    loader does the same)."""
+    from megatron.training import training
+
+    load_checkpoint = training.load_checkpoint
+
+    def load_between_hooks(model, optimizer, *args, **kwargs):
+        if optimizer is not None:
+            before(optimizer)
+        with torch.no_grad():
+            result = load_checkpoint(model, optimizer, *args, **kwargs)
+        if optimizer is not None:
+            after(optimizer)
+        return result
+
+    training.load_checkpoint = load_between_hooks
+
+
+@contextlib.contextmanager
+def argument_dump_held(held: list):
+    """Inside the block, megatron.training's argument validation appends its argument dump (about 850
+    lines on rank 0) to ``held`` as ``(title, args)`` instead of printing it; print it with
+    `print_argument_dump` once the run's own checks have passed, so that a refusal is not buried under it."""
+    from megatron.training import arguments
+
+    print_args = arguments._print_args
+    arguments._print_args = lambda title, args: held.append((title, args))
+    try:
+        yield held
+    finally:
+        arguments._print_args = print_args
+
+
+def print_argument_dump(held: list) -> None:
+    from megatron.training import arguments
+
+    for title, args in held:
+        arguments._print_args(title, args)
+
+
 def run_trainer_on_host() -> None:
     """Megatron-LM's trainer on a machine without CUDA: ``pretrain`` initializes Megatron without its
     CUDA assertion (the CPU backend answers the rest, `cpu_backend.enable_cpu_backend(trainer=True)`)."""
@@ -653,6 +703,12 @@ def _check_trainer():
     _has_parameters(training.training_log, ("loss_dict", "total_loss_dict", "learning_rate", "iteration"),
                     "training.training_log")
     _has_parameters(training.save_checkpoint, ("iteration",), "training.save_checkpoint")
+    _has_parameters(training.load_checkpoint, ("model", "optimizer"), "training.load_checkpoint")
+    from megatron.training import arguments
+
+    _has_parameters(arguments._print_args, ("title", "args"), "megatron.training.arguments._print_args")
+    _require("_print_args(" in inspect.getsource(arguments.validate_args),
+             "megatron.training.arguments.validate_args no longer prints its arguments with _print_args")
     from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 
     _has_parameters(get_batch_on_this_tp_rank, ("batch", "has_cu_seqlens", "is_hybrid_cp", "broadcast_src_rank",

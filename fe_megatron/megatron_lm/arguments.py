@@ -10,9 +10,12 @@ arguments describe (`backbone_from_megatron_args`), so a preset fits any model s
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import re
 from typing import Optional
 
 from fe_megatron.config import TABLE_PLACEMENTS, BackboneConfig, MemoryConfig
+from fe_megatron.suggest import did_you_mean
 from fe_megatron.tables.sparse_update import TABLE_UPDATES
 from fe_megatron.training.config import TABLE_STATE_DTYPES, OptimizerArgs, ParallelArgs
 
@@ -47,7 +50,39 @@ def add_factorengram_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     group.add_argument("--fe-table-weight-decay-mult", default=OptimizerArgs.table_weight_decay_mult, type=float,
                        help="the tables' weight decay = this x --weight-decay (default %(default)s, the paper's; 0 is "
                             "Engram's exemption of the tables)")
+    repair_help_strings(parser)
     return parser
+
+
+def repair_help_strings(parser: argparse.ArgumentParser) -> None:
+    """Escape a lone ``%`` in the help of any argument whose help argparse cannot format: megatron-core
+    0.19.2's ``--moe-paged-stash-buffer-size-factor-cuda`` reads "(e.g. 1.10 = 10%)", which made
+    ``--help`` fail with "unsupported format character" before printing anything."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.help or action.help is argparse.SUPPRESS:
+            continue
+        try:
+            formatter._expand_help(action)
+        except (ValueError, TypeError, KeyError):
+            action.help = re.sub(r"(?<!%)%(?!\(\w+\)[sdfr]|%)", "%%", action.help)
+
+
+def unknown_option_problems(argv: list, parser: argparse.ArgumentParser) -> list:
+    """One entry per ``--option`` in ``argv`` that ``parser`` does not know, each with the closest
+    known option (argparse itself names the unknown ones only, and only after the known ones parsed)."""
+    known = [option for action in parser._actions for option in action.option_strings]
+    problems = []
+    for token in argv:
+        if not token.startswith("--") or token == "--":
+            continue
+        option = token.split("=", 1)[0]
+        if option in known:
+            continue
+        hint = did_you_mean(option, known) or (
+            "; the FactorEngram options are listed under --help" if option.startswith("--fe-") else "")
+        problems.append(f"{option}: unknown argument{hint}")
+    return problems
 
 
 def uses_memory(args) -> bool:
@@ -101,9 +136,12 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
     if args.context_parallel_size > 1 and args.sequence_parallel:
         refused.append("--context-parallel-size > 1 with --sequence-parallel: the memory branch cannot combine "
                        "them yet")
-    if args.calculate_per_token_loss:
-        refused.append("--calculate-per-token-loss: the sparsity term is scaled as a mean per microbatch; "
-                       "train without it")
+    if args.calculate_per_token_loss and args.recompute_granularity == "full" and \
+            args.pipeline_model_parallel_size > 1:
+        refused.append("--calculate-per-token-loss with --recompute-granularity full and "
+                       "--pipeline-model-parallel-size > 1: each microbatch's sparsity term is weighted by its "
+                       "tokens when its layer runs, and a pipelined recompute runs it after later microbatches "
+                       "started; use selective recompute, or no per-token loss")
     if getattr(args, "moe_use_upcycling", False):
         refused.append("--moe-use-upcycling: it builds a second, dense model beside the run's, and the memory "
                        "branch's tables are built once per pipeline stage; upcycle without the memory branch")
@@ -140,4 +178,52 @@ def refused_with_stores(args) -> list:
     if getattr(args, "init_model_with_meta_device", False):
         refused.append("--init-model-with-meta-device: tables move into stores as soon as the model is built, "
                        "which needs their values; build the model without it")
+    return refused
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def refused_on_this_host(args, has_cuda: bool) -> list:
+    """What this machine cannot run (empty on a GPU machine with Transformer Engine): each entry names
+    the argument, why, and what to use instead. Megatron-LM would otherwise fail on each of them in
+    turn, deep in a kernel or a library call, one run at a time."""
+    refused = []
+    has_te, has_apex = _installed("transformer_engine"), _installed("apex")
+    if args.transformer_impl == "transformer_engine" and not has_te:
+        refused.append("--transformer-impl transformer_engine (the default): Transformer Engine is not installed "
+                       "here; use --transformer-impl local")
+    if getattr(args, "fp8", None) and not has_te:
+        refused.append(f"--fp8-format {args.fp8}: fp8 needs Transformer Engine, which is not installed here; train in "
+                       "bf16 or fp32 (drop --fp8-format, --fp8-amax-history-len, --fp8-amax-compute-algo, "
+                       "--fp8-param-gather)")
+    if getattr(args, "apply_layernorm_1p", False) and not (has_te or has_apex):
+        refused.append("--apply-layernorm-1p: the zero-centered norm comes from Transformer Engine or Apex, neither "
+                       "installed here (the torch norm has no such option); drop it")
+    if has_cuda:
+        return refused
+    if args.distributed_backend != "gloo":
+        refused.append(f"--distributed-backend {args.distributed_backend}: this machine has no GPU; use "
+                       "--distributed-backend gloo")
+    if getattr(args, "profile", False):
+        refused.append("--profile: Megatron-LM's profiler drives the CUDA profiler, and this machine has no GPU; "
+                       "drop --profile (and --profile-step-start/--profile-step-end)")
+    # fused kernels Megatron-LM's defaults ask for, which are CUDA-only (each has a --no-* flag)
+    for name, flag in (("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion"),
+                       ("persist_layer_norm", "--no-persist-layer-norm"),
+                       ("masked_softmax_fusion", "--no-masked-softmax-fusion"),
+                       ("bias_swiglu_fusion", "--no-bias-swiglu-fusion"),
+                       ("apply_rope_fusion", "--no-rope-fusion"),
+                       ("cross_entropy_loss_fusion", None)):
+        if getattr(args, name, False):
+            what = flag[len("--no-"):] if flag else "cross-entropy-loss-fusion"
+            instead = f"add {flag}" if flag else "drop --cross-entropy-loss-fusion"
+            refused.append(f"--{what}: a fused CUDA kernel, and this machine has no GPU; {instead}")
+    if not getattr(args, "use_cpu_initialization", False):
+        refused.append("weights initialized on the GPU (Megatron-LM's default), and this machine has none; add "
+                       "--use-cpu-initialization")
     return refused

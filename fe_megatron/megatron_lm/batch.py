@@ -30,6 +30,7 @@ class Microbatch(NamedTuple):
     attention_mask: Optional[torch.Tensor]
     position_ids: Optional[torch.Tensor]
     memory_indices: Optional[dict]  # {layer_index: [s, b, branches]} hashed before a context-parallel split
+    loss_tokens: Optional[torch.Tensor] = None  # this rank's loss-mask tokens, on a stage with memory layers
 
 
 def stage_reads_data(vp_stage=None, holds_memory: bool = False) -> bool:
@@ -43,7 +44,7 @@ def get_batch(data_iterator, vp_stage=None, hasher=None) -> Microbatch:
     stage that holds memory layers (None elsewhere, and for the stock GPT model)."""
     args = get_args()
     if not stage_reads_data(vp_stage, hasher is not None):
-        return Microbatch(None, None, None, None, None, None)
+        return Microbatch(None, None, None, None, None, None, None)
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = {}
     if tp_rank == 0:
@@ -67,6 +68,7 @@ def get_batch(data_iterator, vp_stage=None, hasher=None) -> Microbatch:
                                                               mpu.get_context_parallel_rank())
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     last = mpu.is_pipeline_last_stage()
+    loss_tokens = batch["loss_mask"].sum() if hasher is not None else None  # per-token weighting of the sparsity
     return Microbatch(batch.get("tokens"), batch.get("labels") if last else None,
                       batch.get("loss_mask") if last else None, batch.get("attention_mask"),
-                      batch.get("position_ids"), memory_indices)
+                      batch.get("position_ids"), memory_indices, loss_tokens)

@@ -42,10 +42,41 @@ def with_memory(spec, memory_config: MemoryConfig, table_sharding: str):
                     "ModuleSpec or TransformerBlockSubmodules (what --spec must name)")
 
 
+def with_project_norm(spec, config, vp_stage=None):
+    """``spec`` with `TorchNorm` wherever megatron-core fell back to its own torch norm
+    (``WrappedTorchNorm``: no Transformer Engine or Apex here), which refuses sequence parallelism;
+    a layer spec becomes this stage's block spec, so that the final norm is `TorchNorm` too (as
+    fe-pretrain's `get_block_spec` builds it). Other specs are returned unchanged."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from fe_megatron.megatron.layer_specs import get_block_spec
+    from fe_megatron.megatron.norm import TorchNorm
+
+    def swapped(layer):
+        sub = layer.submodules
+        if not isinstance(sub, TransformerLayerSubmodules) or WrappedTorchNorm not in (sub.input_layernorm,
+                                                                                      sub.pre_mlp_layernorm):
+            return layer
+        changes = {name: TorchNorm for name in ("input_layernorm", "pre_mlp_layernorm")
+                   if getattr(sub, name) is WrappedTorchNorm}
+        return dataclasses.replace(layer, submodules=dataclasses.replace(sub, **changes))
+
+    if isinstance(spec, ModuleSpec) and isinstance(spec.submodules, TransformerBlockSubmodules):
+        return dataclasses.replace(spec, submodules=with_project_norm(spec.submodules, config, vp_stage))
+    if isinstance(spec, TransformerBlockSubmodules):
+        norm = TorchNorm if spec.layer_norm is WrappedTorchNorm else spec.layer_norm
+        return dataclasses.replace(spec, layer_specs=[swapped(layer) for layer in spec.layer_specs], layer_norm=norm)
+    if isinstance(spec, ModuleSpec) and swapped(spec) is not spec:
+        return get_block_spec(swapped(spec), config, vp_stage)
+    return spec
+
+
 @dataclasses.dataclass(kw_only=True)
 class FactorEngramGPTModelConfig(GPTModelConfig):
     """Megatron-LM's GPT model configuration plus the memory branch (``memory_config``, whose
-    backbone is the model's) and where its tables live."""
+    backbone is the model's; None: the stock GPT model) and where its tables live. Without
+    Transformer Engine or Apex its norms are the project's (`with_project_norm`)."""
 
     builder = "fe_megatron.megatron_lm.model.FactorEngramGPTModelBuilder"
     memory_config: Optional[MemoryConfig] = None
@@ -57,11 +88,10 @@ class FactorEngramGPTModelConfig(GPTModelConfig):
 
 class FactorEngramGPTModelBuilder(GPTModelBuilder):
     """`GPTModelBuilder` whose layer spec carries the memory branch and whose model class is
-    `FactorEngramGPTModel` (`compat.building_gpt_model_as`)."""
+    `FactorEngramGPTModel` (`compat.building_gpt_model_as`); without a memory configuration, the
+    stock GPT model with the project's norms where megatron-core would use its torch norm."""
 
     def __init__(self, model_config: FactorEngramGPTModelConfig):
-        if model_config.memory_config is None:
-            raise ValueError("FactorEngramGPTModelConfig.memory_config is not set")
         stock_spec = model_config.transformer_layer_spec
         memory, sharding = model_config.memory_config, model_config.table_sharding
 
@@ -72,12 +102,16 @@ class FactorEngramGPTModelBuilder(GPTModelBuilder):
             elif not isinstance(spec, (ModuleSpec, TransformerBlockSubmodules)) and callable(spec):
                 takes_vp = "vp_stage" in inspect.signature(spec).parameters
                 spec = spec(config, vp_stage=vp_stage) if takes_vp else spec(config)
-            return with_memory(spec, memory, sharding)
+            if memory is not None:
+                spec = with_memory(spec, memory, sharding)
+            return with_project_norm(spec, config, vp_stage)
 
         super().__init__(dataclasses.replace(model_config, transformer_layer_spec=layer_spec_with_memory))
 
     def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
         config = self._model_config
+        if config.memory_config is None:
+            return super().build_model(pg_collection, pre_process, post_process, vp_stage)
         with compat.building_gpt_model_as(functools.partial(FactorEngramGPTModel, memory_config=config.memory_config)):
             model = super().build_model(pg_collection, pre_process, post_process, vp_stage)
         if config.tables_into_stores is not None:

@@ -28,44 +28,34 @@ def run(argv: list) -> int:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from fe_megatron.megatron_lm.arguments import add_factorengram_arguments, memory_config_from_args
+    from fe_megatron.megatron_lm.arguments import add_factorengram_arguments
 
+    unknown = unknown_options(argv)
+    if unknown:
+        return _refuse(unknown, rank=int(os.environ.get("RANK", "0")))
     sys.argv = [sys.argv[0]] + list(argv)  # megatron.training's parser reads sys.argv
-    args = parse_and_validate_args(extra_args_provider=add_factorengram_arguments,
-                                   args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
-    try:
-        memory = memory_config_from_args(args)
-    except ValueError as error:
-        return _refuse([str(error)], args)
-    problems = [f"{flag}: not carried over from Megatron-LM's pretrain_gpt.py; use that script for it"
-                for name, flag in NOT_CARRIED.items() if getattr(args, name, False)]
-    config, plan = None, None  # with memory: the run in fe-pretrain's terms, and who trains its tables
+    held_dump = []  # megatron's argument dump, printed once this run's own checks have passed
+    with compat.argument_dump_held(held_dump):
+        args = parse_and_validate_args(extra_args_provider=add_factorengram_arguments,
+                                       args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    checked = start_up_check(args, on_host)
+    if checked.problems:
+        return _refuse(checked.problems, args.rank)
+    compat.print_argument_dump(held_dump)
+    memory, config, plan = checked.memory, checked.config, checked.plan
+    if args.rank == 0:
+        if plan is not None:
+            print(f"fe_megatron: {plan.describe()}", flush=True)
+        print(f"fe_megatron: {conversion_notice(args)}", flush=True)
     if memory is None:
-        if problems:
-            return _refuse(problems, args)
         model_config = gpt_config_from_args(args)
+        if on_host and args.sequence_parallel:  # megatron's torch norm refuses SP: the project's norm takes it
+            from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
+
+            model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
     else:
-        from fe_megatron.megatron_lm.arguments import refused_combinations, refused_with_stores
         from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
 
-        problems += refused_combinations(args, memory)
-        if not problems:
-            from fe_megatron.megatron_lm.run_info import train_config_of
-
-            try:
-                config = train_config_of(args, memory)
-            except ValueError as error:  # the run in fe-pretrain's terms fails its checks (ConfigError)
-                problems.append(str(error))
-            else:
-                plan = table_plan_of(config)
-        if plan is not None and plan.in_stores:
-            problems += refused_with_stores(args)
-        if not problems and args.load is not None:
-            problems += refused_resume(args, plan)
-        if problems:
-            return _refuse(problems, args)
-        if args.rank == 0:
-            print(f"fe_megatron: {plan.describe()}", flush=True)
         compat.add_trainer_param_group_overrides(_table_group_overrides(args))
         model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
         model_config.memory_config = memory
@@ -79,7 +69,115 @@ def run(argv: list) -> int:
     model_config.post_wrap_hooks.append(state.remember_model)
     compat.add_training_log_entries(state.log_entries)
     compat.after_each_save(state.seal_checkpoint)
+    from fe_megatron.megatron.checkpointing import adopt_loaded_adam_step_counts, give_fresh_adam_states_a_step
+
+    # megatron-core's distributed optimizer on torch's Adam (no Apex or Transformer Engine: a CPU machine)
+    # cannot build the state dict a checkpoint loads into from a fresh optimizer, and leaves that fresh step
+    # count in place; fe-pretrain's loader does the same around megatron-core's
+    compat.around_trainer_loads(give_fresh_adam_states_a_step, adopt_loaded_adam_step_counts)
     return _pretrain(pretrain_cfg_container_from_args(args, model_config), state)
+
+
+def unknown_options(argv: list) -> list:
+    """The options of ``argv`` that neither Megatron-LM nor fe_megatron knows, each with the closest
+    known one (argparse names them only after everything else parsed, with no suggestion)."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    from fe_megatron.megatron_lm.arguments import add_factorengram_arguments, unknown_option_problems
+
+    parser = add_factorengram_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return unknown_option_problems(argv, parser)
+
+
+class StartUpCheck:
+    """Everything this command line asks that the run cannot honor, for the memory branch or for this
+    machine (``problems``: each names the argument, why, and what to use instead), and, with memory,
+    the run in fe-pretrain's terms (``config``) and who trains its tables (``plan``)."""
+
+    def __init__(self):
+        self.problems, self.memory, self.config, self.plan = [], None, None, None
+
+
+def start_up_check(args, on_host: bool) -> StartUpCheck:
+    """The one check before training: all of what `StartUpCheck` lists, gathered in one pass, so that
+    a command line is corrected once rather than one failure at a time."""
+    from fe_megatron.megatron_lm.arguments import memory_config_from_args, refused_on_this_host
+
+    checked = StartUpCheck()
+    problems = checked.problems
+    problems += refused_on_this_host(args, has_cuda=not on_host)
+    problems += [f"{flag}: not carried over from Megatron-LM's pretrain_gpt.py; use that script for it"
+                 for name, flag in NOT_CARRIED.items() if getattr(args, name, False)]
+    problems += data_problems(args)
+    try:
+        checked.memory = memory_config_from_args(args)
+    except ValueError as error:
+        problems.append(str(error))
+        return checked
+    if checked.memory is None:
+        return checked
+    from fe_megatron.megatron_lm.arguments import refused_combinations, refused_with_stores
+    from fe_megatron.megatron_lm.run_info import train_config_of
+
+    memory_problems = refused_combinations(args, checked.memory)
+    if not memory_problems:
+        try:
+            checked.config = train_config_of(args, checked.memory)
+        except ValueError as error:  # the run in fe-pretrain's terms fails its checks (ConfigError)
+            memory_problems.append(str(error))
+        else:
+            checked.plan = table_plan_of(checked.config)
+    if checked.plan is not None and checked.plan.in_stores:
+        memory_problems += refused_with_stores(args)
+    if not memory_problems and args.load is not None:
+        memory_problems += refused_resume(args, checked.plan)
+    problems += memory_problems
+    return checked
+
+
+def data_problems(args) -> list:
+    """What Megatron-LM's dataset builder would fail on later, or never return from: a ``--data-path``
+    prefix without its files, and a ``--split`` that leaves a part asked for samples without a document
+    (megatron.core then loops forever)."""
+    if args.mock_data or not args.data_path:
+        return []
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    from fe_megatron.data.datasets import every_split_problems
+    from fe_megatron.data.sources import DataError
+
+    blend, _ = get_blend_and_blend_per_split(args)
+    if blend is None or args.split is None:
+        return []
+    prefixes = blend[0]
+    missing = [f"--data-path {prefix}: {path} does not exist; make it with fe-data preprocess (or Megatron-LM's "
+               "tools/preprocess_data.py)" for prefix in prefixes for path in (prefix + ".bin", prefix + ".idx")
+               if not os.path.isfile(path)]
+    if missing:
+        return missing
+    evaluates = args.eval_iters > 0 and not getattr(args, "skip_train", False)
+    sizes = [1, 1 if evaluates else 0, 1 if args.eval_iters > 0 else 0]
+    try:
+        every_split_problems(prefixes, args.split, sizes, split_flag="--split")
+    except DataError as error:
+        return [str(error)]
+    return []
+
+
+def conversion_notice(args) -> str:
+    """Whether this run's checkpoints will convert to Hugging Face (``fe-convert mcore-to-hf``), and why not."""
+    from fe_megatron.megatron_lm.run_info import hf_conversion_problems
+
+    problems = hf_conversion_problems(args)
+    if problems:
+        return ("its checkpoints will not convert to Hugging Face (fe-convert mcore-to-hf): the Hugging Face model is "
+                f"RoPE, RMSNorm, SwiGLU without biases, and this run would need {', '.join(problems)}")
+    if args.tokenizer_model is None:
+        return ("its checkpoints will convert to Hugging Face once given a tokenizer: this run names none "
+                "(--tokenizer-model), so fe-convert mcore-to-hf needs --tokenizer")
+    return "its checkpoints will convert to Hugging Face with fe-convert mcore-to-hf"
 
 
 def _pretrain(full_config, state) -> int:
@@ -102,11 +200,23 @@ def _pretrain(full_config, state) -> int:
     return 0
 
 
-def _refuse(problems: list, args) -> int:
-    """Every problem once (on global rank 0; process groups do not exist yet), and exit status 2."""
-    if args.rank == 0:
-        for problem in problems:
-            print(f"error: {problem}", file=sys.stderr)
+def _refuse(problems: list, rank: int) -> int:
+    """Every problem in one message, on global rank 0 (process groups do not exist yet), and exit
+    status 2. Under torchrun the message also goes to the error file torchrun reads, so that its
+    closing summary, the end of the log, shows it instead of a bare exit code."""
+    message = (f"fe_megatron.megatron_lm: this command line cannot run here as given ({len(problems)} "
+               f"argument{'s' if len(problems) > 1 else ''} to change):\n" +
+               "\n".join(f"  - {problem}" for problem in problems))
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        import time
+
+        record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                 "timestamp": str(int(time.time()))}}}
+        with open(error_file, "w") as fh:
+            json.dump(record, fh)
     return 2
 
 
@@ -192,11 +302,14 @@ class TrainerState:
 
     def add_table_member(self, optimizer):
         """The trainer's optimizer chain with the tables' `TableOptimizer` as a member."""
+        from fe_megatron.megatron import compat
         from fe_megatron.megatron.builder import check_group_identifiers, with_table_member
 
         self.table_member_added = True
-        return check_group_identifiers(with_table_member(optimizer, self.tables, self.args.fe_table_lr_mult,
-                                                         self.args.fe_table_weight_decay_mult))
+        chain = with_table_member(optimizer, self.tables, self.args.fe_table_lr_mult,
+                                  self.args.fe_table_weight_decay_mult)
+        return check_group_identifiers(chain, compat.loader_group_identifier,
+                                       "change --fe-table-lr-mult or --fe-table-weight-decay-mult")
 
     def remember_model(self, model_chunks: list) -> list:
         self.model_chunks = list(model_chunks)

@@ -66,5 +66,5 @@ def run_info_of(args, config: TrainConfig, plan=None) -> dict:
     problems = hf_conversion_problems(args)
     if problems:
         info["not_convertible"] = ("the Hugging Face model is RoPE, RMSNorm, SwiGLU without biases; this run "
-                                   f"lacks {', '.join(problems)}")
+                                   f"would need {', '.join(problems)}")
     return info

@@ -14,12 +14,13 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.rerun_state_machine import get_rerun_state_machine
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split
 
-from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
+from fe_megatron.megatron.sparsity import SparsityLossAutoScaler, microbatch_gradient_scale
 from fe_megatron.megatron_lm.batch import get_batch, stage_reads_data
+from fe_megatron.training.distributed import current_device
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -39,10 +40,25 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
+def sparsity_scale(model, batch) -> float:
+    """The gradient this microbatch's sparsity term receives (`microbatch_gradient_scale`): as Megatron's
+    schedules scale the mean LM loss, ``cp_size / num_microbatches``, or with ``--calculate-per-token-loss``
+    the microbatch's loss-mask tokens on this rank; times the fp16 loss scale where there is one."""
+    config = get_model_config(model)
+    loss_scale = 1.0
+    if config.grad_scale_func is not None:
+        loss_scale = float(config.grad_scale_func(torch.ones(1, device=current_device())))
+    per_token = bool(config.calculate_per_token_loss)
+    if per_token and batch.loss_tokens is None:
+        raise RuntimeError("--calculate-per-token-loss: this pipeline stage holds memory layers but read no loss "
+                           "mask to count the microbatch's tokens by")
+    return microbatch_gradient_scale(get_num_microbatches(), mpu.get_context_parallel_world_size(), per_token,
+                                     float(batch.loss_tokens) if per_token else 0.0, loss_scale)
+
+
 def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, state):
     """One microbatch forward. With memory layers the sparsity term's gradient scale is set first
-    (``cp_size / num_microbatches``, as Megatron's schedules scale the mean LM loss; see
-    `fe_megatron.megatron.sparsity`)."""
+    (`sparsity_scale`; see `fe_megatron.megatron.sparsity`)."""
     if return_schedule_plan:
         raise ValueError("--overlap-moe-expert-parallel-comm builds a schedule plan, which fe_megatron.megatron_lm "
                          "does not provide; train without it")
@@ -54,7 +70,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, st
     timers("batch-generator").stop()
     kwargs = {}
     if state.memory is not None:
-        SparsityLossAutoScaler.set_loss_scale(mpu.get_context_parallel_world_size() / get_num_microbatches())
+        SparsityLossAutoScaler.set_loss_scale(sparsity_scale(model, batch))
         if batch.memory_indices is not None:
             kwargs["memory_indices"] = batch.memory_indices
     output_tensor = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels,

@@ -186,3 +186,14 @@ def begin(run: "EngineRun", summary: str, **event) -> None:
                        "start_step": run.start_step, **event})
     log(f"model {cfg.model_kind}: {run.parameters:,} parameters; {summary}; {run.num_microbatches} microbatch{'es' if run.num_microbatches != 1 else ''} of "
         f"{cfg.training.micro_batch_size} x {cfg.model.seq_length} tokens per rank and step")
+    log(conversion_notice(cfg))
+
+
+def conversion_notice(cfg) -> str:
+    """Whether the run's checkpoints will convert to Hugging Face, and why not (said at start-up, not
+    first by fe-convert after the run)."""
+    converter = "deepspeed-to-hf" if cfg.training.engine == "deepspeed" else "mcore-to-hf"
+    if cfg.model.num_experts:
+        return (f"checkpoints will not convert to Hugging Face: the backbone has {cfg.model.num_experts} experts per "
+                "layer (model.num_experts) and the Hugging Face model's FFN is dense")
+    return f"checkpoints convert to Hugging Face with fe-convert {converter}"

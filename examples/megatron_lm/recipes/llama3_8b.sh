@@ -1,0 +1,102 @@
+#!/bin/bash
+# Megatron-LM's Llama-3 8B recipe (examples/llama/train_llama3_8b_h100_fp8.sh) with FactorEngram:
+# every argument and value of that recipe, launched through fe_megatron.megatron_lm.pretrain_gpt with
+# the memory's --fe-* arguments added. Lines marked "CPU:" are what a machine without a GPU forces
+# (SIZE=cpu, the default here: a tiny model on 2 cores); SIZE=full keeps the recipe's sizes for GPUs.
+#
+#   DATA_PATH=... TOKENIZER_MODEL=... SAVE=... bash examples/megatron_lm/recipes/llama3_8b.sh [more args]
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+if [ "$SIZE" = full ]; then
+    SIZE_ARGS=(--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+               --num-query-groups 8 --kv-channels 128 --seq-length 8192 --max-position-embeddings 8192
+               --micro-batch-size 1 --global-batch-size 128
+               --train-samples 1953125000 --lr-decay-samples 1949218748 --lr-warmup-samples 3906252
+               --eval-iters 32 --eval-interval 100 --save-interval 1000)
+    PRECISION_ARGS=(--bf16 --grad-reduce-in-bf16 --fp8-format hybrid --fp8-amax-history-len 1024
+                    --fp8-amax-compute-algo max --fp8-param-gather)
+    HOST_ONLY_ARGS=(--attention-backend fused --apply-layernorm-1p --cross-entropy-loss-fusion
+                    --profile --profile-step-start 4 --profile-step-end 6)
+else
+    # CPU: sizes. The recipe's proportions kept: GQA with 4 query heads per group, head size =
+    # hidden / heads, FFN = 3.5 x hidden, untied embeddings. Samples for TRAIN_ITERS steps of 4.
+    SIZE_ARGS=(--num-layers 4 --hidden-size 64 --ffn-hidden-size 224 --num-attention-heads 4
+               --num-query-groups 1 --kv-channels 16 --seq-length 64 --max-position-embeddings 64
+               --micro-batch-size 1 --global-batch-size 4
+               --train-samples $((TRAIN_ITERS * 4)) --lr-decay-samples $((TRAIN_ITERS * 4 - 2))
+               --lr-warmup-samples 4
+               --eval-iters 1 --eval-interval "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL")
+    # CPU: fp32. bf16 and fp8 run through Transformer Engine's and the GPU's kernels; fp8 has none on a CPU.
+    PRECISION_ARGS=()
+    # CPU: --attention-backend fused, --apply-layernorm-1p (Transformer Engine or Apex norms),
+    # --cross-entropy-loss-fusion and --profile (CUDA's profiler) need a GPU and its libraries.
+    HOST_ONLY_ARGS=($CPU_DEVICE_ARGS)
+fi
+
+MODEL_ARGS=(
+    --use-mcore-models
+    --group-query-attention
+    --position-embedding-type rope
+    --rotary-base 1000000
+    --rotary-percent 1.0
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+    --swiglu
+    --normalization RMSNorm
+    --init-method-std 0.0134
+    --untie-embeddings-and-output-weights
+    --disable-bias-linear
+)
+TRAINING_ARGS=(
+    --lr 0.00015
+    --min-lr 0.00001
+    --decoupled-lr 5.0e-4
+    --decoupled-min-lr 4.5e-5
+    --lr-decay-style cosine
+    --clip-grad 1.0
+    --weight-decay 0.1
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --calculate-per-token-loss
+    --manual-gc
+    --empty-unused-memory-level 1
+    --exit-duration-in-mins 235
+)
+MODEL_PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP"
+    --context-parallel-size 1
+    --sequence-parallel
+)
+DDP_ARGS=(
+    --use-distributed-optimizer
+    --overlap-grad-reduce
+    --overlap-param-gather
+)
+# the recipe's real-data branch; its HuggingFaceTokenizer (and --vocab-size 128256) are replaced by the
+# fe-data SentencePiece model the data was made with
+DATA_ARGS=(
+    --data-path "$DATA_PATH"
+    --tokenizer-type SentencePieceTokenizer
+    --tokenizer-model "$TOKENIZER_MODEL"
+    --data-cache-path "$SAVE/data_cache"
+    --split 99,1,0
+    --no-create-attention-mask-in-dataloader
+    --no-mmap-bin-files
+    --num-workers 1
+)
+EVAL_AND_LOGGING_ARGS=(
+    --log-interval 1
+    --log-throughput
+    --ckpt-format torch_dist
+    --distributed-timeout-minutes 60
+    --save "$SAVE"
+    --load "$SAVE"
+    --tensorboard-dir "$SAVE/tensorboard"
+)
+
+torchrun --nproc-per-node "$NPROC" -m fe_megatron.megatron_lm.pretrain_gpt $FE_ARGS \
+    "${MODEL_ARGS[@]}" "${SIZE_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PRECISION_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" \
+    "${DDP_ARGS[@]}" "${DATA_ARGS[@]}" "${EVAL_AND_LOGGING_ARGS[@]}" "${HOST_ONLY_ARGS[@]}" "$@"
