@@ -201,7 +201,7 @@ def refused_on_this_host(args, has_cuda: bool) -> list:
         refused.append(f"--fp8-format {args.fp8}: fp8 needs Transformer Engine, which is not installed here; train in "
                        "bf16 or fp32 (drop --fp8-format, --fp8-amax-history-len, --fp8-amax-compute-algo, "
                        "--fp8-param-gather)")
-    if getattr(args, "apply_layernorm_1p", False) and not (has_te or has_apex):
+    if getattr(args, "layernorm_zero_centered_gamma", False) and not (has_te or has_apex):  # --apply-layernorm-1p
         refused.append("--apply-layernorm-1p: the zero-centered norm comes from Transformer Engine or Apex, neither "
                        "installed here (the torch norm has no such option); drop it")
     if has_cuda:
@@ -213,16 +213,14 @@ def refused_on_this_host(args, has_cuda: bool) -> list:
         refused.append("--profile: Megatron-LM's profiler drives the CUDA profiler, and this machine has no GPU; "
                        "drop --profile (and --profile-step-start/--profile-step-end)")
     # fused kernels Megatron-LM's defaults ask for, which are CUDA-only (each has a --no-* flag)
-    for name, flag in (("gradient_accumulation_fusion", "--no-gradient-accumulation-fusion"),
-                       ("persist_layer_norm", "--no-persist-layer-norm"),
-                       ("masked_softmax_fusion", "--no-masked-softmax-fusion"),
-                       ("bias_swiglu_fusion", "--no-bias-swiglu-fusion"),
-                       ("apply_rope_fusion", "--no-rope-fusion"),
-                       ("cross_entropy_loss_fusion", None)):
-        if getattr(args, name, False):
-            what = flag[len("--no-"):] if flag else "cross-entropy-loss-fusion"
-            instead = f"add {flag}" if flag else "drop --cross-entropy-loss-fusion"
-            refused.append(f"--{what}: a fused CUDA kernel, and this machine has no GPU; {instead}")
+    fused = {"--no-gradient-accumulation-fusion": args.gradient_accumulation_fusion,
+             "--no-persist-layer-norm": not args.no_persist_layer_norm,
+             "--no-masked-softmax-fusion": args.masked_softmax_fusion,
+             "--no-bias-swiglu-fusion": args.bias_swiglu_fusion, "--no-rope-fusion": args.apply_rope_fusion}
+    for flag, asked in fused.items():
+        if asked:
+            refused.append(f"{flag[len('--no-'):]} (on by default): a fused CUDA kernel, and this machine has no GPU; "
+                           f"add {flag}")
     if not getattr(args, "use_cpu_initialization", False):
         refused.append("weights initialized on the GPU (Megatron-LM's default), and this machine has none; add "
                        "--use-cpu-initialization")

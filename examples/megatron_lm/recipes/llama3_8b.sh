@@ -18,8 +18,7 @@ if [ "$SIZE" = full ]; then
                --eval-iters 32 --eval-interval 100 --save-interval 1000)
     PRECISION_ARGS=(--bf16 --grad-reduce-in-bf16 --fp8-format hybrid --fp8-amax-history-len 1024
                     --fp8-amax-compute-algo max --fp8-param-gather)
-    HOST_ONLY_ARGS=(--attention-backend fused --apply-layernorm-1p --cross-entropy-loss-fusion
-                    --profile --profile-step-start 4 --profile-step-end 6)
+    HOST_ONLY_ARGS=(--apply-layernorm-1p --profile --profile-step-start 4 --profile-step-end 6)
 else
     # CPU: sizes. The recipe's proportions kept: GQA with 4 query heads per group, head size =
     # hidden / heads, FFN = 3.5 x hidden, untied embeddings. Samples for TRAIN_ITERS steps of 4.
@@ -31,8 +30,8 @@ else
                --eval-iters 1 --eval-interval "$TRAIN_ITERS" --save-interval "$SAVE_INTERVAL")
     # CPU: fp32. bf16 and fp8 run through Transformer Engine's and the GPU's kernels; fp8 has none on a CPU.
     PRECISION_ARGS=()
-    # CPU: --attention-backend fused, --apply-layernorm-1p (Transformer Engine or Apex norms),
-    # --cross-entropy-loss-fusion and --profile (CUDA's profiler) need a GPU and its libraries.
+    # CPU: --apply-layernorm-1p (a Transformer Engine or Apex norm) and --profile (CUDA's profiler) are
+    # left out; the device flags replace the default Transformer Engine layers, NCCL and fused kernels.
     HOST_ONLY_ARGS=($CPU_DEVICE_ARGS)
 fi
 
@@ -47,6 +46,7 @@ MODEL_ARGS=(
     --swiglu
     --normalization RMSNorm
     --init-method-std 0.0134
+    --attention-backend fused
     --untie-embeddings-and-output-weights
     --disable-bias-linear
 )
@@ -60,6 +60,7 @@ TRAINING_ARGS=(
     --weight-decay 0.1
     --adam-beta1 0.9
     --adam-beta2 0.95
+    --cross-entropy-loss-fusion
     --calculate-per-token-loss
     --manual-gc
     --empty-unused-memory-level 1
