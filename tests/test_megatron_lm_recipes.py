@@ -130,7 +130,7 @@ def test_gpt3_recipe_refuses_its_split_on_a_small_corpus_then_trains_and_says_it
     assert "--split 949,50,1: the test split" in proc.stderr, proc.stderr[-3000:]
     tail = proc.stderr.strip().splitlines()[-4:]
     assert any("--split 949,50,1: the test split" in line for line in tail), tail
-    assert not os.path.exists(save) or not os.listdir(save)
+    assert not os.path.exists(os.path.join(save, "metrics.jsonl"))  # nothing trained
 
     proc = recipe("gpt3_175b", corpus, save)
     curve = losses(save)
@@ -199,3 +199,23 @@ def test_help_lists_the_factorengram_arguments():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--fe-memory-preset" in proc.stdout and "factorengram-340m" in proc.stdout
     assert "1.10 = 10%)" in proc.stdout.replace("\n", " ").replace("  ", " ") or "--moe-paged-stash" in proc.stdout
+
+
+def test_data_made_with_another_tokenizer_is_refused_before_training(corpus, tmp_path):
+    """--data-path made with a 512-piece tokenizer, --tokenizer-model a 256-piece one: refused by naming
+    both files before any step (before, the first forward failed on a token id), and no metrics are left."""
+    import gzip
+
+    from fe_megatron.data.cli import main as fe_data
+
+    text = tmp_path / "few.jsonl"
+    with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
+        dst.writelines(line for _, line in zip(range(20), src))
+    assert fe_data(["train-tokenizer", "--input", str(text), "--output-prefix", str(tmp_path / "small"),
+                    "--vocab-size", "256"]) == 0
+    save = str(tmp_path / "run")
+    proc = recipe("llama3_8b", {**corpus, "tokenizer": str(tmp_path / "small.model")}, save, expect_ok=False)
+    assert proc.returncode != 0
+    assert f"{corpus['prefix']}.bin holds token id" in proc.stderr, proc.stderr[-3000:]
+    assert "small.model has 256 pieces" in proc.stderr and "--tokenizer-model" in proc.stderr
+    assert not os.path.exists(os.path.join(save, "metrics.jsonl"))

@@ -77,6 +77,81 @@ def test_sparsity_aux_loss_gradients_equal_direct_lm_plus_lambda_l1(megatron_wor
     assert all(layer.memory.tables.weight.main_grad.abs().sum() > 0 for layer in model.stage_memory_layers)
 
 
+def test_per_token_loss_weights_each_microbatch_s_sparsity_term_by_its_tokens(megatron_world):
+    """Megatron-LM's --calculate-per-token-loss: each microbatch's LM loss is a sum over its loss-mask
+    tokens and finalize_model_grads divides by the step's total. With the sparsity scale of
+    `microbatch_gradient_scale(per_token_loss=True)`, the scheduled gradients equal those of the
+    reference objective written out: sum over microbatches of (summed LM loss + n_mb * lambda * L_sparsity_mb),
+    divided by the step's tokens, on microbatches whose token counts differ widely."""
+    from functools import partial
+
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.optimizer import OptimizerConfig
+
+    from fe_megatron.megatron.builder import build_optimizer, connect_schedule_hooks, wrap_ddp
+    from fe_megatron.megatron.sparsity import SparsityLossAutoScaler, microbatch_gradient_scale
+
+    mc = tiny_memory_config(sparsity_lambda=0.05)
+    torch.manual_seed(5)
+    model = build(mc)
+    cfg = model.config
+    cfg.calculate_per_token_loss = True
+    ddp = wrap_ddp(model, cfg)
+    opt = build_optimizer([ddp], OptimizerConfig(optimizer="sgd", lr=0.1, sgd_momentum=0.0, weight_decay=0.0,
+                                                 clip_grad=0.0))
+    connect_schedule_hooks(cfg, [ddp], opt)
+    data = batches(3)
+    for batch, keep in zip(data, (0.95, 0.15, 0.5)):  # microbatches of very different token counts
+        batch["loss_mask"] = (torch.rand(batch["loss_mask"].shape) < keep).float()
+    tokens = [float(batch["loss_mask"].sum()) for batch in data]
+    assert min(tokens) > 0 and max(tokens) > 3 * min(tokens)
+
+    def summed_loss(loss_mask, output):
+        loss = (output.float() * loss_mask).sum()
+        return loss, loss_mask.sum().to(torch.int), {"lm loss": loss.detach().clone()}
+
+    def forward_step(iterator, chunk):
+        batch = next(iterator)
+        SparsityLossAutoScaler.set_loss_scale(microbatch_gradient_scale(
+            len(data), per_token_loss=True, num_tokens=float(batch["loss_mask"].sum())))
+        out = chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        return out, partial(summed_loss, batch["loss_mask"])
+
+    ddp.zero_grad_buffer()
+    try:
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(data), model=[ddp],
+                                    num_microbatches=len(data), seq_length=32, micro_batch_size=2,
+                                    decoder_seq_length=32, forward_only=False)
+    finally:
+        cfg.calculate_per_token_loss = False
+    scheduled = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    model.pop_sparsity_loss()
+
+    l1_terms = []
+    hooks = [layer.memory.register_forward_hook(lambda m, i, o: l1_terms.append(o[1]))
+             for layer in model.stage_memory_layers]
+    SparsityLossAutoScaler.set_loss_scale(0.0)  # the reference objective below carries the term itself
+    ddp.zero_grad_buffer()
+    try:
+        total = 0.0
+        for batch, count in zip(data, tokens):
+            l1_terms.clear()
+            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            sparsity = mc.sparsity_lambda * torch.stack([t.mean() for t in l1_terms]).mean()  # Eq. 12-13
+            total = total + (out.float() * batch["loss_mask"]).sum() + count * sparsity
+        (total / sum(tokens)).backward()
+    finally:
+        SparsityLossAutoScaler.set_loss_scale(1.0)
+        for hook in hooks:
+            hook.remove()
+    model.pop_sparsity_loss()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(scheduled[name], p.main_grad, rtol=1e-5, atol=1e-7, msg=name)
+    # and the weighting matters: the mean-per-microbatch scale gives other table gradients
+    assert microbatch_gradient_scale(len(data)) != microbatch_gradient_scale(len(data), per_token_loss=True,
+                                                                            num_tokens=tokens[1])
+
+
 @pytest.mark.parametrize("overlap_grad_reduce", [False, True])
 def test_tables_accumulate_straight_into_ddp_main_grad(megatron_world, overlap_grad_reduce):
     """Under Megatron's DDP the table backward adds into main_grad itself (no dense table

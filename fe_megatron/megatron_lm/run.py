@@ -138,9 +138,10 @@ def start_up_check(args, on_host: bool) -> StartUpCheck:
 
 
 def data_problems(args) -> list:
-    """What Megatron-LM's dataset builder would fail on later, or never return from: a ``--data-path``
-    prefix without its files, and a ``--split`` that leaves a part asked for samples without a document
-    (megatron.core then loops forever)."""
+    """What Megatron-LM's dataset builder or model would fail on later, or never return from: a
+    ``--data-path`` prefix without its files, a ``--split`` that leaves a part asked for samples without
+    a document (megatron.core then loops forever), and token ids the tokenizer or vocabulary cannot hold
+    (data made with another tokenizer)."""
     if args.mock_data or not args.data_path:
         return []
     from megatron.training.utils import get_blend_and_blend_per_split
@@ -159,11 +160,22 @@ def data_problems(args) -> list:
         return missing
     evaluates = args.eval_iters > 0 and not getattr(args, "skip_train", False)
     sizes = [1, 1 if evaluates else 0, 1 if args.eval_iters > 0 else 0]
+    problems = []
     try:
         every_split_problems(prefixes, args.split, sizes, split_flag="--split")
     except DataError as error:
-        return [str(error)]
-    return []
+        problems.append(str(error))
+    try:  # data made with another tokenizer would fail only at the first forward, on a token id
+        from megatron.training import get_tokenizer
+
+        from fe_megatron.data.vocab_check import check_token_ids_fit
+
+        check_token_ids_fit(prefixes, args.padded_vocab_size, args.tokenizer_model or args.vocab_file,
+                            get_tokenizer().vocab_size, tokenizer_setting="--tokenizer-model",
+                            vocab_setting="--vocab-size (padded)")
+    except DataError as error:
+        problems.append(str(error))
+    return problems
 
 
 def conversion_notice(args) -> str:
