@@ -44,6 +44,7 @@ NEWEST_STACK_SUBSET = (
     "tests/test_hf.py::test_torch_compile_runs_through_the_memory_branch_without_graph_breaks",
     "tests/test_kernels.py::test_the_operators_pass_torch_library_opcheck",
     "tests/test_megatron_lm.py",
+    "tests/test_megatron_lm_recipes.py",
     "tests/test_process_group_shutdown.py",
 )
 
