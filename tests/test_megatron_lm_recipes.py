@@ -122,7 +122,7 @@ def test_gpt3_recipe_refuses_its_split_on_a_small_corpus_then_trains_and_says_it
     """GPT-3 175B's recipe (fp16 -> fp32; --step-batch-size-schedule left out, which megatron-core 0.19.2
     refuses beside --global-batch-size). Its --split 949,50,1 leaves the 233-document corpus' test part
     without a document: refused by name at once (megatron.core would loop forever), as the log's last
-    lines. With 949,50,10 it trains and resumes; its LayerNorm/GELU/learned-position backbone has no
+    lines. With 949,50,10 it trains and resumes (dropout 0.1: closely, not exactly); its LayerNorm/GELU/learned-position backbone has no
     Hugging Face form, which the run says at start-up."""
     save = str(tmp_path / "gpt3")
     proc = recipe("gpt3_175b", corpus, save, expect_ok=False, SPLIT="949,50,1")
@@ -140,7 +140,10 @@ def test_gpt3_recipe_refuses_its_split_on_a_small_corpus_then_trains_and_says_it
     resumed = resumed_from_step_3(save, tmp_path)
     recipe("gpt3_175b", corpus, resumed)
     after = losses(resumed)
-    assert sorted(after) == [4, 5, 6] and all(after[step] == curve[step] for step in after), (after, curve)
+    # the recipe keeps Megatron-LM's dropout of 0.1, whose random stream is not restored exactly on a CPU:
+    # the resumed steps follow the curve closely, not bit for bit (the Llama-3 recipe, dropout 0, does)
+    assert sorted(after) == [4, 5, 6] and all(abs(after[step][0] - curve[step][0]) < 0.01 for step in after), \
+        (after, curve)
 
     from fe_megatron.convert.common import ConversionError
     from fe_megatron.convert.to_hf import mcore_to_hf
@@ -202,20 +205,22 @@ def test_help_lists_the_factorengram_arguments():
 
 
 def test_data_made_with_another_tokenizer_is_refused_before_training(corpus, tmp_path):
-    """--data-path made with a 512-piece tokenizer, --tokenizer-model a 256-piece one: refused by naming
+    """--data-path made with a 1024-piece tokenizer, --tokenizer-model the 512-piece one: refused by naming
     both files before any step (before, the first forward failed on a token id), and no metrics are left."""
     import gzip
 
     from fe_megatron.data.cli import main as fe_data
 
-    text = tmp_path / "few.jsonl"
+    text = tmp_path / "sotu.jsonl"
     with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
-        dst.writelines(line for _, line in zip(range(20), src))
-    assert fe_data(["train-tokenizer", "--input", str(text), "--output-prefix", str(tmp_path / "small"),
-                    "--vocab-size", "256"]) == 0
+        shutil.copyfileobj(src, dst)
+    assert fe_data(["train-tokenizer", "--input", str(text), "--output-prefix", str(tmp_path / "large"),
+                    "--vocab-size", "1024"]) == 0
+    assert fe_data(["preprocess", "--input", str(text), "--tokenizer-model", str(tmp_path / "large.model"),
+                    "--output-prefix", str(tmp_path / "large_data"), "--no-progress"]) == 0
     save = str(tmp_path / "run")
-    proc = recipe("llama3_8b", {**corpus, "tokenizer": str(tmp_path / "small.model")}, save, expect_ok=False)
+    proc = recipe("llama3_8b", {**corpus, "prefix": str(tmp_path / "large_data")}, save, expect_ok=False)
     assert proc.returncode != 0
-    assert f"{corpus['prefix']}.bin holds token id" in proc.stderr, proc.stderr[-3000:]
-    assert "small.model has 256 pieces" in proc.stderr and "--tokenizer-model" in proc.stderr
+    assert f"{tmp_path / 'large_data'}.bin holds token id" in proc.stderr, proc.stderr[-3000:]
+    assert f"{corpus['tokenizer']} has 512 pieces" in proc.stderr and "--tokenizer-model" in proc.stderr
     assert not os.path.exists(os.path.join(save, "metrics.jsonl"))
