@@ -224,3 +224,62 @@ def test_data_made_with_another_tokenizer_is_refused_before_training(corpus, tmp
     assert f"{tmp_path / 'large_data'}.bin holds token id" in proc.stderr, proc.stderr[-3000:]
     assert f"{corpus['tokenizer']} has 512 pieces" in proc.stderr and "--tokenizer-model" in proc.stderr
     assert not os.path.exists(os.path.join(save, "metrics.jsonl"))
+
+
+def documented_change() -> str:
+    """The diff docs/megatron_lm.md gives under "A training script of your own"."""
+    with open(os.path.join(ROOT, "docs", "megatron_lm.md")) as fh:
+        text = fh.read()
+    section = text[text.index("## A training script of your own"):]
+    return section[section.index("```diff\n") + len("```diff\n"):section.index("```", section.index("```diff\n") + 7)]
+
+
+def test_a_script_in_the_shape_of_pretrain_gpt_trains_with_the_documented_change_and_converts(small_data, tmp_path):
+    """tests/data/pretrain_gpt_shaped.py (its own batch, loss and forward step) with the documented diff
+    applied trains the drop-in's curve; its checkpoint converts, and converts too once its fe_run.json and
+    manifest are gone (the run info rebuilt from the arguments Megatron-LM stored)."""
+    from tests.test_megatron_lm import STEPS, launch, megatron_lm_arguments, memory_yaml
+
+    script = tmp_path / "pretrain_gpt.py"
+    shutil.copy(os.path.join(ROOT, "tests", "data", "pretrain_gpt_shaped.py"), script)
+    (tmp_path / "change.diff").write_text(documented_change())
+    applied = subprocess.run(["patch", "-p0", "-i", "change.diff"], cwd=tmp_path, capture_output=True, text=True)
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "with_factorengram(args, forward_step)" in script.read_text()
+
+    own, drop_in = str(tmp_path / "own"), str(tmp_path / "drop_in")
+    arguments = megatron_lm_arguments(small_data, own, memory_yaml(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script),
+           *arguments]
+    proc = subprocess.run(cmd, env=clean_environment(PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, drop_in,
+                                                                           memory_yaml(tmp_path))], nproc=1)
+    got, expected = losses(own), losses(drop_in)
+    assert sorted(got) == list(range(1, STEPS + 1)), sorted(got)
+    assert max(abs(got[step][0] - expected[step][0]) for step in got) < 1e-5, (got, expected)
+
+    from fe_megatron.convert.to_hf import mcore_to_hf
+
+    sealed = mcore_to_hf(own, str(tmp_path / "hf_sealed"))
+    bare = str(tmp_path / "bare")
+    shutil.copytree(os.path.join(own, f"iter_{STEPS:07d}"), os.path.join(bare, f"iter_{STEPS:07d}"))
+    with open(os.path.join(bare, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(STEPS))
+    for name in ("fe_run.json", "fe_manifest.json"):
+        os.remove(os.path.join(bare, f"iter_{STEPS:07d}", name))
+    rebuilt = mcore_to_hf(bare, str(tmp_path / "hf_bare"))
+    from safetensors.torch import load_file
+
+    def weights(directory):
+        out = {}
+        for name in sorted(os.listdir(directory)):
+            if name.endswith(".safetensors"):
+                out.update(load_file(os.path.join(directory, name)))
+        return out
+
+    one, other = weights(sealed), weights(rebuilt)
+    assert one.keys() == other.keys() and all(torch.equal(one[key], other[key]) for key in one)
+    with open(os.path.join(sealed, "config.json")) as fh, open(os.path.join(rebuilt, "config.json")) as gh:
+        assert json.load(fh) == json.load(gh)

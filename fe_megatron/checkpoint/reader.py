@@ -36,7 +36,8 @@ def run_engine(path: str) -> str:
     return ((info or {}).get("layout") or {}).get("engine", "megatron")
 
 
-def find_checkpoint_folder(load: str, iteration: Optional[int] = None, engine: str = "megatron") -> str:
+def find_checkpoint_folder(load: str, iteration: Optional[int] = None, engine: str = "megatron",
+                           require_run_info: bool = True) -> str:
     """The ``iter_NNNNNNN`` folder of run directory ``load`` to read: ``iteration``, or the
     tracker's, verified against its manifest (`CheckpointError` names a damaged file).  ``load`` may
     also be such a folder itself.  Anything else, and a run of another engine than ``engine``, is
@@ -66,10 +67,11 @@ def find_checkpoint_folder(load: str, iteration: Optional[int] = None, engine: s
     problems = [] if legacy else checkpoint_problems(folder)  # DeepSpeed runs saved before manifests
     if problems:
         raise CheckpointError(f"checkpoint {folder} is damaged:\n  " + "\n  ".join(problems))
-    if read_run_info(folder) is None:
+    if require_run_info and read_run_info(folder) is None:
         raise NotARunError(f"{folder} has no {RUN_INFO} (the run's config): it was written before fe-pretrain "
-                              "recorded one, or by another program. Resume the run with fe-pretrain --load until "
-                              "its next save, which records it")
+                              "recorded one, or by another program. Resume the run with fe-pretrain --load (or "
+                              "fe_megatron.megatron_lm.pretrain_gpt --load, for a Megatron-LM run) until its next "
+                              "save, which records it")
     return folder
 
 

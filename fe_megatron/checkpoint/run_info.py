@@ -13,15 +13,15 @@ import torch.distributed as dist
 from fe_megatron.checkpoint.files import file_digest
 
 
-def run_info(cfg, data_parallel_size: int, engine: dict = None) -> dict:
+def run_info(cfg, data_parallel_size: int, engine: dict = None, world_size: int = None) -> dict:
     """What every checkpoint records about the run that wrote it: the resolved config, the
     tokenizer and its checksum, and the parallel layout (plus ``engine``'s own settings, e.g. the
-    engine's name and ZeRO stage)."""
+    engine's name and ZeRO stage). ``world_size``: the run's (default: this process group's)."""
     from fe_megatron import __version__
     from fe_megatron.data.tokenizer import tokenizer_file
 
     p = cfg.parallel
-    layout = {"world": dist.get_world_size(), "tensor": p.tensor, "pipeline": p.pipeline,
+    layout = {"world": dist.get_world_size() if world_size is None else world_size, "tensor": p.tensor, "pipeline": p.pipeline,
               "data": data_parallel_size, "table_sharding": p.table_sharding}
     layout.update(engine or {})
     return {"config": dataclasses.asdict(cfg), "fe_megatron": __version__,

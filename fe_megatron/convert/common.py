@@ -39,11 +39,12 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- tokenizers
-def find_run_checkpoint(load: str, iteration: Optional[int] = None, engine: str = "megatron") -> str:
+def find_run_checkpoint(load: str, iteration: Optional[int] = None, engine: str = "megatron",
+                        require_run_info: bool = True) -> str:
     """The checkpoint folder to convert (`fe_megatron.checkpoint.reader.find_checkpoint_folder`); a
     path that is not a run of ``engine`` is a `ConversionError`, a damaged checkpoint a `CheckpointError`."""
     try:
-        return find_checkpoint_folder(load, iteration, engine)
+        return find_checkpoint_folder(load, iteration, engine, require_run_info)
     except NotARunError as err:
         raise ConversionError(str(err)) from None
 

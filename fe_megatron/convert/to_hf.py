@@ -45,8 +45,8 @@ def _save_tokenizer(path: str, directory: str, vocab_size: int, max_length: int)
 def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokenizer: Optional[str] = None,
                 max_shard_bytes: int = 2 << 30, table_dtype: Optional[str] = None) -> str:
     """Convert an fe-pretrain checkpoint into a transformers directory ``output``; returns it."""
-    folder = find_run_checkpoint(load, iteration)
-    info = read_run_info(folder)
+    folder = find_run_checkpoint(load, iteration, require_run_info=False)
+    info = read_run_info(folder) or megatron_lm_run_info(folder)
     if info.get("not_convertible"):
         raise ConversionError(f"{folder}: {info['not_convertible']}")
     backbone, memory = configs_of(info)
@@ -64,6 +64,21 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
     return write_hf_directory(output, backbone, memory, tokenizer_path, groups,
                               lambda name: split_checkpoint_tensor(name, checkpoint.load(name), backbone),
                               f"mcore-to-hf {folder}", max_shard_bytes, table_dtype, training_settings(info, folder))
+
+
+def megatron_lm_run_info(folder: str) -> dict:
+    """The run info of a Megatron-LM checkpoint written without one, from the arguments it stores
+    (`fe_megatron.megatron_lm.run_info.run_info_from_checkpoint_arguments`; megatron-core 0.19 on)."""
+    try:
+        from fe_megatron.megatron_lm.run_info import run_info_from_checkpoint_arguments
+    except ImportError:
+        raise ConversionError(f"{folder} has no fe_run.json (the run's config), and reading a Megatron-LM "
+                              "checkpoint's own arguments needs megatron-core 0.19 or newer (`make setup-newest`); "
+                              "or resume the run with fe-pretrain --load, whose next save records it") from None
+    try:
+        return run_info_from_checkpoint_arguments(folder)
+    except ValueError as error:
+        raise ConversionError(str(error)) from None
 
 
 def write_hf_directory(output: str, backbone: BackboneConfig, memory: Optional[MemoryConfig], tokenizer_path: str,

@@ -19,15 +19,10 @@ NOT_CARRIED = {"sft": "--sft", "fim_data": "--fim-data", "hybrid_context_paralle
 
 
 def run(argv: list) -> int:
-    on_host = enable_cpu_backend(trainer=True)
-    from fe_megatron.megatron import compat
-
-    if on_host:
-        compat.run_trainer_on_host()
-    compat.use_built_dataset_helpers()
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    on_host = set_up_host()
     from megatron.training.arguments import parse_and_validate_args
 
+    from fe_megatron.megatron import compat
     from fe_megatron.megatron_lm.arguments import add_factorengram_arguments
 
     unknown = unknown_options(argv)
@@ -38,10 +33,49 @@ def run(argv: list) -> int:
     with compat.argument_dump_held(held_dump):
         args = parse_and_validate_args(extra_args_provider=add_factorengram_arguments,
                                        args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
+    try:
+        model_config, state = prepare_trainer(args, on_host)
+    except ArgumentsRefused as refused:
+        return _refuse(refused.problems, args.rank)
+    compat.print_argument_dump(held_dump)
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+    return _pretrain(pretrain_cfg_container_from_args(args, model_config), state)
+
+
+def set_up_host() -> bool:
+    """Megatron-LM's trainer on this machine: on a host without CUDA, the CPU backend answers its CUDA
+    assumptions (returns True there); the dataset helpers are used as the wheel ships them built."""
+    on_host = enable_cpu_backend(trainer=True)
+    from fe_megatron.megatron import compat
+
+    if on_host:
+        compat.run_trainer_on_host()
+    compat.use_built_dataset_helpers()
+    return on_host
+
+
+class ArgumentsRefused(ValueError):
+    """The command line asks what the run cannot honor: ``problems``, one entry per argument."""
+
+    def __init__(self, problems: list):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def prepare_trainer(args, on_host: bool):
+    """``(model_config, state)``: Megatron-LM's GPT model configuration for ``args`` (validated
+    arguments, with the ``--fe-*`` ones), with the memory branch where they ask for it, and the
+    `TrainerState` the trainer's callbacks share; megatron.training's hooks (the table member of the
+    optimizer chain, the log entries, the checkpoint seal, the loader on torch's Adam) are installed.
+    Raises `ArgumentsRefused` with everything the run cannot honor (`start_up_check`)."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    from fe_megatron.megatron import compat
+
     checked = start_up_check(args, on_host)
     if checked.problems:
-        return _refuse(checked.problems, args.rank)
-    compat.print_argument_dump(held_dump)
+        raise ArgumentsRefused(checked.problems)
     memory, config, plan = checked.memory, checked.config, checked.plan
     if args.rank == 0:
         if plan is not None:
@@ -75,7 +109,7 @@ def run(argv: list) -> int:
     # cannot build the state dict a checkpoint loads into from a fresh optimizer, and leaves that fresh step
     # count in place; fe-pretrain's loader does the same around megatron-core's
     compat.around_trainer_loads(give_fresh_adam_states_a_step, adopt_loaded_adam_step_counts)
-    return _pretrain(pretrain_cfg_container_from_args(args, model_config), state)
+    return model_config, state
 
 
 def unknown_options(argv: list) -> list:

@@ -4,6 +4,7 @@ configuration terms, so that ``fe-convert mcore-to-hf`` converts its checkpoints
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from fe_megatron.training.config import DataArgs, OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
 from fe_megatron.megatron_lm.arguments import backbone_from_megatron_args
@@ -52,14 +53,14 @@ def train_config_of(args, memory) -> TrainConfig:
         save=args.save, load=args.load, tensorboard_dir=args.tensorboard_dir)
 
 
-def run_info_of(args, config: TrainConfig, plan=None) -> dict:
+def run_info_of(args, config: TrainConfig, plan=None, world_size: int = None) -> dict:
     """``fe_run.json`` for a checkpoint of this run (``config``: `train_config_of`; see
     `fe_megatron.checkpoint.run_info.run_info`), plus the trainer that wrote it, how its tables were
     trained (``plan``'s mode, as fe-pretrain records it) and, where the backbone has no Hugging Face
     form, why."""
     from fe_megatron.checkpoint.run_info import run_info
 
-    info = run_info(config, args.data_parallel_size)
+    info = run_info(config, args.data_parallel_size, world_size=world_size)
     info["trainer"] = "megatron-lm"
     if plan is not None:
         info["tables"] = plan.mode
@@ -67,4 +68,43 @@ def run_info_of(args, config: TrainConfig, plan=None) -> dict:
     if problems:
         info["not_convertible"] = ("the Hugging Face model is RoPE, RMSNorm, SwiGLU without biases; this run "
                                    f"would need {', '.join(problems)}")
+    return info
+
+
+def run_info_from_checkpoint_arguments(folder: str) -> dict:
+    """The run info of Megatron-LM checkpoint ``folder`` written without one (by Megatron-LM's own
+    ``pretrain_gpt.py``, patched to build the memory, or by this trainer before it sealed checkpoints):
+    rebuilt from the arguments Megatron-LM stores in every checkpoint (``args`` of its common state,
+    the ``--fe-*`` ones included; none of them: the stock GPT model). Raises ValueError naming what is
+    missing and the tool that does work."""
+    import argparse
+
+    from megatron.core import dist_checkpointing
+
+    from fe_megatron.megatron_lm.arguments import add_factorengram_arguments, memory_config_from_args
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(folder)
+    except Exception as error:  # not a torch_dist checkpoint, or not Megatron-LM's
+        raise ValueError(f"{folder} has no fe_run.json and megatron-core cannot read its common state ({error}): "
+                         "it is not a Megatron-LM checkpoint in the torch_dist format; resume it with "
+                         "fe_megatron.megatron_lm.pretrain_gpt --load (--ckpt-format torch_dist), whose next save "
+                         "records the run info") from None
+    args = common.get("args") if isinstance(common, dict) else None
+    if args is None:
+        raise ValueError(f"{folder} has no fe_run.json and its common state holds no Megatron-LM arguments; resume "
+                         "it with fe_megatron.megatron_lm.pretrain_gpt --load, whose next save records the run info")
+    defaults = add_factorengram_arguments(argparse.ArgumentParser()).parse_args([])
+    for name, value in vars(defaults).items():  # a checkpoint of the stock script has no --fe-* arguments
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    if args.fe_memory_config is not None and not os.path.isfile(args.fe_memory_config):
+        raise ValueError(f"{folder} was trained with --fe-memory-config {args.fe_memory_config}, which is not here; "
+                         "the memory's shape is in that file: put it back at that path to convert")
+    if not args.tokenizer_model or not os.path.exists(args.tokenizer_model):
+        raise ValueError(f"{folder} was trained with --tokenizer-model {args.tokenizer_model}, which is not here; "
+                         "put the run's tokenizer at that path to convert (its vocabulary is the model's)")
+    memory = memory_config_from_args(args)
+    info = run_info_of(args, train_config_of(args, memory), world_size=args.world_size)
+    info["run_info_from"] = "the checkpoint's Megatron-LM arguments"
     return info

@@ -40,20 +40,21 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, report
 
 
-def sparsity_scale(model, batch) -> float:
+def sparsity_scale(model, loss_tokens=None) -> float:
     """The gradient this microbatch's sparsity term receives (`microbatch_gradient_scale`): as Megatron's
     schedules scale the mean LM loss, ``cp_size / num_microbatches``, or with ``--calculate-per-token-loss``
-    the microbatch's loss-mask tokens on this rank; times the fp16 loss scale where there is one."""
+    the microbatch's loss-mask tokens on this rank (``loss_tokens``); times the fp16 loss scale where there
+    is one."""
     config = get_model_config(model)
     loss_scale = 1.0
     if config.grad_scale_func is not None:
         loss_scale = float(config.grad_scale_func(torch.ones(1, device=current_device())))
     per_token = bool(config.calculate_per_token_loss)
-    if per_token and batch.loss_tokens is None:
+    if per_token and loss_tokens is None:
         raise RuntimeError("--calculate-per-token-loss: this pipeline stage holds memory layers but read no loss "
                            "mask to count the microbatch's tokens by")
     return microbatch_gradient_scale(get_num_microbatches(), mpu.get_context_parallel_world_size(), per_token,
-                                     float(batch.loss_tokens) if per_token else 0.0, loss_scale)
+                                     float(loss_tokens) if per_token else 0.0, loss_scale)
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, state):
@@ -70,7 +71,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, st
     timers("batch-generator").stop()
     kwargs = {}
     if state.memory is not None:
-        SparsityLossAutoScaler.set_loss_scale(sparsity_scale(model, batch))
+        SparsityLossAutoScaler.set_loss_scale(sparsity_scale(model, batch.loss_tokens))
         if batch.memory_indices is not None:
             kwargs["memory_indices"] = batch.memory_indices
     output_tensor = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels,
