@@ -9,6 +9,7 @@ Runs on the newest stack (megatron.training ships from megatron-core 0.19 on).
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -283,3 +284,35 @@ def test_a_script_in_the_shape_of_pretrain_gpt_trains_with_the_documented_change
     assert one.keys() == other.keys() and all(torch.equal(one[key], other[key]) for key in one)
     with open(os.path.join(sealed, "config.json")) as fh, open(os.path.join(rebuilt, "config.json")) as gh:
         assert json.load(fh) == json.load(gh)
+
+
+def printed_lm_losses(stdout: str) -> list:
+    """The ``lm loss`` Megatron-LM's trainer prints at each iteration (a run without --save writes no metrics)."""
+    return [float(match) for match in re.findall(r"iteration +\d+/ *\d+ \|.*?lm loss: ([0-9.E+-]+)", stdout)]
+
+
+def test_megatron_fsdp_trains_on_the_host_as_ddp_does(small_data):
+    """The CPU backend answers Megatron-FSDP's CUDA assumptions (its device, device meshes, streams) as it
+    does DDP's: --use-megatron-fsdp (optim_grads_params) at DP=2 trains the same curve as DDP with the
+    distributed optimizer, within 1e-5 over 4 steps. The drop-in leaves CUDA_DEVICE_MAX_CONNECTIONS unset
+    for it (Megatron-FSDP refuses 1), and on gloo NCCL's pre-multiplied sum is refused by name until
+    --no-gradient-reduce-div-fusion is given. (No --save: megatron-core 0.19.2's fsdp_dtensor save fails
+    in fp32, docs/megatron_lm.md.)"""
+    from tests.test_megatron_lm import launch, megatron_lm_arguments
+
+    def without_save(arguments):
+        index = arguments.index("--save")
+        return arguments[:index] + arguments[index + 2:]
+
+    arguments = without_save(megatron_lm_arguments(small_data, "unused")) + [
+        "--train-iters", "4", "--lr-warmup-iters", "1", "--use-distributed-optimizer"]
+    ddp = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments], nproc=2)
+    fsdp_args = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                 "--ckpt-format", "fsdp_dtensor"]
+    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args], nproc=2, expect_ok=False)
+    assert proc.returncode != 0 and "add --no-gradient-reduce-div-fusion" in proc.stderr, proc.stderr[-3000:]
+    fsdp = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args, "--no-gradient-reduce-div-fusion"],
+                  nproc=2)
+    got, expected = printed_lm_losses(fsdp.stdout), printed_lm_losses(ddp.stdout)
+    assert len(got) == len(expected) == 4, (got, expected)
+    assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-5, (got, expected)

@@ -376,6 +376,14 @@ CPU_TRAINER_MODULES = (
     "megatron.training.utils.utils", "megatron.training.utils.common_utils", "megatron.training.checkpointing",
     "megatron.training.arguments", "megatron.training.models.dist_utils", "megatron.training.dist_signal_handler",
     "megatron.training.config.training_config", "megatron.core.num_microbatches_calculator",
+    # Megatron-FSDP (--use-megatron-fsdp): its adapter and the megatron_fsdp package it wraps
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.utils",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.mixed_precision",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor",
+    "megatron.core.distributed.fsdp.src.megatron_fsdp.fully_shard",
 )
 # the modules above that every supported release has (the contract checks them)
 _CPU_BACKEND_REQUIRED = ("megatron.core.tensor_parallel.random", "megatron.core.distributed.param_and_grad_buffer",
@@ -538,6 +546,23 @@ def print_argument_dump(held: list) -> None:
 
     for title, args in held:
         arguments._print_args(title, args)
+
+
+def build_fsdp_device_meshes_on(wrap: Callable) -> None:
+    """Megatron-FSDP's adapter builds its device meshes with ``wrap(DeviceMesh.from_group)`` (the CPU
+    backend's host meshes); nothing where this megatron-core has no Megatron-FSDP."""
+    try:
+        from megatron.core.distributed.fsdp import mcore_fsdp_adapter
+    except ImportError:
+        return
+    mesh = getattr(mcore_fsdp_adapter, "DeviceMesh", None)
+    if mesh is None:
+        return
+
+    class HostDeviceMesh(mesh):
+        from_group = staticmethod(wrap(mesh.from_group))
+
+    mcore_fsdp_adapter.DeviceMesh = HostDeviceMesh
 
 
 def run_trainer_on_host() -> None:

@@ -189,8 +189,35 @@ class _TorchOnCpu:
         return attr
 
 
+class _HostDeviceType(type):
+    """``torch.device`` where a CUDA device means the host: ``torch.device(f"cuda:{torch.cuda.current_device()}")``
+    (Megatron-FSDP) reads "cuda:cpu" through this backend's ``current_device``."""
+
+    def __call__(cls, spec, *args):
+        if isinstance(spec, str) and spec.startswith("cuda"):
+            return torch.device("cpu")
+        return _cpu_device(torch.device(spec, *args))
+
+    def __instancecheck__(cls, instance) -> bool:
+        return isinstance(instance, torch.device)
+
+
+class _HostDevice(metaclass=_HostDeviceType):
+    pass
+
+
+def _host_device_mesh(from_group):
+    """``DeviceMesh.from_group`` whose meshes are the host's (Megatron-FSDP asks for "cuda" ones, whose
+    DTensors would initialize CUDA)."""
+    def host_mesh(group, device_type="cuda", *args, **kwargs):
+        return from_group(group, "cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+    return host_mesh
+
+
 class _TrainerTorchOnCpu(_TorchOnCpu):
     cuda = _TrainerCudaOnCpu()
+    device = _HostDevice
 
 
 def _get_device_rng_state(device=-1, clone=False, graph_safe=False):
@@ -250,6 +277,7 @@ def enable_cpu_backend(trainer: bool = False) -> bool:
 
     if trainer and not _trainer_enabled:
         _patch_modules(compat.CPU_TRAINER_MODULES, _TrainerTorchOnCpu())
+        compat.build_fsdp_device_meshes_on(_host_device_mesh)
         _trainer_enabled = True
     if _enabled:
         return True

@@ -221,6 +221,13 @@ def refused_on_this_host(args, has_cuda: bool) -> list:
         if asked:
             refused.append(f"{flag[len('--no-'):]} (on by default): a fused CUDA kernel, and this machine has no GPU; "
                            f"add {flag}")
+    if getattr(args, "use_megatron_fsdp", False):
+        if getattr(args, "gradient_reduce_div_fusion", False):
+            refused.append("gradient-reduce-div-fusion (on by default with --use-megatron-fsdp): NCCL's pre-multiplied "
+                           "sum, which gloo has not; add --no-gradient-reduce-div-fusion")
+        for name, flag in (("nccl_ub", "--use-nccl-ub"), ("fsdp_manual_registration", "--fsdp-manual-registration")):
+            if getattr(args, name, False):
+                refused.append(f"{flag}: NCCL's user buffers, and this machine has no GPU; drop it")
     if not getattr(args, "use_cpu_initialization", False):
         refused.append("weights initialized on the GPU (Megatron-LM's default), and this machine has none; add "
                        "--use-cpu-initialization")

@@ -50,8 +50,10 @@ def _needs_trainer() -> Optional[str]:
 
 def main(argv: Optional[list] = None) -> int:
     # as fe-pretrain and Megatron-LM's launch scripts set it (ordered tensor-parallel communication); a
-    # value the user set is kept
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # value the user set is kept. Not for Megatron-FSDP, which refuses 1 (its recipe unsets it)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--use-megatron-fsdp" not in argv:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not faulthandler.is_enabled():  # a crash in native code prints every thread's Python stack
         faulthandler.enable()
     problem = _needs_trainer()
@@ -60,7 +62,7 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     from fe_megatron.megatron_lm.run import run
 
-    return run(sys.argv[1:] if argv is None else list(argv))
+    return run(argv)
 
 
 if __name__ == "__main__":
