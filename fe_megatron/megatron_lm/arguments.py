@@ -151,6 +151,11 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
                        f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: the experts' data-parallel "
                        "group then spans tensor-parallel ranks, over which the tables' columns differ; keep them "
                        "equal")
+    if getattr(args, "use_megatron_fsdp", False):
+        refused.append("--use-megatron-fsdp: the memory branch does not train beside Megatron-FSDP yet (tables held "
+                       "as parameters look like expert parameters to it, and tables in stores join the optimizer "
+                       "chain it replaces); use --use-distributed-optimizer, with --fe-table-sharding rows to shard "
+                       "the tables' rows over the data-parallel ranks")
     if memory.table_dtype not in ("fp32", "bf16"):
         refused.append(f"table_dtype={memory.table_dtype}: fp8 tables are for serving (fe-convert --table-dtype); "
                        "train fp32 or bf16 tables")
@@ -171,7 +176,7 @@ def refused_with_stores(args) -> list:
         refused.append("--data-parallel-random-init: DDP broadcasts parameters only, and tables in stores are not "
                        "parameters, so replicated tables would differ across data-parallel ranks")
     for name, flag in (("use_layer_wise_distributed_optimizer", "--use-layer-wise-distributed-optimizer"),
-                       ("use_megatron_fsdp", "--use-megatron-fsdp"), ("use_torch_fsdp2", "--use-torch-fsdp2")):
+                       ("use_torch_fsdp2", "--use-torch-fsdp2")):
         if getattr(args, name, False):
             refused.append(f"{flag}: the tables' optimizer joins Megatron's optimizer chain, which this option "
                            "replaces; use the (distributed) optimizer of the default path")
