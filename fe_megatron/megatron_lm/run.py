@@ -3,6 +3,7 @@ the FactorEngram pieces (see `fe_megatron.megatron_lm.pretrain_gpt`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -125,13 +126,16 @@ def unknown_options(argv: list) -> list:
     return unknown_option_problems(argv, parser)
 
 
+@dataclasses.dataclass
 class StartUpCheck:
     """Everything this command line asks that the run cannot honor, for the memory branch or for this
     machine (``problems``: each names the argument, why, and what to use instead), and, with memory,
     the run in fe-pretrain's terms (``config``) and who trains its tables (``plan``)."""
 
-    def __init__(self):
-        self.problems, self.memory, self.config, self.plan = [], None, None, None
+    problems: list = dataclasses.field(default_factory=list)
+    memory: object = None
+    config: object = None
+    plan: object = None
 
 
 def start_up_check(args, on_host: bool) -> StartUpCheck:
