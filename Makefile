@@ -5,11 +5,13 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 
-# The newest supported stack (requirements/newest.txt) in a second venv, Python 3.12. pip's
+# The newest supported stack (requirements/newest.txt) in a second venv, Python 3.12 (NEWEST_PY=3.13
+# VENV_NEWEST=.venv-py313: the same stack on Python 3.13, found on PATH or through pyenv). pip's
 # machine-wide configuration may cap torch below the newest release: PIP_CONFIG_FILE=/dev/null
 # reads none. The CUDA kernels are compiled by cuda-check; FE_MEGATRON_CUDA=0 skips them here.
-PYTHON_NEWEST ?= $(shell for p in python3.12 "$$(PYENV_VERSION=3.12.1 pyenv which python3.12 2> /dev/null)"; do \
-	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2> /dev/null && { command -v "$$p"; break; }; done)
+NEWEST_PY ?= 3.12
+PYTHON_NEWEST ?= $(shell for p in python$(NEWEST_PY) "$$(PYENV_VERSION=$$(pyenv versions --bare 2> /dev/null | grep -x '$(NEWEST_PY)\.[0-9]*' | tail -n 1) pyenv which python$(NEWEST_PY) 2> /dev/null)"; do \
+	"$$p" -c 'import sys; assert "%d.%d" % sys.version_info[:2] == "$(NEWEST_PY)"' 2> /dev/null && { command -v "$$p"; break; }; done)
 VENV_NEWEST ?= .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 PIP_NEWEST := PIP_CONFIG_FILE=/dev/null $(PY_NEWEST) -m pip
@@ -37,7 +39,7 @@ test: setup
 setup-newest: $(VENV_NEWEST)/.installed
 
 $(VENV_NEWEST)/.installed: setup.py pyproject.toml requirements/newest.txt $(wildcard csrc/cpu/*.cpp)
-	@test -n "$(PYTHON_NEWEST)" || { echo "make setup-newest: no Python 3.12 found; set PYTHON_NEWEST=/path/to/python3.12" >&2; exit 1; }
+	@test -n "$(PYTHON_NEWEST)" || { echo "make setup-newest: no Python $(NEWEST_PY) found; set PYTHON_NEWEST=/path/to/python$(NEWEST_PY)" >&2; exit 1; }
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
 	$(PIP_NEWEST) install -q --upgrade pip setuptools wheel
 	$(PIP_NEWEST) install -q -r requirements/newest.txt numpy
