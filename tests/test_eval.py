@@ -14,7 +14,7 @@ from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.evaluation import tasks
 from fe_megatron.evaluation.cli import main as fe_eval
 from fe_megatron.evaluation.model import EvalModel
-from tests.test_train import CONFIG, ROOT, run_pretrain, small_overrides
+from tests.test_train import CONFIG, ENDS_CLEANLY, ROOT, run_pretrain, small_overrides
 
 VOCAB = 512
 LENGTH = 256
@@ -205,11 +205,12 @@ def test_a_run_directory_evaluates_like_its_conversion_in_one_process_or_two(tra
                     str(tmp_path / "long.json")]) == 0
     assert "Token indices sequence length" not in capfd.readouterr().err  # fe-eval windows the text itself
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                           "fe_megatron.evaluation.cli", "ppl", "--load", run, "--data", text, "--stride", "32",
-                           "--output", str(tmp_path / "two.json")], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(env, OMP_NUM_THREADS="1"), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # through ends_cleanly.py: fe-eval ends the gloo group it started, so no thread of it is left to Python's exit
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           ENDS_CLEANLY, "--entry", "fe_megatron.evaluation.cli", "ppl", "--load", run, "--data", text,
+                           "--stride", "32", "--output", str(tmp_path / "two.json")], capture_output=True, text=True,
+                          cwd=ROOT, env=dict(env, OMP_NUM_THREADS="1"), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     two = json.load(open(tmp_path / "two.json"))["results"][0]
     assert two["tokens"] == outputs["run"]["tokens"] and two["documents"] == 4
     assert two["token_ppl"] == pytest.approx(outputs["run"]["token_ppl"], rel=1e-7)  # sums in another order

@@ -25,14 +25,34 @@ import torch
 from fe_megatron.evaluation import tasks
 
 
+_STARTED_GROUP = []  # [True] once _distributed started this process's group, which _end_distributed ends
+
+
 def _distributed():
     """``(rank, world)``; starts a gloo group under torchrun."""
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        # first: imported after the group exists (loading a model imports it), torch._dynamo keeps the
+        # group alive past its destruction (`fe_megatron.training.distributed.init_process_group`)
+        import torch._dynamo  # noqa: F401
+
         dist.init_process_group("gloo")
+        _STARTED_GROUP.append(True)
     return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def _end_distributed() -> None:
+    """End the group `_distributed` started, and drop every reference to it, so that its gloo threads
+    are joined now: left to Python's exit, they can abort a finished evaluation (SIGABRT, "terminate
+    called without an active exception"; `fe_megatron.training.distributed.destroy_process_groups`).
+    A group this process had before fe-eval ran is left to its owner."""
+    if _STARTED_GROUP:
+        from fe_megatron.training.distributed import destroy_process_groups
+
+        _STARTED_GROUP.clear()
+        destroy_process_groups()
 
 
 def _sum(values: dict, world: int) -> dict:
@@ -261,8 +281,12 @@ def main(argv=None) -> int:
         run(args)
     except (ValueError, FileNotFoundError) as err:  # DataError, CheckpointError, ConversionError included
         print(f"fe-eval {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        code = 2
+    else:
+        code = 0
+    # after an unexpected error the group is left as it is: peers may still be in a collective
+    _end_distributed()
+    return code
 
 
 if __name__ == "__main__":
