@@ -72,7 +72,8 @@ def megatron_run(start):
     """The Megatron engine at DP=2 from the shared weights, with clipping active at every step:
     the reference of every DeepSpeed run here."""
     save = str(start["base"] / "megatron")
-    run_pretrain(["--config", CONFIG, "--load", start["mcore"], "--save", save] + overrides(start["data"]), nproc=2)
+    run_pretrain(["--config", CONFIG, "--load", start["mcore"], "--save", save] + overrides(start["data"]), nproc=2,
+                 ends_cleanly=True)
     norms = grad_norms(save)
     assert len(norms) == STEPS and min(norms) > CLIP, f"clipping must be active at every step: norms {norms}"
     return save
@@ -160,7 +161,8 @@ def test_zero_3_matches_the_megatron_engine_and_resumes_exactly(start, megatron_
     half = str(start["base"] / "zero3_resumed")
     step_2_alone(zero3, half)
     proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
-                         "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"]), nproc=2)
+                         "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"]), nproc=2,
+                        ends_cleanly=True)
     assert "resumed from" in proc.stdout and "at iteration 2" in proc.stdout
     assert losses(half) == losses(zero3)[2:]
 
@@ -184,8 +186,10 @@ def test_a_checkpoint_resumes_on_fewer_ranks(start, zero3, rows3, mode):
                      "rows-host": (rows3, dict(ROWS, **{"memory.table_placement": "host"}))}[mode]
     half = str(start["base"] / f"{mode}_on_one_rank")
     step_2_alone(source, half)
+    # one process: rank 0 hosts the group's TCP store, which ends_cleanly.py checks is gone too
     proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
-                         "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"], **extra), nproc=1)
+                         "deepspeed={zero_optimization: {stage: 3}}"] + overrides(start["data"], **extra), nproc=1,
+                        ends_cleanly=True)
     assert "at iteration 2, saved by 2 data-parallel ranks" in proc.stdout
     assert_same_curve(losses(half), losses(source)[2:])
     assert ".fe_universal" not in os.listdir(half)  # the universal copy is gone once loaded
@@ -266,7 +270,8 @@ def test_the_bf16_optimizers_clip_the_tables_by_one_norm_too(start):
         proc = run_pretrain(["--config", CONFIG, "--load", start["hf"], "--save", save, DS, f"deepspeed={zero}"]
                             + overrides(start["data"], **ROWS, **{"training.precision": "bf16",
                                                                   "training.train_steps": 2,
-                                                                  "training.eval_interval": 2}))
+                                                                  "training.eval_interval": 2}),
+                            ends_cleanly=True)
         assert f"one gradient norm over DeepSpeed's parameters and the tables ({optimizer}'s, widened)" in proc.stdout
         assert not [line for line in proc.stdout.splitlines() if line.startswith(("MA ", "CPU Virtual Memory"))]
         norms[optimizer] = grad_norms(save)
@@ -334,7 +339,7 @@ def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, rows3_bf1
     half = str(start["base"] / "rows3_bf16_resumed")
     step_2_alone(save, half)
     run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
-                 + overrides(start["data"], **bf16), nproc=2)
+                 + overrides(start["data"], **bf16), nproc=2, ends_cleanly=True)
     assert losses(half) == losses(save)[2:]
     hf = deepspeed_to_hf(save, str(tmp_path / "hf"))
     model = FactorEngramForCausalLM.from_pretrained(hf).eval()
@@ -522,7 +527,7 @@ def test_a_sparse_table_update_trains_alike_in_both_engines_and_resumes_on_fewer
     sparse = dict(ROWS, **{"optimizer.table_update": "rowwise_adagrad"})
     megatron = str(start["base"] / "megatron_rowwise")
     proc = run_pretrain(["--config", CONFIG, "--load", start["mcore"], "--save", megatron]
-                        + overrides(start["data"], **sparse), nproc=2)
+                        + overrides(start["data"], **sparse), nproc=2, ends_cleanly=True)
     assert "updated by rowwise_adagrad (touched rows only)" in proc.stdout
     assert losses(megatron) != losses(megatron_run)  # another rule: another curve
     save = deepspeed_run(start, "rows3_rowwise", 3, **sparse)
@@ -530,7 +535,7 @@ def test_a_sparse_table_update_trains_alike_in_both_engines_and_resumes_on_fewer
     half = str(start["base"] / "rowwise_on_one_rank")
     step_2_alone(save, half)
     run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
-                 + overrides(start["data"], **sparse), nproc=1)
+                 + overrides(start["data"], **sparse), nproc=1, ends_cleanly=True)
     assert_same_curve(losses(half), losses(save)[2:])
     refused = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
                             "deepspeed={zero_optimization: {stage: 3}}"]

@@ -39,7 +39,7 @@ def test_a_checkpoint_of_an_earlier_main_resumes_and_logs_its_values_again(corpu
     run = tmp_path / mode
     shutil.copytree(os.path.join(DATA, mode), run)
     proc = run_pretrain(["--config", CONFIG, "--load", str(run), "--save", str(run)] + maker.overrides(mode, data),
-                        nproc=spec["processes"])
+                        nproc=spec["processes"], ends_cleanly=True)
     assert f"at iteration {maker.SAVED_STEP}" in proc.stdout
     got = final_curve(str(run))
     for step, values in spec["steps"].items():

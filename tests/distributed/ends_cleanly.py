@@ -3,14 +3,19 @@ module's ``main``: ``fe_megatron.megatron_lm.pretrain_gpt``), then fail (exit 3)
 group's native threads are still running in this process.
 
 Such threads would end only while Python exits, where they have aborted finished runs
-("terminate called without an active exception", SIGABRT: a failure to the launcher).
+("terminate called without an active exception", SIGABRT: a failure to the launcher).  The
+TCP store's server thread counts too: rank 0 hosts the group's store in its own process when no
+torchrun agent shares its own (one process, the deepspeed launcher, srun, torchrun.sh's
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), and the group keeps it.
 Linux: the threads are read from /proc/self/task."""
 
 import importlib
 import os
 import sys
 
-PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl")  # the names torch and gloo give their threads
+# the names torch and gloo give their threads: gloo's transport loop and work threads, NCCL's
+# watchdogs, and the TCP store's server (pt_tcpstore_uv)
+PROCESS_GROUP_THREADS = ("pt_gloo", "gloo_", "pt_nccl", "pt_tcpstore")
 
 
 def process_group_threads() -> list:

@@ -105,7 +105,8 @@ def main(modes=None) -> None:
         if modes and mode not in modes:
             continue
         save = os.path.join(work, mode)
-        subprocess.run(pretrain_cmd(nproc) + ["--config", CONFIG, "--save", save]
+        # through ends_cleanly.py: a process group left to Python's exit fails the mode by name
+        subprocess.run(pretrain_cmd(nproc, ends_cleanly=True) + ["--config", CONFIG, "--save", save]
                        + overrides(mode, data, tokenizer), check=True, env=env, cwd=ROOT)
         target = os.path.join(HERE, mode)
         shutil.rmtree(target, ignore_errors=True)
