@@ -61,7 +61,7 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
     from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.deepspeed.config import resolve
     from fe_megatron.deepspeed.clipping import JointClipping
-    from fe_megatron.deepspeed.engine import DeepSpeedRun, _init_distributed, build_engine
+    from fe_megatron.deepspeed.engine import DeepSpeedRun, _init_distributed, build_engine, shut_down
     from fe_megatron.checkpoint.resume_guard import schedule_in_force
     from fe_megatron.tables.plan import TablePlan
     from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig, TrainingArgs
@@ -104,6 +104,7 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
         tokens = steps * size["micro_batch"] * size["microbatches"] * world * seq
         print(json.dumps({"tables": mode, "tokens_per_s": tokens / seconds, "rss_mb": [m[0] for m in memory],
                           "peak_rss_mb": [m[1] for m in memory]}))
+    shut_down()  # fe-pretrain's shutdown: the engine, then the groups, joined before Python exits
 
 
 def gather_worker(repeats: int) -> None:
@@ -111,7 +112,7 @@ def gather_worker(repeats: int) -> None:
     import torch.distributed as dist
 
     from fe_megatron.config import MemoryConfig
-    from fe_megatron.deepspeed.engine import _init_distributed
+    from fe_megatron.deepspeed.engine import _init_distributed, shut_down
 
     _init_distributed(TIMEOUT_MINUTES)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -137,6 +138,7 @@ def gather_worker(repeats: int) -> None:
         print(json.dumps({"layer_table_params": numel, "layer_table_gb": numel * 4 / 1e9, "world": world,
                           "all_gather_s": best["all_gather"], "reduce_scatter_s": best["reduce_scatter"],
                           "all_gather_gb_per_s": gathered / best["all_gather"] / 1e9}))
+    shut_down()
 
 
 def launch(nproc: int, args: list) -> dict:

@@ -14,7 +14,7 @@ from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_para
 from fe_megatron.checkpoint.files import read_run_info  # noqa: E402
 from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder  # noqa: E402
 from fe_megatron.megatron.builder import build_gpt_model  # noqa: E402
-from fe_megatron.megatron.parallel import initialize  # noqa: E402
+from fe_megatron.megatron.parallel import initialize, shutdown  # noqa: E402
 from fe_megatron.megatron.step import causal_mask  # noqa: E402
 from fe_megatron.megatron.engine import transformer_config_for  # noqa: E402
 from fe_megatron.training.config import ParallelArgs, TrainConfig  # noqa: E402
@@ -38,7 +38,7 @@ def main(run_dir: str, tokens_file: str, out_file: str) -> None:
     if dist.get_rank() == 0:
         torch.save(logits.contiguous(), out_file)
     dist.barrier()
-    dist.destroy_process_group()
+    shutdown()  # Megatron's groups too, joined before Python exits (destroy_process_group alone leaves them)
 
 
 if __name__ == "__main__":
