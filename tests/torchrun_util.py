@@ -27,8 +27,11 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 def clean_environment(**extra: str) -> dict:
     """The test's environment for a command that starts its own processes: without the launcher
-    variables or PYTHONWARNINGS the test process may carry, one thread per process, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES + ("PYTHONWARNINGS",)}
+    variables, PYTHONWARNINGS or Transformer Engine's attention choices (NVTE_*: megatron.training's
+    argument validation sets them in the process that validates, and checks them against
+    --attention-backend in the next) the test process may carry, one thread per process, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES + ("PYTHONWARNINGS",) and not k.startswith("NVTE_")}
     env.update(OMP_NUM_THREADS="1", **extra)
     return env
 

@@ -514,11 +514,11 @@ def around_trainer_loads(before: Callable, after: Callable) -> None:
 
     load_checkpoint = training.load_checkpoint
 
-    def load_between_hooks(model, optimizer, *args, **kwargs):
+    def load_between_hooks(ddp_model, optimizer, *args, **kwargs):
         if optimizer is not None:
             before(optimizer)
         with torch.no_grad():
-            result = load_checkpoint(model, optimizer, *args, **kwargs)
+            result = load_checkpoint(ddp_model, optimizer, *args, **kwargs)
         if optimizer is not None:
             after(optimizer)
         return result
@@ -728,7 +728,7 @@ def _check_trainer():
     _has_parameters(training.training_log, ("loss_dict", "total_loss_dict", "learning_rate", "iteration"),
                     "training.training_log")
     _has_parameters(training.save_checkpoint, ("iteration",), "training.save_checkpoint")
-    _has_parameters(training.load_checkpoint, ("model", "optimizer"), "training.load_checkpoint")
+    _has_parameters(training.load_checkpoint, ("ddp_model", "optimizer"), "training.load_checkpoint")
     from megatron.training import arguments
 
     _has_parameters(arguments._print_args, ("title", "args"), "megatron.training.arguments._print_args")
