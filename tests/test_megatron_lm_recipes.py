@@ -29,23 +29,28 @@ pytestmark = pytest.mark.skipif(not compat.has_megatron_lm_trainer(), reason=(
     f"{compat.TRAINER_MINIMUM} on); `make test-newest` runs these tests"))
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """The whole bundled corpus (233 documents; the recipes' splits need more than small_data's 40) with a
-    512-piece tokenizer."""
+def tokenized_corpus(out, vocab_size: int) -> dict:
+    """The whole bundled corpus in ``out``: a ``vocab_size``-piece tokenizer trained on it (``tokenizer``)
+    and the indexed dataset it makes (``prefix``)."""
     import gzip
 
     from fe_megatron.data.cli import main as fe_data
 
-    out = tmp_path_factory.mktemp("corpus")
     text = out / "sotu.jsonl"
     with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
         shutil.copyfileobj(src, dst)
     assert fe_data(["train-tokenizer", "--input", str(text), "--output-prefix", str(out / "tok"),
-                    "--vocab-size", "512"]) == 0
+                    "--vocab-size", str(vocab_size)]) == 0
     assert fe_data(["preprocess", "--input", str(text), "--tokenizer-model", str(out / "tok.model"),
                     "--output-prefix", str(out / "sotu"), "--no-progress"]) == 0
     return dict(tokenizer=str(out / "tok.model"), prefix=str(out / "sotu"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The whole bundled corpus (233 documents; the recipes' splits need more than small_data's 40) with a
+    512-piece tokenizer."""
+    return tokenized_corpus(tmp_path_factory.mktemp("corpus"), 512)
 
 
 def recipe(name: str, corpus: dict, save: str, *extra, expect_ok: bool = True, **env) -> subprocess.CompletedProcess:
@@ -208,21 +213,12 @@ def test_help_lists_the_factorengram_arguments():
 def test_data_made_with_another_tokenizer_is_refused_before_training(corpus, tmp_path):
     """--data-path made with a 1024-piece tokenizer, --tokenizer-model the 512-piece one: refused by naming
     both files before any step (before, the first forward failed on a token id), and no metrics are left."""
-    import gzip
-
-    from fe_megatron.data.cli import main as fe_data
-
-    text = tmp_path / "sotu.jsonl"
-    with gzip.open(CORPUS, "rt") as src, open(text, "w") as dst:
-        shutil.copyfileobj(src, dst)
-    assert fe_data(["train-tokenizer", "--input", str(text), "--output-prefix", str(tmp_path / "large"),
-                    "--vocab-size", "1024"]) == 0
-    assert fe_data(["preprocess", "--input", str(text), "--tokenizer-model", str(tmp_path / "large.model"),
-                    "--output-prefix", str(tmp_path / "large_data"), "--no-progress"]) == 0
+    (tmp_path / "large").mkdir()
+    large = tokenized_corpus(tmp_path / "large", 1024)
     save = str(tmp_path / "run")
-    proc = recipe("llama3_8b", {**corpus, "prefix": str(tmp_path / "large_data")}, save, expect_ok=False)
+    proc = recipe("llama3_8b", {**corpus, "prefix": large["prefix"]}, save, expect_ok=False)
     assert proc.returncode != 0
-    assert f"{tmp_path / 'large_data'}.bin holds token id" in proc.stderr, proc.stderr[-3000:]
+    assert f"{large['prefix']}.bin holds token id" in proc.stderr, proc.stderr[-3000:]
     assert f"{corpus['tokenizer']} has 512 pieces" in proc.stderr and "--tokenizer-model" in proc.stderr
     assert not os.path.exists(os.path.join(save, "metrics.jsonl"))
 

@@ -1,5 +1,6 @@
 """Single-process Megatron checks: the sparsity aux loss, build-time errors, what the branch reads."""
 
+import contextlib
 import os
 import sys
 
@@ -29,10 +30,34 @@ def batches(n, seq=32, mbs=2):
     return out
 
 
+@contextlib.contextmanager
+def objective_written_out(model, mc):
+    """Inside the block the sparsity autoscaler is off (a reference objective carries the term itself)
+    and ``forward(batch)`` returns the model's output and the microbatch's lambda * L_sparsity (Eq.
+    12-13), from the L1 terms the memory modules return."""
+    from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
+
+    l1_terms = []
+    hooks = [layer.memory.register_forward_hook(lambda m, i, o: l1_terms.append(o[1]))
+             for layer in model.stage_memory_layers]
+
+    def forward(batch):
+        l1_terms.clear()
+        out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+        return out, mc.sparsity_lambda * torch.stack([t.mean() for t in l1_terms]).mean()
+
+    SparsityLossAutoScaler.set_loss_scale(0.0)
+    try:
+        yield forward
+    finally:
+        SparsityLossAutoScaler.set_loss_scale(1.0)
+        for hook in hooks:
+            hook.remove()
+
+
 def test_sparsity_aux_loss_gradients_equal_direct_lm_plus_lambda_l1(megatron_world):
     """Megatron schedule with the aux-loss autoscaler vs. an explicit (LM + lambda * L1) backward."""
     from fe_megatron.megatron.builder import build_optimizer, connect_schedule_hooks, wrap_ddp
-    from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
     from fe_megatron.megatron.step import lm_loss, pop_sparsity_loss, run_microbatches
     from megatron.core.optimizer import OptimizerConfig
 
@@ -51,24 +76,14 @@ def test_sparsity_aux_loss_gradients_equal_direct_lm_plus_lambda_l1(megatron_wor
     reported = pop_sparsity_loss([ddp], len(data))
 
     # direct: the same objective written out, gradients by one plain backward
-    l1_terms = []
-    hooks = [layer.memory.register_forward_hook(lambda m, i, o: l1_terms.append(o[1]))
-             for layer in model.stage_memory_layers]
-    SparsityLossAutoScaler.set_loss_scale(0.0)  # disable the autoscaler: the loss below carries the term
     ddp.zero_grad_buffer()  # DDP's hooks accumulate the direct backward into main_grad as well
     total, direct_sparsity = 0.0, 0.0
-    try:
+    with objective_written_out(model, mc) as forward:
         for batch in data:
-            l1_terms.clear()
-            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-            sparsity = mc.sparsity_lambda * torch.stack([t.mean() for t in l1_terms]).mean()  # Eq. 12-13
+            out, sparsity = forward(batch)
             total = total + (lm_loss(batch["loss_mask"], out)[0] + sparsity) / len(data)
             direct_sparsity += float(sparsity.detach()) / len(data)
         total.backward()
-    finally:
-        SparsityLossAutoScaler.set_loss_scale(1.0)
-    for hook in hooks:
-        hook.remove()
     model.pop_sparsity_loss()
     for name, p in model.named_parameters():
         torch.testing.assert_close(scheduled[name], p.main_grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -127,23 +142,13 @@ def test_per_token_loss_weights_each_microbatch_s_sparsity_term_by_its_tokens(me
     scheduled = {n: p.main_grad.clone() for n, p in model.named_parameters()}
     model.pop_sparsity_loss()
 
-    l1_terms = []
-    hooks = [layer.memory.register_forward_hook(lambda m, i, o: l1_terms.append(o[1]))
-             for layer in model.stage_memory_layers]
-    SparsityLossAutoScaler.set_loss_scale(0.0)  # the reference objective below carries the term itself
     ddp.zero_grad_buffer()
-    try:
-        total = 0.0
+    total = 0.0
+    with objective_written_out(model, mc) as forward:
         for batch, count in zip(data, tokens):
-            l1_terms.clear()
-            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-            sparsity = mc.sparsity_lambda * torch.stack([t.mean() for t in l1_terms]).mean()  # Eq. 12-13
+            out, sparsity = forward(batch)
             total = total + (out.float() * batch["loss_mask"]).sum() + count * sparsity
         (total / sum(tokens)).backward()
-    finally:
-        SparsityLossAutoScaler.set_loss_scale(1.0)
-        for hook in hooks:
-            hook.remove()
     model.pop_sparsity_loss()
     for name, p in model.named_parameters():
         torch.testing.assert_close(scheduled[name], p.main_grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -21,7 +21,8 @@ def run_info(cfg, data_parallel_size: int, engine: dict = None, world_size: int 
     from fe_megatron.data.tokenizer import tokenizer_file
 
     p = cfg.parallel
-    layout = {"world": dist.get_world_size() if world_size is None else world_size, "tensor": p.tensor, "pipeline": p.pipeline,
+    world = dist.get_world_size() if world_size is None else world_size
+    layout = {"world": world, "tensor": p.tensor, "pipeline": p.pipeline,
               "data": data_parallel_size, "table_sharding": p.table_sharding}
     layout.update(engine or {})
     return {"config": dataclasses.asdict(cfg), "fe_megatron": __version__,

@@ -28,16 +28,21 @@ def parse_blend(train_data: List):
 def build_datasets(train_data: List, tokenizer, seq_length: int, split: str, sizes: List[int], seed: int,
                    cache_dir: str = None):
     prefixes, weights = parse_blend(train_data)
-    for prefix in prefixes:
-        for path in (get_bin_path(prefix), get_idx_path(prefix)):
-            if not os.path.isfile(path):
-                raise DataError(f"data.train_data: {path} does not exist; create it with fe-data preprocess")
+    missing = missing_dataset_files(prefixes)
+    if missing:
+        raise DataError(f"data.train_data: {missing[0][1]} does not exist; create it with fe-data preprocess")
     every_split_problems(prefixes, split, sizes)
     config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
                               tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
                               eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
                               mid_level_dataset_surplus=0.005)
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+def missing_dataset_files(prefixes: List[str]) -> list:
+    """``(prefix, path)`` for each ``.bin`` or ``.idx`` file of the indexed datasets ``prefixes`` that does not exist."""
+    return [(prefix, path) for prefix in prefixes for path in (get_bin_path(prefix), get_idx_path(prefix))
+            if not os.path.isfile(path)]
 
 
 def every_split_problems(prefixes: List[str], split: str, sizes: List[int], split_flag: str = "data.split") -> None:

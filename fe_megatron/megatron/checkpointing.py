@@ -241,12 +241,8 @@ def adopt_loaded_adam_step_counts(optimizer) -> None:
     (the loader leaves the count `give_fresh_adam_states_a_step` started from there)."""
     for index, member in _torch_adam_members(optimizer):
         steps = {group["step"] for group in member.optimizer.param_groups if "step" in group}
-        if len(steps) > 1:
-            raise ValueError(f"the checkpoint's optimizer {index} holds step counts {sorted(steps)}; expected one")
         if steps:
-            step = float(steps.pop())
-            for param_state in member.optimizer.state.values():
-                param_state["step"] = torch.tensor(step)
+            _put_step_count(index, member, steps)
 
 
 def _restore_adam_step_counts(state: dict, optimizer) -> None:
@@ -254,9 +250,15 @@ def _restore_adam_step_counts(state: dict, optimizer) -> None:
     back into every parameter's state (Megatron's loader leaves the count it started from there)."""
     for index, member in _torch_adam_members(optimizer):
         saved = _member_states(state, optimizer)[index]
-        steps = {group["step"] for group in _torch_optimizer_state(saved)["param_groups"] if "step" in group}
-        if len(steps) != 1:
-            raise ValueError(f"the checkpoint's optimizer {index} holds step counts {sorted(steps)}; expected one")
-        step = float(steps.pop())
-        for param_state in member.optimizer.state.values():
-            param_state["step"] = torch.tensor(step)
+        _put_step_count(index, member, {group["step"] for group in _torch_optimizer_state(saved)["param_groups"]
+                                        if "step" in group})
+
+
+def _put_step_count(index: int, member, steps: set) -> None:
+    """The one step count in ``steps`` (the checkpoint's, for chain member ``index``) into every
+    parameter's state of ``member``, where torch's Adam reads it."""
+    if len(steps) != 1:
+        raise ValueError(f"the checkpoint's optimizer {index} holds step counts {sorted(steps)}; expected one")
+    step = float(next(iter(steps)))
+    for param_state in member.optimizer.state.values():
+        param_state["step"] = torch.tensor(step)

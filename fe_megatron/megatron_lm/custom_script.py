@@ -33,7 +33,7 @@ def with_factorengram(args, forward_step):
     configuration of ``args`` with the memory branch where the ``--fe-*`` arguments ask for it, and
     ``forward_step`` with the sparsity scale set first. Exits with status 2, after one message naming
     every argument the run cannot honor, as the drop-in does."""
-    from fe_megatron.megatron_lm.run import ArgumentsRefused, _refuse, prepare_trainer, set_up_host
+    from fe_megatron.megatron_lm.run import ArgumentsRefused, refuse_arguments, prepare_trainer, set_up_host
     from fe_megatron.training.distributed import destroy_process_groups
 
     on_host = set_up_host()
@@ -47,7 +47,7 @@ def with_factorengram(args, forward_step):
     except ArgumentsRefused as refused:
         problems += refused.problems
     if problems:
-        sys.exit(_refuse(problems, args.rank))
+        sys.exit(refuse_arguments(problems, args.rank))
     # joined before Python's own exit, where gloo's threads can abort a finished run (docs/operations.md)
     atexit.register(destroy_process_groups)
     return model_config, partial(_forward_step_with_memory, forward_step=forward_step, state=state)

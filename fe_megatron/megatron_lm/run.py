@@ -28,7 +28,7 @@ def run(argv: list) -> int:
 
     unknown = unknown_options(argv)
     if unknown:
-        return _refuse(unknown, rank=int(os.environ.get("RANK", "0")))
+        return refuse_arguments(unknown, rank=int(os.environ.get("RANK", "0")))
     sys.argv = [sys.argv[0]] + list(argv)  # megatron.training's parser reads sys.argv
     held_dump = []  # megatron's argument dump, printed once this run's own checks have passed
     with compat.argument_dump_held(held_dump):
@@ -37,7 +37,7 @@ def run(argv: list) -> int:
     try:
         model_config, state = prepare_trainer(args, on_host)
     except ArgumentsRefused as refused:
-        return _refuse(refused.problems, args.rank)
+        return refuse_arguments(refused.problems, args.rank)
     compat.print_argument_dump(held_dump)
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
@@ -184,18 +184,17 @@ def data_problems(args) -> list:
         return []
     from megatron.training.utils import get_blend_and_blend_per_split
 
-    from fe_megatron.data.datasets import every_split_problems
+    from fe_megatron.data.datasets import every_split_problems, missing_dataset_files
     from fe_megatron.data.sources import DataError
 
     blend, _ = get_blend_and_blend_per_split(args)
     if blend is None or args.split is None:
         return []
     prefixes = blend[0]
-    missing = [f"--data-path {prefix}: {path} does not exist; make it with fe-data preprocess (or Megatron-LM's "
-               "tools/preprocess_data.py)" for prefix in prefixes for path in (prefix + ".bin", prefix + ".idx")
-               if not os.path.isfile(path)]
+    missing = missing_dataset_files(prefixes)
     if missing:
-        return missing
+        return [f"--data-path {prefix}: {path} does not exist; make it with fe-data preprocess (or Megatron-LM's "
+                "tools/preprocess_data.py)" for prefix, path in missing]
     evaluates = args.eval_iters > 0 and not getattr(args, "skip_train", False)
     sizes = [1, 1 if evaluates else 0, 1 if args.eval_iters > 0 else 0]
     problems = []
@@ -250,7 +249,7 @@ def _pretrain(full_config, state) -> int:
     return 0
 
 
-def _refuse(problems: list, rank: int) -> int:
+def refuse_arguments(problems: list, rank: int) -> int:
     """Every problem in one message, on global rank 0 (process groups do not exist yet), and exit
     status 2. Under torchrun the message also goes to the error file torchrun reads, so that its
     closing summary, the end of the log, shows it instead of a bare exit code."""
