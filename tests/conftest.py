@@ -1,3 +1,8 @@
+"""Fixtures shared by the tiers (tests/unit, tests/integration), and the newest-stack subset.
+
+Helpers the tests share live in the package tests/helpers; the fixtures of one tier in its own
+conftest.py (tests/integration/conftest.py: the row-sharding reference runs)."""
+
 import gzip
 import os
 import random
@@ -6,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from fe_megatron.config import BACKBONE_FIELDS, BackboneConfig, MemoryConfig
+from tests.helpers.paths import CORPUS
 
 # Without a GPU, Triton kernels run in its interpreter (set before fe_megatron.ops looks for backends).
 if not torch.cuda.is_available():
@@ -68,27 +73,11 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"tests/conftest.py NEWEST_STACK_SUBSET names tests that do not exist: {missing}")
 
 
-def split_backbone(values: dict) -> dict:
-    """Move the backbone fields of a flat dict of test settings into ``values['backbone']``."""
-    backbone = {name: values.pop(name) for name in BACKBONE_FIELDS if name in values}
-    backbone.setdefault("num_attention_heads", 2)
-    values["backbone"] = BackboneConfig(**backbone)
-    return values
-
-
-def small_config(**overrides) -> MemoryConfig:
-    """A configuration small enough for exact float64 checks (backbone fields may be overridden too)."""
-    values = dict(vocab_size=97, hidden_size=16, num_layers=4, ffn_hidden_size=24, ngram_orders=[1, 2, 3],
-                  heads_per_order=2, table_capacity=[97, 211, 307], coeff_width=24, memory_dim=12, layers=[1, 3],
-                  conv_kernel_size=3, conv_dilation=2, hash_seed=7)
-    values.update(overrides)
-    return MemoryConfig(**split_backbone(values))
-
-
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    """A different seed per test (a CRC of its name): random inputs, the same on every run."""
-    seed = zlib.crc32(request.node.nodeid.encode())
+    """A different seed per test (a CRC of its name with its parameters, not of its file's path, so that
+    a test moved to another file keeps its inputs): random inputs, the same on every run."""
+    seed = zlib.crc32(request.node.name.encode())
     random.seed(seed)
     torch.manual_seed(seed)
     yield
@@ -106,9 +95,6 @@ def megatron_world():
     shutdown()
     os.environ.clear()
     os.environ.update(saved)  # no RANK / MASTER_PORT leaks into later tests' subprocesses
-
-
-CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "sotu.jsonl.gz")
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +121,7 @@ def reference(tmp_path_factory):
     """tests/distributed/check_row_sharding.py at DP=1 with whole fp32 tables held as parameters (TP=1
     and TP=2): initial weights, per-step losses, final weights; what row-sharded tables and every
     table storage are compared against."""
-    from tests.torchrun_util import torchrun
+    from tests.helpers.torchrun_util import torchrun
 
     root = tmp_path_factory.mktemp("row_sharding")
     for tp, init in ((1, "--save-init"), (2, "--init")):  # both start from the same initial weights
@@ -143,3 +129,11 @@ def reference(tmp_path_factory):
                  "--steps", "0:3", "--record", str(root / f"ref_tp{tp}.json"), "--save-final",
                  str(root / f"final_tp{tp}"), nproc=tp)
     return root
+
+
+@pytest.fixture(scope="module")
+def uniform_dir(small_data, tmp_path_factory):
+    """A saved model whose every weight is zero, with small_data's tokenizer (tests.helpers.evaluation)."""
+    from tests.helpers.evaluation import uniform_model
+
+    return uniform_model(str(tmp_path_factory.mktemp("uniform")), small_data["tokenizer"])

@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fe_megatron")
+from tests.helpers.paths import PACKAGE
+
 
 # Each top-level part of the package and its layer: a module may import from its own layer and below.
 LAYERS = {

@@ -8,7 +8,8 @@ from fe_megatron.planning.budget import backbone_params, memory_layer_budget, to
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import build_memory
 from fe_megatron.planning.rank_memory import DTYPE_BYTES
-from tests.conftest import small_config
+from tests.helpers.configs import small_config
+from tests.helpers.paths import ROOT
 
 
 @pytest.mark.parametrize("preset, paper_total", [("factorengram-340m", 1.4e9), ("factorengram-1b", 3.9e9)])
@@ -132,7 +133,7 @@ def test_fe_plan_at_the_engram_papers_table_scale_shows_where_each_choice_stops_
     tier's node; row-wise AdaGrad (no dense gradient, 4 bytes of state per row) trains whole bf16
     tables from the host and row-sharded ones on the device."""
     exe = os.path.join(os.path.dirname(sys.executable), "fe-plan")
-    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "plan",
+    config = os.path.join(ROOT, "examples", "plan",
                           "engram_scale.yaml")
     out = subprocess.run([exe, "--config", config, "--dp", "8", "--table-sharding", "rows"], capture_output=True,
                          text=True, check=True).stdout
@@ -177,7 +178,7 @@ def test_fe_plan_prints_per_rank_memory_and_refuses_a_bad_layout():
     assert bad.returncode == 2 and "global batch 64 (default) is not a multiple of micro-batch x DP = 3 x 8" in bad.stderr
 
 
-PAPER_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "configs",
+PAPER_CONFIG = os.path.join(ROOT, "examples", "configs",
                             "paper_340m_factorengram.yaml")
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.torchrun_util import torchrun
+from tests.helpers.torchrun_util import torchrun
 
 pytestmark = pytest.mark.distributed
 

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.test_train import CONFIG, ROOT, curve, metrics, run_pretrain, small_overrides
+from tests.helpers.training import CONFIG, ROOT, curve, metrics, run_pretrain, small_overrides
 
 OTHER_PYTHON = os.environ.get("FE_OTHER_STACK_PYTHON")
 pytestmark = pytest.mark.skipif(

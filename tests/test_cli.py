@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
+
 BIN = os.path.dirname(sys.executable)
 
 

@@ -158,7 +158,7 @@ def test_backbone_is_written_once_presets_name_it():
 ])
 def test_an_moe_backbone_s_settings_are_checked_by_name(overrides, fragment):
     from fe_megatron.training.config import load_train_config
-    from tests.test_train import CONFIG
+    from tests.helpers.paths import CONFIG
 
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         load_train_config(CONFIG, overrides)

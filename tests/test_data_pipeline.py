@@ -1,16 +1,14 @@
 """fe-data on the bundled corpus, and every bad-input case naming file and line."""
 
 import json
-import os
 
 import numpy
 import pytest
 
 from fe_megatron.data.cli import main as fe_data
 from fe_megatron.data.sources import DataError, iter_documents, validate_inputs
+from tests.helpers.paths import CORPUS
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CORPUS = os.path.join(ROOT, "data", "sotu.jsonl.gz")
 
 
 def test_bundled_corpus_is_readable_and_not_eval_data():

@@ -13,7 +13,7 @@ import torch
 
 from fe_megatron.config import ConfigError
 from fe_megatron.training.config import load_train_config
-from tests.test_train import CONFIG, ENDS_CLEANLY, ROOT, metrics, run_pretrain, small_overrides
+from tests.helpers.training import CONFIG, ENDS_CLEANLY, ROOT, metrics, run_pretrain, small_overrides
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
 

@@ -8,41 +8,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.evaluation import tasks
 from fe_megatron.evaluation.cli import main as fe_eval
 from fe_megatron.evaluation.model import EvalModel
-from tests.test_train import CONFIG, ENDS_CLEANLY, ROOT, run_pretrain, small_overrides
-
-VOCAB = 512
-LENGTH = 256
-
-
-@pytest.fixture(scope="module")
-def uniform_dir(small_data, tmp_path_factory):
-    from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM, save_tokenizer
-
-    backbone = BackboneConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_attention_heads=2,
-                              ffn_hidden_size=64, seq_length=LENGTH)
-    memory = MemoryConfig(backbone=backbone, ngram_orders=[1, 2], heads_per_order=1, table_capacity=[VOCAB, 997],
-                          coeff_width=16, memory_dim=16, layers=[1])
-    model = FactorEngramForCausalLM(FactorEngramConfig.from_fe_megatron(backbone, memory))
-    with torch.no_grad():
-        for param in model.parameters():
-            param.zero_()
-    directory = str(tmp_path_factory.mktemp("uniform"))
-    model.save_pretrained(directory)
-    save_tokenizer(small_data["tokenizer"], directory)
-    return directory
-
-
-def write_jsonl(path, records):
-    with open(path, "w") as fh:
-        for record in records:
-            fh.write(json.dumps(record) + "\n")
-    return str(path)
+from tests.helpers.evaluation import LENGTH, VOCAB, write_jsonl
+from tests.helpers.training import CONFIG, ENDS_CLEANLY, ROOT, run_pretrain, small_overrides
 
 
 def test_perplexity_of_the_uniform_model_is_its_vocabulary(uniform_dir, tmp_path):
@@ -63,7 +34,7 @@ def test_perplexity_of_the_uniform_model_is_its_vocabulary(uniform_dir, tmp_path
 def test_rolling_windows_score_each_token_with_the_context_the_stride_leaves():
     """A non-uniform model, token by token: position t is scored in the first window that reaches
     it, reading that window's tokens before it."""
-    from tests.test_hf import tiny_model
+    from tests.helpers.models import tiny_model
 
     length, stride = 32, 8
     model = EvalModel(tiny_model(), lambda text: [int(b) % 256 for b in text.encode()], None, length, "tiny")

@@ -13,14 +13,14 @@ import torch
 from fe_megatron.evaluation import tasks
 from fe_megatron.evaluation.cli import main as fe_eval
 from fe_megatron.evaluation.model import EvalModel
-from tests.test_eval import LENGTH, uniform_dir, write_jsonl  # noqa: F401 - uniform_dir is a fixture
+from tests.helpers.evaluation import LENGTH, write_jsonl
+from tests.helpers.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "eval")
 
 
 def byte_model(length=32):
-    from tests.test_hf import tiny_model
+    from tests.helpers.models import tiny_model
 
     return EvalModel(tiny_model(), lambda text: [int(b) % 256 for b in text.encode()], None, length, "tiny")
 

@@ -15,7 +15,7 @@ from fe_megatron.data.preprocess import preprocess
 from fe_megatron.data.sources import DataError, iter_documents
 from fe_megatron.data.tokenizer import SentencePieceTokenizer
 from fe_megatron.ngram.hashing import NgramHasher, branch_layouts
-from tests.conftest import split_backbone
+from tests.helpers.configs import split_backbone
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                       HealthCheck.too_slow])

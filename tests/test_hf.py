@@ -9,32 +9,14 @@ import pytest
 import torch
 import yaml
 
-from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
 from fe_megatron.convert.common import ConversionError
 from fe_megatron.convert.graft import graft
 from fe_megatron.convert.to_mcore import hf_to_mcore
 from fe_megatron.convert.to_hf import mcore_to_hf
-from tests.test_train import CONFIG, run_pretrain, small_overrides
-from tests.torchrun_util import torchrun
-
-BACKBONE = BackboneConfig(vocab_size=256, hidden_size=64, num_layers=3, num_attention_heads=4, num_query_groups=2,
-                          ffn_hidden_size=128, seq_length=256)
-
-
-def tiny_model(kind="factorengram", placement="before_attn", perturb=True):
-    gate, width = ("basis", 48) if kind == "factorengram" else ("scalar", 48)
-    memory = MemoryConfig(backbone=BACKBONE, kind=kind, gate=gate, ngram_orders=[1, 2, 3], heads_per_order=2,
-                          table_capacity=[256, 1000, 1000], coeff_width=width, memory_dim=32 if gate == "basis" else 48,
-                          layers=[0, 2], placement=placement)
-    config = FactorEngramConfig.from_fe_megatron(BACKBONE, memory, pad_token_id=0, eos_token_id=1, bos_token_id=2)
-    model = FactorEngramForCausalLM(config).eval()
-    if perturb:  # the branch output starts at zero; make it matter
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if ".memory." in name and ("value_proj" in name or "conv.weight" in name):
-                    param.normal_(0, 0.2)
-    return model
+from tests.helpers.models import tiny_model
+from tests.helpers.torchrun_util import megatron_logits
+from tests.helpers.training import CONFIG, run_pretrain, small_overrides
 
 
 def test_torch_compile_runs_through_the_memory_branch_without_graph_breaks():
@@ -185,12 +167,6 @@ def trained_runs(small_data, tmp_path_factory):
         run_pretrain(["--config", CONFIG, "--save", run] + overrides, nproc=nproc)
         runs[name] = run
     return runs
-
-
-def megatron_logits(run: str, tokens: torch.Tensor, tp: int, tmp_path) -> torch.Tensor:
-    torch.save(tokens, tmp_path / "tokens.pt")
-    torchrun("megatron_logits.py", run, str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt"), nproc=tp)
-    return torch.load(tmp_path / "logits.pt")
 
 
 @pytest.mark.parametrize("run", [1, 2, "rows", "plain"])

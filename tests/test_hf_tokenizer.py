@@ -14,10 +14,10 @@ import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import CORPUS
+from tests.helpers.paths import CORPUS, ROOT
 
 # a real 32K sentencepiece model (Mistral 7B's, Apache-2.0), bundled in data/tokenizers/
-MISTRAL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "tokenizers",
+MISTRAL = os.path.join(ROOT, "data", "tokenizers",
                        "mistral_32k.model")
 
 # Text sentencepiece normalizes specially: runs of white space, NFKC (full-width letters,

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
+
 
 
 def setup_py(cuda: str, **env):

@@ -21,8 +21,8 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import FactorEngram
 from fe_megatron.ngram import NgramHasher
 from fe_megatron.ops import reference
-from tests.conftest import small_config
-from tests.test_hashing import GOLDEN_CONFIG, GOLDEN_IDS, GOLDEN_INDICES
+from tests.helpers.configs import small_config
+from tests.helpers.hashing import GOLDEN_CONFIG, GOLDEN_IDS, GOLDEN_INDICES
 
 COMPILED = ("cpp", "cuda", "triton")
 CUDA = torch.cuda.is_available()

@@ -4,17 +4,14 @@ release; `make test` runs it on the oldest supported stack and `make test-newest
 import copy
 import os
 import re
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
-from common import tiny_memory_config, tiny_transformer_config  # noqa: E402
+from fe_megatron.megatron import compat
+from tests.helpers.configs import tiny_memory_config, tiny_transformer_config
+from tests.helpers.paths import ROOT
 
-from fe_megatron.megatron import compat  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("contract", compat.CONTRACTS, ids=[c.name for c in compat.CONTRACTS])

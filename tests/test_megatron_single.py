@@ -2,32 +2,13 @@
 
 import contextlib
 import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
-from common import tiny_memory_config, tiny_transformer_config  # noqa: E402
-
-
-def build(memory_config=None, **transformer_overrides):
-    from fe_megatron.megatron.builder import build_gpt_model
-
-    cfg = tiny_transformer_config(**transformer_overrides)
-    return build_gpt_model(cfg, 128, 32, memory_config)
-
-
-def batches(n, seq=32, mbs=2):
-    from fe_megatron.megatron.step import causal_mask
-
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(0, 128, (mbs, seq + 1))
-        out.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=(torch.rand(mbs, seq) > 0.2).float(),
-                        position_ids=torch.arange(seq).expand(mbs, seq), attention_mask=causal_mask(seq)))
-    return out
+from tests.helpers.configs import tiny_memory_config, tiny_transformer_config
+from tests.helpers.megatron import batches, build
 
 
 @contextlib.contextmanager

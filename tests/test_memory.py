@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fe_megatron.memory import Engram, FactorEngram, ShortConv, build_memory, sparsity_loss
-from tests.conftest import small_config
-from tests.test_hashing import python_reference_indices
+from tests.helpers.configs import small_config
+from tests.helpers.hashing import python_reference_indices
 
 
 def randomize(module):

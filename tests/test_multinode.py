@@ -25,11 +25,9 @@ import time
 import pytest
 
 from fe_megatron.checkpoint.files import complete_iterations, read_tracker, write_tracker
-from tests.cluster import Cluster, why_no_cluster
-from tests.test_operations import final_curve, metrics_if_any
-from tests.test_slurm import job_log
-from tests.test_train import CONFIG, ROOT, run_pretrain, small_overrides
-from tests.torchrun_util import clean_environment
+from tests.helpers.cluster import Cluster, job_log, why_no_cluster
+from tests.helpers.torchrun_util import clean_environment
+from tests.helpers.training import CONFIG, ROOT, final_curve, metrics_if_any, run_pretrain, small_overrides
 
 pytestmark = pytest.mark.distributed
 

@@ -12,21 +12,12 @@ import torch
 
 from fe_megatron.checkpoint import resume_guard
 from fe_megatron.checkpoint.files import MANIFEST, RUN_INFO, complete_iterations, read_tracker
-from tests.test_train import CONFIG, ROOT, curve, metrics, pretrain_cmd, run_pretrain, small_overrides
+from tests.helpers.training import CONFIG, ROOT, curve, final_curve, metrics, metrics_if_any, pretrain_cmd, run_pretrain, small_overrides
 
 
 def train(data, save, *extra_args, nproc=1, check=True, env=None, **overrides):
     args = ["--config", CONFIG, "--save", save, *extra_args] + small_overrides(data, **overrides)
     return run_pretrain(args, nproc=nproc, check=check, extra_env=env)
-
-
-def final_curve(save):
-    """The run's logged values by step, the last record of each step winning (a resumed run logs
-    the steps after its checkpoint again)."""
-    by_step = {}
-    for step, *values in curve(metrics(save)):
-        by_step.setdefault(step, {}).update({i: v for i, v in enumerate(values) if v is not None})
-    return by_step
 
 
 def same_tensors(a: str, b: str) -> str:
@@ -243,13 +234,6 @@ def test_sigusr1_saves_after_the_step_and_asks_for_a_requeue(small_data, uninter
     out = train(small_data, run, "--load", run, **{"training.log_interval": 1, "training.train_steps": 40,
                                                      "training.save_interval": 100}).stdout
     assert f"at iteration {stopped}" in out and not os.path.exists(os.path.join(run, "requeue_requested"))
-
-
-def metrics_if_any(save):
-    try:
-        return metrics(save)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
 
 
 @pytest.mark.distributed

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fe_megatron.tables.row_exchange import RowPartition
-from tests.torchrun_util import torchrun
+from tests.helpers.torchrun_util import torchrun
 
 
 def partitions(branch_rows, size):
@@ -122,8 +122,7 @@ def test_an_expert_parallel_moe_backbone_trains_beside_row_sharded_tables(small_
     checkpoint resumes with whole tables."""
     import shutil
 
-    from tests.test_operations import final_curve
-    from tests.test_train import CONFIG, run_pretrain, small_overrides
+    from tests.helpers.training import CONFIG, final_curve, run_pretrain, small_overrides
 
     moe = small_overrides(small_data, **{"model.num_experts": 4, "model.moe_router_topk": 2, "parallel.expert": 2,
                                          "training.train_steps": 4, "training.save_interval": 2,

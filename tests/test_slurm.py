@@ -14,10 +14,9 @@ import time
 
 import pytest
 
-from tests.cluster import Cluster, why_no_cluster
-from tests.test_operations import final_curve, metrics_if_any
-from tests.test_train import CONFIG, ROOT, metrics, small_overrides
-from tests.torchrun_util import clean_environment
+from tests.helpers.cluster import Cluster, job_log, why_no_cluster
+from tests.helpers.torchrun_util import clean_environment
+from tests.helpers.training import CONFIG, ROOT, final_curve, metrics, metrics_if_any, small_overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -43,15 +42,6 @@ def sbatch(cluster, run_dir, data, *extra, steps=16):
 def wait_for(cluster, job, run_dir):
     fields = cluster.wait(job, timeout=900, describe=lambda: f"; its log: {job_log(run_dir)}")
     return fields["JobState"], int(fields["Restarts"])
-
-
-def job_log(run_dir):
-    """The end of a pretrain.sbatch job's log and of each node's log (RUN_DIR.out, RUN_DIR/logs/)."""
-    text = ""
-    for path in [f"{run_dir}.out"] + sorted(str(p) for p in (run_dir / "logs").glob("*.log")):
-        if os.path.exists(path):
-            text += f"\n--- {path}\n" + open(path).read()[-4000:]
-    return text
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import shutil
 
 import pytest
 
-from tests.test_operations import final_curve
-from tests.test_train import CONFIG, run_pretrain
+from tests.helpers.paths import TEST_DATA
+from tests.helpers.training import CONFIG, final_curve, run_pretrain
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "checkpoints_2026_11")
+DATA = os.path.join(TEST_DATA, "checkpoints_2026_11")
 with open(os.path.join(DATA, "expected.json")) as _fh:
     EXPECTED = json.load(_fh)
 

@@ -12,7 +12,7 @@ import torch
 from fe_megatron.config import ConfigError
 from fe_megatron.memory import build_memory
 from fe_megatron.tables.storage import FP8_MAX, dequantize_rows, quantize_table
-from tests.conftest import small_config
+from tests.helpers.configs import small_config
 
 
 def test_bf16_rows_round_to_nearest():
@@ -80,7 +80,7 @@ def test_table_dtype_is_checked():
 ])
 def test_training_refuses_table_storage_it_cannot_train(small_data, overrides, message):
     from fe_megatron.training.config import load_train_config
-    from tests.test_train import CONFIG, small_overrides
+    from tests.helpers.training import CONFIG, small_overrides
 
     with pytest.raises(ConfigError, match=message):
         load_train_config(CONFIG, small_overrides(small_data, **overrides))
@@ -90,7 +90,7 @@ def test_training_refuses_table_storage_it_cannot_train(small_data, overrides, m
                                              ("deepspeed", "rows"), ("deepspeed", "replicated")])
 def test_every_engine_and_sharding_trains_bf16_tables_in_either_placement(small_data, engine, sharding):
     from fe_megatron.training.config import load_train_config
-    from tests.test_train import CONFIG, small_overrides
+    from tests.helpers.training import CONFIG, small_overrides
 
     for placement in ("device", "host"):
         load_train_config(CONFIG, small_overrides(small_data, **{

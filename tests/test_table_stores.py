@@ -20,9 +20,9 @@ from fe_megatron.memory import FactorEngram
 from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.tables.managed import ManagedTables
 from fe_megatron.training.config import OptimizerArgs
-from tests.conftest import small_config
-from tests.test_train import CONFIG, metrics, run_pretrain, small_overrides
-from tests.torchrun_util import torchrun
+from tests.helpers.configs import small_config
+from tests.helpers.torchrun_util import torchrun
+from tests.helpers.training import CONFIG, metrics, run_pretrain, small_overrides
 
 
 def branch_and_inputs(**storage):

@@ -20,8 +20,8 @@ from fe_megatron.tables.plan import TablePlan
 from fe_megatron.tables.sparse_update import LazyAdam, RowwiseAdagrad
 from fe_megatron.tables.store import RowGradients
 from fe_megatron.training.config import OptimizerArgs
-from tests.conftest import small_config
-from tests.torchrun_util import torchrun
+from tests.helpers.configs import small_config
+from tests.helpers.torchrun_util import torchrun
 
 ROWS, WIDTH = 50, 8
 

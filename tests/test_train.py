@@ -11,51 +11,7 @@ import pytest
 
 from fe_megatron.config import ConfigError
 from fe_megatron.training.config import load_train_config
-from tests.torchrun_util import clean_environment, run_in_own_session
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")
-
-
-def small_overrides(data, **extra):
-    values = {"data.tokenizer_model": data["tokenizer"], "data.train_data": f"[{data['prefix']}]",
-              "model.vocab_size": 512, "memory.table_capacity": "[512, 4096, 4096]", "model.seq_length": 64,
-              "training.train_steps": 8, "training.log_interval": 2, "training.eval_interval": 4,
-              "training.eval_steps": 2, "training.save_interval": 4, "training.micro_batch_size": 2,
-              "training.global_batch_size": 8, "optimizer.warmup_steps": 2}
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
-
-
-# fe-pretrain, then a check that no process group's threads are left to end during Python's exit
-ENDS_CLEANLY = os.path.join(ROOT, "tests", "distributed", "ends_cleanly.py")
-
-
-def pretrain_cmd(nproc=1, python=sys.executable, ends_cleanly=False):
-    entry = [ENDS_CLEANLY] if ends_cleanly else ["-m", "fe_megatron.train"]
-    if nproc == 1:
-        return [python] + entry
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + entry
-
-
-def run_pretrain(args, nproc=1, check=True, extra_env=None, python=sys.executable, ends_cleanly=False):
-    """fe-pretrain with ``args`` (under torchrun for ``nproc`` > 1); ``ends_cleanly``: through
-    tests/distributed/ends_cleanly.py, which also fails when process-group threads are left."""
-    proc = run_in_own_session(pretrain_cmd(nproc, python, ends_cleanly) + args,
-                              clean_environment(**(extra_env or {})))
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def metrics(save_dir):
-    with open(os.path.join(save_dir, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
-
-
-def curve(rows):
-    return [(r["step"], r.get("lm_loss"), r.get("sparsity_loss"), r.get("val_loss"))
-            for r in rows if "step" in r and "event" not in r]
+from tests.helpers.training import CONFIG, ENDS_CLEANLY, ROOT, curve, metrics, run_pretrain, small_overrides  # noqa: F401
 
 
 def test_resume_reproduces_the_uninterrupted_curve_exactly(small_data, tmp_path):

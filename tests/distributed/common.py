@@ -1,13 +1,18 @@
-"""Helpers shared by the torchrun-launched equivalence scripts."""
+"""Helpers shared by the torchrun-launched equivalence scripts; the tiny GPT's configurations are the
+tests' own (tests/helpers/configs.py)."""
 
+import os
 import sys
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
+
+# run as a script (sys.path[0] is this folder): the repository root, for the tests' helpers
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.helpers.configs import tiny_memory_config, tiny_transformer_config  # noqa: E402,F401 - for the scripts
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -57,28 +62,3 @@ class Checker:
         dist.barrier()
         shutdown()
         sys.exit(1 if int(flag) else 0)
-
-
-def tiny_transformer_config(tp=1, pp=1, sp=False, **overrides):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    values = dict(num_layers=4, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-                  gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
-                  bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-                  masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-                  use_cpu_initialization=True, persist_layer_norm=False, tensor_model_parallel_size=tp,
-                  pipeline_model_parallel_size=pp, sequence_parallel=sp, pipeline_dtype=torch.float32)
-    values.update(overrides)
-    return TransformerConfig(**values)
-
-
-def tiny_memory_config(**overrides):
-    """The memory of the tiny test GPT (backbone fields may be overridden too)."""
-    from fe_megatron.config import BACKBONE_FIELDS, BackboneConfig, MemoryConfig
-
-    values = dict(vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
-                  ngram_orders=[1, 2, 3], heads_per_order=2, table_capacity=[128, 401, 409], coeff_width=24,
-                  memory_dim=16, layers=[1, 2], conv_kernel_size=4, conv_dilation=3, sparsity_lambda=1e-2)
-    values.update(overrides)
-    backbone = BackboneConfig(**{name: values.pop(name) for name in BACKBONE_FIELDS if name in values})
-    return MemoryConfig(backbone=backbone, **values)

@@ -92,8 +92,8 @@ def main(modes=None) -> None:
     from fe_megatron.checkpoint.files import write_tracker
     from fe_megatron.deepspeed.engine import write_deepspeed_latest
 
-    from tests.test_train import pretrain_cmd
-    from tests.torchrun_util import clean_environment
+    from tests.helpers.torchrun_util import clean_environment
+    from tests.helpers.training import pretrain_cmd
 
     with open(os.path.join(HERE, "expected.json")) as fh:
         expected = {mode: values for mode, values in json.load(fh)["modes"].items() if mode in MODES}

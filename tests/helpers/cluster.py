@@ -327,3 +327,12 @@ AccountingStorageType=accounting_storage/none
             time.sleep(0.5)
         _run("scancel", job, env=self.env, check=False)
         raise AssertionError(f"job {job} still {fields.get('JobState')} after {timeout} s{describe()}")
+
+
+def job_log(run_dir):
+    """The end of a pretrain.sbatch job's log and of each node's log (RUN_DIR.out, RUN_DIR/logs/)."""
+    text = ""
+    for path in [f"{run_dir}.out"] + sorted(str(p) for p in (run_dir / "logs").glob("*.log")):
+        if os.path.exists(path):
+            text += f"\n--- {path}\n" + open(path).read()[-4000:]
+    return text

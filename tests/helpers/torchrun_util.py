@@ -1,0 +1,64 @@
+"""Launching processes from a test: a script of ``tests/distributed/`` under torchrun, and any command
+in a session of its own with a clean launcher environment."""
+
+import os
+import signal
+import subprocess
+import sys
+
+from tests.helpers.paths import DISTRIBUTED, ROOT
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: dict = None):
+    """Run ``tests/distributed/<script>`` under torchrun; fail with its output on a non-zero exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(DISTRIBUTED, script), *args]
+    run_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=run_env, cwd=ROOT)
+    output = proc.stdout + proc.stderr
+    # the checks' verdicts, errors, and how each failed rank ended (exit code, signal: a rank can fail
+    # after every check passed)
+    keys = ("FAIL", "Error", "checks", "exitcode", "Signal", "rank      :")
+    lines = [line for line in output.splitlines() if any(key in line for key in keys)]
+    assert proc.returncode == 0, "\n".join(lines[-40:]) + "\n--- last output ---\n" + output[-1500:]
+    return output
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_RESTART_COUNT",
+                      "TORCHELASTIC_RESTART_COUNT")
+
+
+def clean_environment(**extra: str) -> dict:
+    """The test's environment for a command that starts its own processes: without the launcher
+    variables, PYTHONWARNINGS or Transformer Engine's attention choices (NVTE_*: megatron.training's
+    argument validation sets them in the process that validates, and checks them against
+    --attention-backend in the next) the test process may carry, one thread per process, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES + ("PYTHONWARNINGS",) and not k.startswith("NVTE_")}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def run_in_own_session(cmd: list, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``cmd`` from the repository root in a session of its own, so that a timeout kills torchrun's
+    workers too (not only torchrun); its output is captured."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                          start_new_session=True) as popen:
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            raise AssertionError(f"{' '.join(cmd[:6])} ran past {timeout} s:\n{stdout[-3000:]}{stderr[-3000:]}") \
+                from None
+    return subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
+
+
+def megatron_logits(run: str, tokens, tp: int, tmp_path):
+    """The logits of ``run``'s Megatron model on ``tokens`` (tests/distributed/megatron_logits.py at ``tp``
+    processes), read back as a tensor."""
+    import torch
+
+    torch.save(tokens, tmp_path / "tokens.pt")
+    torchrun("megatron_logits.py", run, str(tmp_path / "tokens.pt"), str(tmp_path / "logits.pt"), nproc=tp)
+    return torch.load(tmp_path / "logits.pt")
