@@ -99,8 +99,15 @@ def test_branch_starts_as_identity_and_learns(kind):
     h, ids = torch.randn(1, 7, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (1, 7))
     m, _ = module(h, ids)
     assert torch.count_nonzero(module.conv.weight) == 0 and torch.count_nonzero(m) == 0
-    (m * torch.randn_like(m)).sum().backward()
+    target = torch.randn_like(m)
+    (m * target).sum().backward()
     assert module.value_proj.weight.grad.abs().sum() > 0  # V learns from the first step
+    with torch.no_grad():  # one gradient step leaves the identity and lowers the objective (0 before it)
+        for param in module.parameters():
+            if param.grad is not None:
+                param -= 0.1 * param.grad
+        stepped, _ = module(h, ids)
+    assert torch.count_nonzero(stepped) > 0 and (stepped * target).sum() < 0
     if kind == "factorengram":
         alpha = torch.sigmoid(module.query(h) @ module.dictionary.flatten(0, 1).t() / math.sqrt(cfg.hidden_size))
         assert 0.3 < alpha.mean() < 0.7  # gates start uninformative

@@ -57,15 +57,23 @@ def test_forced_kernel_backend_must_take_the_tables_device():
         check_kernel_backend("cpp", torch.device("cuda"))
 
 
-@pytest.mark.distributed
-def test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them(reference):
-    """DP=2 with sharded tables against DP=1 with whole ones on the same global batches: losses,
-    gradient norms and every parameter after 3 Adam steps; then a checkpoint of step 1."""
+@pytest.fixture(scope="module")
+def rows_step1(reference):
+    """DP=2 with sharded tables against DP=1 with whole ones on the same global batches (its output),
+    and its checkpoint of step 1, which the resumes in other layouts start from."""
     r = reference
     out = torchrun("check_row_sharding.py", "--tables", "rows", "--init", str(r / "init"), "--steps", "0:3",
                    "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"), "--save-step",
                    "1", str(r / "rows_step1"), "--check-memory")
-    assert "0 failures" in out
+    return out, r / "rows_step1"
+
+
+@pytest.mark.distributed
+def test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them(rows_step1):
+    """DP=2 with sharded tables against DP=1 with whole ones on the same global batches: losses,
+    gradient norms and every parameter after 3 Adam steps; then a checkpoint of step 1."""
+    out, checkpoint = rows_step1
+    assert "0 failures" in out and (checkpoint / "iter_0000001").is_dir()
 
 
 @pytest.mark.distributed
@@ -93,13 +101,11 @@ def test_rows_under_pipeline_parallelism_and_recompute(reference, nproc, extra):
 @pytest.mark.parametrize("nproc, tables, tp", [(1, "rows", 1), (1, "replicated", 1), (2, "replicated", 1),
                                                (4, "rows", 2)],
                          ids=["dp1", "dp1-replicated", "dp2-replicated", "dp2-tp2"])
-def test_rows_checkpoint_resumes_in_other_layouts(reference, nproc, tables, tp):
+def test_rows_checkpoint_resumes_in_other_layouts(reference, rows_step1, nproc, tables, tp):
     """A DP=2 row-sharded checkpoint (model, Adam state, schedule) continues exactly in another layout."""
-    r = reference
-    if not (r / "rows_step1").exists():
-        test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them(r)
+    r, (_, checkpoint) = reference, rows_step1
     # against the uninterrupted run that wrote the checkpoint (TP=1): its steps 1 and 2
-    out = torchrun("check_row_sharding.py", "--tables", tables, "--tp", str(tp), "--load", str(r / "rows_step1"),
+    out = torchrun("check_row_sharding.py", "--tables", tables, "--tp", str(tp), "--load", str(checkpoint),
                    "--steps", "1:3", "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"),
                    nproc=nproc)
     assert "0 failures" in out

@@ -88,14 +88,23 @@ def test_training_refuses_table_storage_it_cannot_train(small_data, overrides, m
 
 @pytest.mark.parametrize("engine,sharding", [("megatron", "replicated"), ("megatron", "rows"),
                                              ("deepspeed", "rows"), ("deepspeed", "replicated")])
-def test_every_engine_and_sharding_trains_bf16_tables_in_either_placement(small_data, engine, sharding):
+def test_every_engine_and_sharding_accepts_bf16_tables_in_either_placement(small_data, engine, sharding):
+    """The configuration only: each engine and table sharding takes bf16 tables with bf16 state on the
+    device and in host memory, and keeps them in stores.  Training them is tested by fe-pretrain runs
+    (tests/integration/test_table_stores.py, test_deepspeed.py)."""
+    from fe_megatron.tables.plan import TablePlan
     from fe_megatron.training.config import load_train_config
     from tests.helpers.training import CONFIG, small_overrides
 
     for placement in ("device", "host"):
-        load_train_config(CONFIG, small_overrides(small_data, **{
+        cfg = load_train_config(CONFIG, small_overrides(small_data, **{
             "memory.table_dtype": "bf16", "memory.table_placement": placement, "optimizer.table_state_dtype": "bf16",
             "training.engine": engine, "parallel.table_sharding": sharding}))
+        assert (cfg.memory.table_dtype, cfg.memory.table_placement, cfg.optimizer.table_state_dtype) == \
+            ("bf16", placement, "bf16")
+        assert (cfg.training.engine, cfg.parallel.table_sharding) == (engine, sharding)
+        plan = TablePlan.for_run(cfg)
+        assert plan.trainer == "stores" and plan.in_stores, plan.describe()
 
 
 def test_fe_plan_counts_the_tables_in_every_storage_format():

@@ -124,27 +124,40 @@ def check(reference, *args, nproc: int):
     assert "0 failures" in out
 
 
+def host_tier_against_the_device_tier(reference, nproc, tables, *extra):
+    """fp32 tables in host memory at ``nproc`` ranks against the DP=1 reference on the device."""
+    r = reference
+    check(r, "--tables", tables, "--placement", "host", "--compare", str(r / "ref_tp1.json"), "--compare-final",
+          str(r / "final_tp1"), *extra, nproc=nproc)
+
+
+@pytest.fixture(scope="module")
+def host_rows_step1(reference):
+    """The DP=2 row-sharded host-tier run checked against the device tier, and its checkpoint of step 1."""
+    checkpoint = reference / "host_rows_step1"
+    host_tier_against_the_device_tier(reference, 2, "rows", "--save-step", "1", str(checkpoint))
+    return checkpoint
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("nproc,tables", [(1, "replicated"), (2, "rows")], ids=["dp1", "dp2-rows"])
-def test_the_host_tier_trains_as_the_device_tier(reference, nproc, tables):
+def test_the_host_tier_trains_as_the_device_tier(reference, request, nproc, tables):
     """fp32 tables in host memory, each microbatch's rows fetched one microbatch ahead, against the
     same tables held as parameters of Megatron's optimizer on the device (DP=1): losses, gradient
     norms (clipping active) and every weight after 3 Adam steps, within 1e-5."""
-    r = reference
-    check(r, "--tables", tables, "--placement", "host", "--compare", str(r / "ref_tp1.json"), "--compare-final",
-          str(r / "final_tp1"), *(["--save-step", "1", str(r / "host_rows_step1")] if tables == "rows" else []),
-          nproc=nproc)
+    if tables == "rows":  # the run whose step-1 checkpoint the resume below starts from
+        assert (request.getfixturevalue("host_rows_step1") / "iter_0000001").is_dir()
+    else:
+        host_tier_against_the_device_tier(reference, nproc, tables)
 
 
 @pytest.mark.distributed
-def test_a_host_tier_checkpoint_resumes_on_the_device_tier_at_another_size(reference):
+def test_a_host_tier_checkpoint_resumes_on_the_device_tier_at_another_size(reference, host_rows_step1):
     """The same checkpoint: a DP=2 row-sharded host-tier run's step-1 checkpoint (tables and Adam
     moments from the table optimizer) resumes at DP=1 with the tables as Megatron's parameters and
     continues as the uninterrupted run."""
     r = reference
-    if not (r / "host_rows_step1").exists():
-        test_the_host_tier_trains_as_the_device_tier(r, 2, "rows")
-    out = torchrun("check_row_sharding.py", "--tables", "replicated", "--load", str(r / "host_rows_step1"),
+    out = torchrun("check_row_sharding.py", "--tables", "replicated", "--load", str(host_rows_step1),
                    "--steps", "1:3", "--compare", str(r / "ref_tp1.json"), "--compare-final", str(r / "final_tp1"),
                    nproc=1)
     assert "0 failures" in out

@@ -1,6 +1,7 @@
 """fe-pretrain end to end: single process, DP=2 and TP=2 under torchrun, resume exactness, bad input."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -225,6 +226,8 @@ def test_other_model_kinds_train(small_data, tmp_path, kind):
     assert ("| sparsity " in out) == (kind != "transformer")  # no sparsity column without memory
     rows = metrics(str(tmp_path))
     assert rows[0]["kind"] == kind and [r for r in rows if r.get("event") == "final"]
+    losses = [r["lm_loss"] for r in rows if "lm_loss" in r]  # steps 2 and 4: finite, and the model learns
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses) and losses[1] < losses[0], losses
 
 
 def test_tokenizer_larger_than_model_vocab_fails_at_start(small_data, tmp_path):
