@@ -16,7 +16,7 @@ VENV_NEWEST ?= .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 PIP_NEWEST := PIP_CONFIG_FILE=/dev/null $(PY_NEWEST) -m pip
 
-.PHONY: setup setup-newest test test-newest demo bench bench-kernels cuda-check gpu-check plan clean
+.PHONY: setup setup-newest test test-unit test-integration test-newest demo bench bench-kernels cuda-check gpu-check gpu-check-dry plan clean
 
 setup: $(VENV)/.installed
 
@@ -33,8 +33,18 @@ $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 # pytest's exit 5 (no test collected) fails the target like any other failure, and says so
 NO_TESTS = { rc=$$?; [ $$rc -ne 5 ] || echo "make: pytest collected no tests (exit 5): the suite is missing or failed to import" >&2; exit $$rc; }
 
+# Every test of every tier, as far as this machine can run them (the others skip, saying why; docs/testing.md).
 test: setup
 	$(PY) -m pytest -q tests || $(NO_TESTS)
+
+# The unit tier: in one process, no training run and no torchrun (about 2 minutes on 2 cores).
+test-unit: setup
+	$(PY) -m pytest -q tests/unit || $(NO_TESTS)
+
+# The integration tier: fe-pretrain and torchrun runs, both engines, SLURM, Megatron-LM's trainer, conversions
+# of trained runs.
+test-integration: setup
+	$(PY) -m pytest -q tests/integration || $(NO_TESTS)
 
 setup-newest: $(VENV_NEWEST)/.installed
 
@@ -64,13 +74,27 @@ bench-kernels: setup
 cuda-check: setup
 	bash csrc/check_cuda_sources.sh $(PY)
 
-# Every GPU path in one call, on a GPU machine whose python has the project's dependencies (not the
-# CPU venv): builds the kernels, runs their tests and benchmarks, GPU training runs against CPU
-# references, ZeRO-3 and generation; writes $(GPU_RESULTS)/gpu_check.{json,md}. Exits 2 without a GPU.
-# PYTHON=... names that python; GPU_CHECK_ARGS adds options, e.g. "--budget-s 600 --skip table-storage".
+# The GPU tier (tests/gpu, tests marked `gpu`): every GPU path in one call, on a GPU machine whose python
+# has the project's dependencies (not the CPU venv): builds the kernels, measures the 340M preset, trains
+# against CPU references, runs Megatron-LM's Llama-3 recipe, the kernels' tests and benchmarks, ZeRO-3 and
+# generation; writes $(GPU_RESULTS)/gpu_check.{json,md}. Exits 2 without a GPU. PYTHON=... names that
+# python; GPU_BUDGET_S bounds the whole check (steps left out are recorded as not run); GPU_CHECK_ARGS
+# adds pytest options, e.g. -k "not deepspeed".
 GPU_RESULTS ?= gpu_results
+GPU_BUDGET_S ?=
+GPU_CHECK = $(PYTHON_GPU) -m pytest -q -rs -p no:cacheprovider -m gpu --confcutdir=tests/gpu tests/gpu $(GPU_CHECK_ARGS)
+gpu-check: PYTHON_GPU = $(PYTHON)
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_RESULTS) $(GPU_CHECK_ARGS)
+	@$(PYTHON_GPU) -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)' || { \
+		echo "make gpu-check: no GPU is visible to $(PYTHON_GPU)'s torch; nothing was run. Run it on a machine with an NVIDIA GPU and a CUDA build of torch (make gpu-check-dry runs the same steps on this CPU)" >&2; exit 2; }
+	FE_GPU_CHECK_OUT=$(GPU_RESULTS) FE_GPU_CHECK_BUDGET_S=$(GPU_BUDGET_S) $(GPU_CHECK) || $(NO_TESTS)
+
+# The GPU tier's dry run: every step of `make gpu-check` on this CPU at a tiny size, with the CUDA kernels
+# replaced by their torch reference (a bug in the check fails here, not on a lent GPU), on the newest
+# stack (the one a GPU machine has: megatron.training for the recipe step). .ci/run runs it.
+gpu-check-dry: PYTHON_GPU = $(PY_NEWEST)
+gpu-check-dry: setup-newest
+	FE_GPU_CHECK_DRY=1 FE_GPU_CHECK_OUT=$(GPU_RESULTS)-dry $(GPU_CHECK) || $(NO_TESTS)
 
 plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m

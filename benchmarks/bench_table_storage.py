@@ -20,7 +20,7 @@ Each worker reports its peak resident set (``ru_maxrss``), on a GPU its peak dev
 (counted from the tensors), and tokens/s over the steps after the first.  On
 a CPU machine host and device are the same memory, so the host tier's rows show its bookkeeping
 cost (deduplicated gathers, the gradient worker), not an offload; a GPU measures the overlap
-(benchmarks/gpu_check.py).
+(`make gpu-check`, tests/gpu).
 """
 
 import argparse

@@ -6,15 +6,19 @@ FactorEngram with each table update of ``--table-updates`` (``optimizer.table_up
 ``adamw``, the default, updates every row as the engine's parameters; ``rowwise_adagrad`` and
 ``lazy_adam`` update only the touched rows, from table stores, as fe-pretrain trains them).
 
-    python benchmarks/bench_train.py [--size tiny|small|340m-layer] [--steps 10] \
-        [--table-updates adamw,rowwise_adagrad,lazy_adam]
+    python benchmarks/bench_train.py [--size tiny|small|340m-layer|340m] [--steps 10] \
+        [--table-updates adamw,rowwise_adagrad,lazy_adam] [--precision auto|bf16|fp32]
 
-On a GPU machine it runs in bf16; on CPU in fp32.  ``matmul_bound_ratio`` is the ratio of the two
+``--precision auto`` (the default) runs in bf16 on a GPU machine and in fp32 on CPU, as fe-pretrain
+does; ``bf16`` on CPU runs the GPU's casts at CPU speed (`make gpu-check-dry`).  ``340m`` is the
+whole ``factorengram-340m`` preset (Table 8: 24 layers at width 1024, memory at layers 10 and 12,
+1.1B table parameters) against the same backbone, at sequence length 4096.  ``matmul_bound_ratio`` is the ratio of the two
 models' matrix-product work per token (`matmul_macs_per_token`): the tokens/s ratio a step bound by
 its matrix products would reach, whatever the tables cost.
 """
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -35,6 +39,11 @@ SIZES = {
     "340m-layer": dict(backbone=dict(vocab_size=32000, hidden_size=1024, num_layers=1, num_attention_heads=16,
                                      ffn_hidden_size=2816, seq_length=4096),
                        memory=dict(preset="factorengram-340m", layers=[0]), mbs=4, micro=2),
+    # the whole 340M preset (Table 8) against its backbone; sequences of 4096 (the preset's 8192
+    # halved: the local spec keeps the full score matrix of every layer for the backward)
+    # (mbs 2 ran out of an H200's 140 GiB: 24 layers' saved score matrices beside 1.1B table parameters)
+    "340m": dict(backbone=dict(preset="340m", seq_length=4096), memory=dict(preset="factorengram-340m"),
+                 mbs=1, micro=4),
 }
 
 
@@ -76,6 +85,8 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--table-updates", default="adamw,rowwise_adagrad,lazy_adam",
                         help="the FactorEngram variants to run, by optimizer.table_update")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="training.precision: auto is bf16 on a GPU and fp32 on CPU")
     args = parser.parse_args()
     s = SIZES[args.size]
     backbone = BackboneConfig.from_dict(s["backbone"])
@@ -84,6 +95,7 @@ def main():
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda") if on_gpu else torch.device("cpu")
     cfg = TrainConfig(model=backbone)
+    cfg.training.precision = args.precision
     gen = torch.Generator().manual_seed(0)
     mask = causal_mask(seq, device)
     batches = []
@@ -93,7 +105,7 @@ def main():
             tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(s["mbs"], seq),
             position_ids=torch.arange(seq).expand(s["mbs"], -1)).items()} | {"attention_mask": mask})
     tokens_per_step = s["micro"] * s["mbs"] * seq
-    results = {}
+    results, peak_gib = {}, {}
     memory = MemoryConfig.from_dict(s["memory"], backbone=backbone)
     variants = [("transformer", None, None)] + [
         ("factorengram" if update == "adamw" else f"factorengram_{update}", memory, update)
@@ -114,6 +126,8 @@ def main():
         opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, bf16=tconfig.bf16,
                                                      params_dtype=tconfig.params_dtype), tables=tables)
         connect_schedule_hooks(tconfig, [ddp], opt)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats()
         for _ in range(2):
             train_step([ddp], opt, batches, seq, s["mbs"])
         if on_gpu:
@@ -124,16 +138,22 @@ def main():
         if on_gpu:
             torch.cuda.synchronize()
         results[kind] = tokens_per_step * args.steps / (time.perf_counter() - start)
+        if on_gpu:
+            peak_gib[kind] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         del ddp, opt, model, tables
+        gc.collect()  # the next variant starts on an empty device: nothing of this one is left cached
+        if on_gpu:
+            torch.cuda.empty_cache()
     device_name = (torch.cuda.get_device_name() if on_gpu
                    else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
     # the ratio a step bound by its matrix products would reach: what no table work can beat
     bound = matmul_macs_per_token(backbone) / matmul_macs_per_token(backbone, memory)
-    print(json.dumps({"size": args.size, "device": device_name, "date": time.strftime("%Y-%m-%d"),
+    print(json.dumps({"size": args.size, "device": device_name, "bf16": tconfig.bf16, "date": time.strftime("%Y-%m-%d"),
                       **{f"{kind}_tokens_per_s": round(value) for kind, value in results.items()},
                       **{f"{kind}_ratio": round(value / results["transformer"], 3) for kind, value in results.items()
                          if kind != "transformer"},
-                      "matmul_bound_ratio": round(bound, 3)}))
+                      "matmul_bound_ratio": round(bound, 3),
+                      **({"peak_gib": peak_gib} if peak_gib else {})}))
     shutdown()
 
 

@@ -1,0 +1,517 @@
+"""The GPU tier's machinery: run a step's commands within a time budget, and keep one results file.
+
+`tests/gpu/test_gpu.py` holds the steps, as tests marked ``gpu``; `make gpu-check` runs them on a GPU
+machine, and `make gpu-check-dry` runs the same steps on CPU at a tiny size (`Target.dry`): the same
+scripts, arguments, casts and results file, with the CUDA kernels replaced by their torch reference.
+A bug in the check itself then fails on CPU, not on a GPU lent for minutes.
+
+Every step is a subprocess with its own log under ``OUT/logs/`` and its own time limit.
+``OUT/gpu_check.json`` holds every step's status, seconds, numbers and log; the summary goes to
+``OUT/gpu_check.md``; both are rewritten after every step, so that a check stopped from outside
+still leaves what it measured.  ``FE_GPU_CHECK_BUDGET_S`` bounds the whole check: each command runs
+at most until the budget ends, and the steps it leaves out are recorded as ``not run``, by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CORPUS = os.path.join(ROOT, "data", "sotu.jsonl.gz")
+CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")
+PY = sys.executable
+# fp32 on GPU against fp32 on CPU: the same weights and batches, other kernels and reduction orders
+FP32_CURVE_RTOL = 1e-3
+# bf16 against the fp32 reference (other rounding; with Transformer Engine also its own initialization):
+# a sanity bound on the logged losses
+BF16_CURVE_RTOL = 0.05
+# the kernel tests a dry run runs (every CUDA and compiled-Triton case skips without a GPU)
+KERNEL_TESTS = "tests/unit/ops/test_kernels.py"
+DRY_KERNEL_TESTS = "test_the_operators_pass_torch_library_opcheck"
+
+
+# a command given less than this of the budget is not started
+MIN_COMMAND_S = 10
+
+
+class BudgetSpent(Exception):
+    """Raised by `Checker.run` when too little of the budget is left to start a command: the step
+    is recorded as not run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where the steps run: a GPU, or (``dry``) this machine's CPU at a tiny size, with the torch
+    reference in place of the CUDA kernels and every "GPU" run on the CPU in the same precision."""
+
+    dry: bool
+    train_steps: int  # fe-pretrain steps of each pretraining run
+
+    @property
+    def kernel_backend(self) -> str:
+        if self.dry:
+            return "torch"
+        return "cuda" if os.environ.get("FE_GPU_CHECK_BUILD", "1") != "0" else "triton"
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.dry else "cuda"
+
+    @property
+    def gpu_env(self) -> dict:
+        """The environment of a run that is on the GPU (on the CPU in a dry run)."""
+        return dict(CPU_ONLY, TRITON_INTERPRET="1") if self.dry else {}
+
+    @classmethod
+    def from_environment(cls) -> "Target":
+        """``FE_GPU_CHECK_DRY=1`` for a dry run; ``FE_GPU_CHECK_TRAIN_STEPS`` (default 40, or 4 dry)."""
+        dry = os.environ.get("FE_GPU_CHECK_DRY", "0") not in ("", "0")
+        return cls(dry=dry, train_steps=int(os.environ.get("FE_GPU_CHECK_TRAIN_STEPS", 4 if dry else 40)))
+
+
+class Checker:
+    def __init__(self, out: str, budget_s: float = None, dry: bool = False):
+        self.out = out
+        self.dry = dry
+        self.logs = os.path.join(out, "logs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.steps = []
+        self.deadline = None if budget_s is None else time.monotonic() + budget_s
+
+    def time_left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+    def run(self, name: str, cmd: list, timeout: int, env: dict = None) -> tuple:
+        """Run ``cmd`` from the repository root, its output into ``logs/<name>.log``; ``(rc, output)``.
+        The command's limit is ``timeout`` or what is left of the budget, whichever is less."""
+        log = os.path.join(self.logs, f"{name}.log")
+        merged = dict(os.environ, **(env or {}))
+        start = time.perf_counter()
+        timeout = int(min(timeout, self.time_left()))
+        if timeout < MIN_COMMAND_S:
+            with open(log, "a") as fh:
+                fh.write(f"$ {' '.join(cmd)}\n[gpu_check] not run: the time budget is spent\n")
+            raise BudgetSpent(name)
+        try:
+            # a session of its own, so that a timeout ends the command's children too (nvcc, test workers)
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=merged, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+        except FileNotFoundError as err:  # the program itself is missing (nvidia-smi, say)
+            proc, rc, output = None, 127, f"[gpu_check] {err}"
+        if proc is not None:
+            try:
+                output, _ = proc.communicate(timeout=timeout)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                output, _ = proc.communicate()
+                rc, output = 124, (output or "") + f"\n[gpu_check] timed out after {timeout} s"
+        with open(log, "a") as fh:
+            fh.write(f"$ {' '.join(cmd)}\n{output}\n[gpu_check] exit {rc} after {time.perf_counter() - start:.1f} s\n")
+        return rc, output
+
+    def record(self, name: str, passed: bool, seconds: float, numbers: dict = None, why: str = "") -> dict:
+        entry = {"step": name, "status": "pass" if passed else "FAIL", "seconds": round(seconds, 1),
+                 "numbers": numbers or {}, "log": os.path.join("logs", f"{name}.log")}
+        if why:
+            entry["why"] = why
+        self.steps.append(entry)
+        print(f"\n[gpu_check] {name}: {entry['status']} ({seconds:.0f} s){': ' + why if why else ''}", flush=True)
+        self.write()
+        return entry
+
+    def not_run(self, name: str, why: str) -> dict:
+        entry = {"step": name, "status": "not run", "seconds": 0.0, "numbers": {}, "why": why}
+        self.steps.append(entry)
+        print(f"\n[gpu_check] {name}: not run: {why}", flush=True)
+        self.write()
+        return entry
+
+    def write(self) -> None:
+        with open(os.path.join(self.out, "gpu_check.json"), "w") as fh:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "dry_run": self.dry,
+                       "steps": self.steps}, fh, indent=1)
+        with open(os.path.join(self.out, "gpu_check.md"), "w") as fh:
+            fh.write(summary(self))
+
+
+def json_lines(text: str) -> list:
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return rows
+
+
+def lm_curve(save: str) -> dict:
+    path = os.path.join(save, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as fh:
+        rows = json_lines(fh.read())  # a run stopped mid-write leaves a cut last line
+    return {r["step"]: r["lm_loss"] for r in rows if "lm_loss" in r and "step" in r}
+
+
+def compare_curves(got: dict, reference: dict) -> tuple:
+    """``(max relative difference over the common logged steps, steps compared)``."""
+    common = sorted(set(got) & set(reference))
+    if not common:
+        return float("inf"), 0
+    return max(abs(got[s] - reference[s]) / abs(reference[s]) for s in common), len(common)
+
+
+# ----------------------------------------------------------------------------- steps
+# Each returns the entry it recorded (`Checker.record`); `BudgetSpent` leaves the step to the caller.
+ENVIRONMENT = """
+import json, os, platform, torch
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = None
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": tv, "python": platform.python_version(),
+        "cpus": os.cpu_count()}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    info.update(device=torch.cuda.get_device_name(0), memory_gib=round(p.total_memory / 2**30, 1),
+                capability=f"{p.major}.{p.minor}")
+else:
+    info.update(device=f"{platform.machine()} CPU (dry run)")
+print(json.dumps(info))
+"""
+
+
+def environment(c: Checker, t: Target) -> dict:
+    start = time.perf_counter()
+    if not t.dry:
+        c.run("environment", ["nvidia-smi"], 60)
+    rc, output = c.run("environment", [PY, "-c", ENVIRONMENT], 120, t.gpu_env)
+    rows = json_lines(output)
+    return c.record("environment", rc == 0 and bool(rows), time.perf_counter() - start, rows[0] if rows else {})
+
+
+def build(c: Checker, t: Target) -> dict:
+    """``setup.py build_ext --inplace``: the C++ and (on a GPU) CUDA kernels, for this GPU's architecture
+    (or TORCH_CUDA_ARCH_LIST / FE_MEGATRON_CUDA_ARCH, as setup.py reads them), a compiler job per core.
+    ``FE_GPU_CHECK_BUILD=0`` builds nothing: the steps then run with the Triton kernels."""
+    start = time.perf_counter()
+    if os.environ.get("FE_GPU_CHECK_BUILD", "1") == "0":  # a lease too short for a build: Triton's kernels only
+        rc, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"], 120,
+                           t.gpu_env)
+        backends = output.strip().splitlines()[-1] if output.strip() else ""
+        ok = rc == 0 and ("triton" in backends or t.dry)
+        return c.record("build", ok, time.perf_counter() - start, {"backends": backends, "built": False},
+                        "" if ok else "FE_GPU_CHECK_BUILD=0 and no Triton backend to run the steps with")
+    env = {"MAX_JOBS": os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))}
+    if t.dry:
+        env["FE_MEGATRON_CUDA"] = "0"
+    else:
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(0)
+        env["TORCH_CUDA_ARCH_LIST"] = (os.environ.get("TORCH_CUDA_ARCH_LIST") or os.environ.get("FE_MEGATRON_CUDA_ARCH")
+                                       or f"{major}.{minor}")
+    rc, _ = c.run("build", [PY, "setup.py", "build_ext", "--inplace"], 1800, env)
+    rc2, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"], 120,
+                        t.gpu_env)
+    backends = output.strip().splitlines()[-1] if output.strip() else ""
+    wanted = "cpp" if t.dry else "cuda"
+    ok = rc == 0 and rc2 == 0 and wanted in backends
+    return c.record("build", ok, time.perf_counter() - start, {"backends": backends, **env},
+                    "" if ok else f"the {wanted} kernels did not build or load (see the log)")
+
+
+def kernel_tests(c: Checker, t: Target) -> dict:
+    start = time.perf_counter()
+    # with pytest-xdist, a test that crashes its process is reported as failed and the others still run
+    workers = ["-n", "4"] if importlib.util.find_spec("xdist") and not t.dry else []
+    select = ["-k", DRY_KERNEL_TESTS] if t.dry else []
+    rc, output = c.run("kernel-tests", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *workers, *select,
+                                        KERNEL_TESTS], 1800)
+    totals = [line for line in output.splitlines() if " passed" in line or " failed" in line]
+    crashed = [line.strip() for line in output.splitlines() if "crashed while running" in line]
+    return c.record("kernel-tests", rc == 0, time.perf_counter() - start,
+                    {"summary": totals[-1] if totals else "", "crashed": crashed})
+
+
+def kernel_bench(c: Checker, t: Target) -> dict:
+    """bench_kernels.py in fp32 and bf16 at the 340M preset: every kernel's time, and the forward
+    gather and row backward as fractions of the measured copy bandwidth."""
+    start = time.perf_counter()
+    size = (["--preset", "factorengram-tiny", "--micro-batch", "1", "--seq", "256", "--repeats", "2", "--device",
+             "cpu"] if t.dry else ["--repeats", "20"])
+    numbers, ok = {}, True
+    for dtype in ("float32", "bfloat16"):
+        rc, output = c.run("kernel-bench", [PY, "benchmarks/bench_kernels.py", *size, "--dtype", dtype], 1800,
+                           t.gpu_env)
+        rows = json_lines(output)
+        ok = ok and rc == 0 and bool(rows)
+        header = next((r for r in rows if "copy_gbs" in r), {})
+        numbers[dtype] = {"copy_gbs": header.get("copy_gbs"), "kernels": [r for r in rows if "backend" in r]}
+    return c.record("kernel-bench", ok, time.perf_counter() - start, numbers)
+
+
+def train_bench(c: Checker, t: Target, size: str) -> dict:
+    """bench_train.py in bf16: FactorEngram's tokens/s against the same backbone without memory, beside
+    the ratio a step bound by its matrix products would reach (``matmul_bound_ratio``)."""
+    name = f"train-bench-{size}"
+    start = time.perf_counter()
+    size_args = ["--size", "tiny", "--steps", "2"] if t.dry else ["--size", size, "--steps", "10"]
+    rc, output = c.run(name, [PY, "benchmarks/bench_train.py", *size_args, "--precision", "bf16"], 1800, t.gpu_env)
+    rows = [row for row in json_lines(output) if "matmul_bound_ratio" in row]
+    why = "" if rc == 0 and rows else "the benchmark failed (see the log)"
+    if rows and not rows[-1].get("bf16"):
+        why = "the benchmark did not run in bf16"
+    return c.record(name, not why, time.perf_counter() - start, rows[-1] if rows else {}, why)
+
+
+def table_storage(c: Checker, t: Target) -> dict:
+    start = time.perf_counter()
+    size = ["--size", "tiny", "--steps", "2"] if t.dry else ["--size", "small", "--steps", "10"]
+    rc, output = c.run("table-storage", [PY, "benchmarks/bench_table_storage.py", *size], 3000, t.gpu_env)
+    rows = [row for row in json_lines(output) if "results" in row]
+    results = rows[-1]["results"] if rows else {}
+    numbers, why = {"results": results}, []
+    if rc != 0 or not results:
+        why.append("the benchmark failed (see the log)")
+    else:
+        fp32, host, lazy = (results.get(k, {}).get("tokens_per_s") for k in ("fp32", "fp32-host",
+                                                                            "fp32-host-no-prefetch"))
+        numbers.update(host_vs_device=host / fp32, lookahead_speedup=host / lazy)
+        halved = results["bf16-bf16"]["table_bytes"] / results["fp32"]["table_bytes"]
+        numbers["bf16_state_table_bytes_ratio"] = halved
+        if halved > 0.55:
+            why.append(f"bf16 tables with bf16 state take {halved:.2f}x of fp32 tables' bytes (limit 0.55)")
+    return c.record("table-storage", not why, time.perf_counter() - start, numbers, "; ".join(why))
+
+
+def prepare_data(c: Checker) -> tuple:
+    """A 4096-piece tokenizer trained on the bundled corpus, and the corpus tokenized with it:
+    ``(tokenizer model, dataset prefix)``, or ``(None, None)``."""
+    data = os.path.join(c.out, "data")
+    tokenizer, prefix = os.path.join(data, "tokenizer.model"), os.path.join(data, "sotu")
+    if not os.path.isfile(prefix + ".idx"):
+        c.run("data", [PY, "-m", "fe_megatron.data.cli", "train-tokenizer", "--input", CORPUS,
+                       "--output-prefix", tokenizer[:-len(".model")], "--vocab-size", "4096"], 900)
+        c.run("data", [PY, "-m", "fe_megatron.data.cli", "preprocess", "--input", CORPUS, "--tokenizer-model",
+                       tokenizer, "--output-prefix", prefix, "--no-progress"], 900)
+    return (tokenizer, prefix) if os.path.isfile(prefix + ".idx") else (None, None)
+
+
+def data_overrides(c: Checker, tokenizer: str, prefix: str) -> list:
+    return [f"data.tokenizer_model={tokenizer}", f"data.train_data=[{prefix}]",
+            f"data.cache_dir={os.path.join(c.out, 'cache')}"]
+
+
+def pretrain_args(c: Checker, name: str, steps: int, tokenizer: str, prefix: str, *extra) -> tuple:
+    save = os.path.join(c.out, "runs", name)
+    shutil.rmtree(save, ignore_errors=True)  # a run of an earlier check: fe-pretrain never writes over one
+    return save, [PY, "-m", "fe_megatron.train", "--config", CONFIG, "--save", save,
+                  *data_overrides(c, tokenizer, prefix), f"training.train_steps={steps}",
+                  f"optimizer.warmup_steps={max(1, steps // 15)}", f"training.save_interval={steps}",
+                  f"training.eval_interval={steps}", *extra]
+
+
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+def train_runs(c: Checker, step: str, runs: dict) -> tuple:
+    """Run each fe-pretrain command of ``runs`` (``{name: (save, command, env)}``) in turn:
+    ``(curves, failed, not_run)``, the logged LM loss per run, the runs that failed or logged
+    nothing, and those the budget left out (what the runs before them measured is kept)."""
+    curves, failed, not_run = {}, [], []
+    for name, (save, cmd, env) in runs.items():
+        try:
+            rc, _ = c.run(step, cmd, 3000, env)
+        except BudgetSpent:
+            not_run.append(name)
+            continue
+        curves[name] = lm_curve(save)
+        if rc != 0 or not curves[name]:
+            failed.append(name)
+    return curves, failed, not_run
+
+
+def final_losses(curves: dict) -> dict:
+    return {name: curve[max(curve)] for name, curve in curves.items() if curve}
+
+
+START = """
+import shutil, sys, torch
+from fe_megatron.convert.to_mcore import hf_to_mcore
+from fe_megatron.deepspeed.engine import build_model
+from fe_megatron.training.config import load_train_config
+config, hf, mcore, tokenizer = sys.argv[1:5]
+torch.manual_seed(0)
+model = build_model(load_train_config(config, sys.argv[5:]))
+model.save_pretrained(hf)
+shutil.copyfile(tokenizer, hf + "/tokenizer.model")
+hf_to_mcore(hf, mcore)
+"""
+
+
+def start_weights(c: Checker, tokenizer: str, prefix: str) -> tuple:
+    """One set of initial weights, as a Hugging Face directory (the DeepSpeed runs' ``--load``) and
+    as a Megatron checkpoint (the local-spec Megatron runs' ``--load``), so that CPU and GPU runs
+    start alike (each device initializes with its own random generator)."""
+    hf, mcore = os.path.join(c.out, "runs", "start_hf"), os.path.join(c.out, "runs", "start_mcore")
+    for folder in (hf, mcore):
+        shutil.rmtree(folder, ignore_errors=True)
+    rc, _ = c.run("start-weights", [PY, "-c", START, CONFIG, hf, mcore, tokenizer,
+                                    *data_overrides(c, tokenizer, prefix)], 900, CPU_ONLY)
+    return (hf, mcore) if rc == 0 else (None, None)
+
+
+def pretrain(c: Checker, t: Target, tokenizer: str, prefix: str, mcore_start: str) -> tuple:
+    """The demo config for ``t.train_steps`` steps: fp32 on the CPU (the reference), then on the GPU
+    bf16, bf16 with bf16 tables and table state in host memory (the host tier), and fp32, all from one
+    set of initial weights. ``(entry, the GPU fp32 run's directory or None)``."""
+    start = time.perf_counter()
+    load = f"load={mcore_start}"  # the Transformer Engine spec names its weights otherwise: its own start
+    # bf16 with Transformer Engine's spec where it is installed, else with the local spec (and the shared start)
+    has_te = importlib.util.find_spec("transformer_engine") is not None and not t.dry
+    bf16_spec = ("training.transformer_impl=te",) if has_te else (load,)
+    backend = f"training.kernel_backend={t.kernel_backend}"
+    # the unmeasured bf16 curves first, the fp32 one (measured before; hf-generate converts it) last
+    runs = {
+        "cpu_fp32": ("training.precision=fp32", "training.kernel_backend=torch", load),
+        "gpu_bf16": ("training.precision=bf16", backend, *bf16_spec),
+        "gpu_bf16_host_tables": ("training.precision=bf16", backend, "memory.table_dtype=bf16",
+                                 "optimizer.table_state_dtype=bf16", "memory.table_placement=host", load),
+        "gpu_fp32": ("training.precision=fp32", backend, load),
+    }
+    curves, failed, not_run = train_runs(c, "pretrain", {
+        name: (*pretrain_args(c, name, t.train_steps, tokenizer, prefix, *extra),
+               CPU_ONLY if name.startswith("cpu") else t.gpu_env)
+        for name, extra in runs.items()})
+    numbers = {"steps": t.train_steps, "bf16_spec": "te" if has_te else "local", "final_lm_loss": final_losses(curves)}
+    why = [f"runs that failed: {', '.join(failed)}"] if failed else []
+    if not_run:
+        why.append(f"runs not started, the time budget being spent: {', '.join(not_run)}")
+    limits = {"gpu_fp32": ("GPU fp32", FP32_CURVE_RTOL), "gpu_bf16": ("GPU bf16", BF16_CURVE_RTOL),
+              "gpu_bf16_host_tables": ("GPU bf16 host-tier", BF16_CURVE_RTOL)}
+    for name, (what, limit) in limits.items():
+        if curves.get(name) and curves.get("cpu_fp32"):  # compared only where both runs logged losses
+            difference, compared = compare_curves(curves[name], curves["cpu_fp32"])
+            numbers[f"{name}_vs_cpu_max_rel"], numbers["logged_steps"] = difference, compared
+            if difference > limit:
+                why.append(f"{what} curve differs from the CPU fp32 one by {difference:.2e} (limit {limit:.0e})")
+    entry = c.record("pretrain", not why, time.perf_counter() - start, numbers, "; ".join(why))
+    ran = curves.get("gpu_fp32") and "gpu_fp32" not in failed
+    return entry, os.path.join(c.out, "runs", "gpu_fp32") if ran else None
+
+
+LLAMA3_LAYERS = "2"
+LLAMA3_MEMORY = "--fe-memory-preset factorengram-340m --fe-memory-layers 1"
+STEP_TIME = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+)"
+                       r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+))?")
+
+
+def llama3_recipe(c: Checker, t: Target, tokenizer: str, prefix: str) -> dict:
+    """Megatron-LM's Llama-3 8B recipe (examples/megatron_lm/recipes/llama3_8b.sh) with FactorEngram, in
+    bf16 at its full width, sequence length and batch, shortened to 2 layers: 2 steps, a checkpoint,
+    then a second launch that resumes it for a third step. A dry run takes the recipe's CPU size."""
+    start = time.perf_counter()
+    save = os.path.join(c.out, "runs", "llama3")
+    shutil.rmtree(save, ignore_errors=True)
+    env = {"DATA_PATH": prefix, "TOKENIZER_MODEL": tokenizer, "SAVE": save,
+           "PATH": os.path.dirname(PY) + os.pathsep + os.environ.get("PATH", ""), **t.gpu_env}
+    env.update(SIZE="cpu", TRAIN_ITERS="3", SAVE_INTERVAL="2") if t.dry else \
+        env.update(SIZE="full", NUM_LAYERS=LLAMA3_LAYERS, TRAIN_ITERS="3", FE_ARGS=LLAMA3_MEMORY)
+    recipe = os.path.join(ROOT, "examples", "megatron_lm", "recipes", "llama3_8b.sh")
+    rc, first = c.run("llama3-recipe", ["bash", recipe, "--exit-interval", "2"], 1200, env)
+    rc2, second = c.run("llama3-recipe", ["bash", recipe, "--exit-interval", "3"], 1200, env) if rc == 0 else (1, "")
+    curve = lm_curve(save)
+    times = {int(m[1]): dict(ms=float(m[2]), tflops=float(m[3]) if m[3] else None)
+             for m in STEP_TIME.finditer(first + second)}
+    numbers = {"size": env["SIZE"], "layers": env.get("NUM_LAYERS"), "train_iters": env["TRAIN_ITERS"], "fe_args": env.get("FE_ARGS", "(the default)"),
+               "lm_loss": curve, "step_time": times}
+    why = []
+    if rc != 0 or rc2 != 0:
+        why.append("a launch failed (see the log)")
+    elif sorted(curve) != [1, 2, 3] or not all(math.isfinite(v) for v in curve.values()):
+        why.append(f"logged steps {sorted(curve)} (expected 1, 2, 3 with finite losses)")
+    elif "successfully loaded checkpoint" not in second or "at iteration 2" not in second:
+        why.append("the second launch did not resume the step-2 checkpoint")
+    return c.record("llama3-recipe", not why, time.perf_counter() - start, numbers, "; ".join(why))
+
+
+def deepspeed_zero3(c: Checker, t: Target, tokenizer: str, prefix: str, hf_start: str) -> dict:
+    start = time.perf_counter()
+    runs = {"ds_cpu_fp32": (("training.precision=fp32",), CPU_ONLY),
+            "ds_gpu_bf16": (("training.precision=bf16",), t.gpu_env)}
+    curves, failed, not_run = train_runs(c, "deepspeed-zero3", {
+        name: (*pretrain_args(c, name, t.train_steps, tokenizer, prefix, "training.engine=deepspeed",
+                              "deepspeed={zero_optimization: {stage: 3}}", f"load={hf_start}", *extra), env)
+        for name, (extra, env) in runs.items()})
+    difference, compared = compare_curves(curves.get("ds_gpu_bf16", {}), curves.get("ds_cpu_fp32", {}))
+    why = [f"runs that failed: {', '.join(failed)}"] if failed else []
+    if not_run:
+        why.append(f"runs not started, the time budget being spent: {', '.join(not_run)}")
+    if not failed and not not_run and difference > BF16_CURVE_RTOL:
+        why.append(f"GPU bf16 curve differs from the CPU fp32 one by {difference:.2e} (limit {BF16_CURVE_RTOL:.0e})")
+    return c.record("deepspeed-zero3", not why, time.perf_counter() - start,
+                    {"gpu_bf16_vs_cpu_fp32_max_rel": difference, "logged_steps": compared,
+                     "final_lm_loss": final_losses(curves)}, "; ".join(why))
+
+
+GENERATE = """
+import json, sys, torch
+import fe_megatron.hf
+from fe_megatron.hf import FactorEngramForCausalLM
+hf, device = sys.argv[1:3]
+prompt = torch.tensor([[1, 200, 31, 412, 77, 9, 1200, 5]])
+out = {}
+for name, where, dtype in (("cpu_fp32", "cpu", torch.float32), ("gpu_fp32", device, torch.float32),
+                           ("gpu_bf16", device, torch.bfloat16)):
+    model = FactorEngramForCausalLM.from_pretrained(hf, dtype=dtype).to(where).eval()
+    with torch.no_grad():
+        ids = model.generate(prompt.to(where), max_new_tokens=48, do_sample=False)
+    out[name] = ids[0, prompt.shape[1]:].tolist()
+same = lambda a, b: next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+print(json.dumps({"new_tokens": len(out["cpu_fp32"]), "gpu_fp32_same_prefix": same(out["gpu_fp32"], out["cpu_fp32"]),
+                  "gpu_bf16_same_prefix": same(out["gpu_bf16"], out["cpu_fp32"])}))
+"""
+
+
+def hf_generate(c: Checker, t: Target, run_dir: str) -> dict:
+    """The GPU fp32 run converted with fe-convert mcore-to-hf: greedy generation on the GPU (fp32 and
+    bf16) and on the CPU; the fp32 tokens must agree."""
+    start = time.perf_counter()
+    hf = os.path.join(c.out, "runs", "gpu_fp32_hf")
+    shutil.rmtree(hf, ignore_errors=True)
+    rc, _ = c.run("hf-generate", [PY, "-m", "fe_megatron.convert.cli", "mcore-to-hf", "--load", run_dir,
+                                  "--output", hf], 900)
+    rc2, output = c.run("hf-generate", [PY, "-c", GENERATE, hf, t.device], 900,
+                        {"NVIDIA_TF32_OVERRIDE": "0", **t.gpu_env})
+    rows = json_lines(output)
+    numbers = rows[-1] if rows else {}
+    ok = rc == 0 and rc2 == 0 and numbers.get("gpu_fp32_same_prefix") == numbers.get("new_tokens")
+    return c.record("hf-generate", ok, time.perf_counter() - start, numbers,
+                    "" if ok else "conversion or generation failed, or the GPU fp32 tokens differ from the CPU ones")
+
+
+def summary(c: Checker) -> str:
+    kind = "dry run on CPU" if c.dry else "GPU"
+    lines = [f"# gpu_check ({kind}), {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}", "",
+             "| step | status | seconds | numbers |", "| --- | --- | --- | --- |"]
+    for step in c.steps:
+        numbers = json.dumps(step["numbers"])
+        numbers = numbers if len(numbers) < 400 else numbers[:400] + " ... (gpu_check.json)"
+        lines.append(f"| {step['step']} | {step['status']}{' (' + step['why'] + ')' if 'why' in step else ''} "
+                     f"| {step['seconds']} | `{numbers}` |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,72 @@
+"""The GPU tier: every GPU-specific path of fe_megatron, one test per step, in the order of what a lent
+GPU (often for minutes) should measure first: the figures never measured before, then those that
+check a change, then those measured already. `make gpu-check` runs it and writes
+``gpu_results/gpu_check.{json,md}``; `make gpu-check-dry` runs every step on CPU at a tiny size.
+
+A step that the time budget leaves out is skipped, and recorded as ``not run``, by name."""
+
+import pytest
+import torch
+
+from tests.gpu import check
+from tests.gpu.conftest import outcome, require
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not (torch.cuda.is_available() or check.Target.from_environment().dry),
+    reason="needs a CUDA device; `make gpu-check-dry` runs these steps on CPU at a tiny size")]
+
+
+def test_environment(checker, target):
+    """The GPU, torch, CUDA, Triton (``nvidia-smi`` into the log)."""
+    require(outcome(checker, "environment", lambda: check.environment(checker, target)))
+
+
+def test_kernels_build(built):
+    """``setup.py build_ext --inplace`` for this GPU, and the cuda backend loads."""
+    require(built)
+
+
+def test_whole_340m_preset_in_bf16_against_its_backbone(checker, target, kernels):
+    """The factorengram-340m preset (Table 8) against the same backbone without memory: step time,
+    tokens/s, and their ratio beside the matmul bound."""
+    require(outcome(checker, "train-bench-340m", lambda: check.train_bench(checker, target, "340m")))
+
+
+def test_pretraining_curves_on_the_gpu_follow_the_cpu_reference(pretrain_runs):
+    """bf16 (local spec), bf16 with host-tier bf16 tables, and fp32 with the CUDA kernels, against fp32 on
+    the CPU from the same initial weights: fp32 within 1e-3, bf16 within 5%."""
+    require(pretrain_runs[0])
+
+
+def test_llama3_recipe_trains_in_bf16_and_resumes(checker, target, data, kernels):
+    """Megatron-LM's Llama-3 8B recipe with FactorEngram: 2 layers at full width, 2 steps, resumed for a third."""
+    require(outcome(checker, "llama3-recipe", lambda: check.llama3_recipe(checker, target, *data)))
+
+
+def test_every_table_storage_trains_and_bf16_state_halves_the_bytes(checker, target, kernels):
+    """bench_table_storage.py: peak memory and tokens/s per table storage, the host tier's lookahead."""
+    require(outcome(checker, "table-storage", lambda: check.table_storage(checker, target)))
+
+
+def test_one_memory_layer_at_340m_width_against_the_plain_layer(checker, target, kernels):
+    require(outcome(checker, "train-bench-340m-layer", lambda: check.train_bench(checker, target, "340m-layer")))
+
+
+def test_kernel_bandwidth_in_fp32_and_bf16(checker, target, kernels):
+    """bench_kernels.py: every kernel's time, gather and row backward as fractions of copy bandwidth."""
+    require(outcome(checker, "kernel-bench", lambda: check.kernel_bench(checker, target)))
+
+
+def test_cuda_and_triton_kernels_match_the_reference(checker, target, kernels):
+    require(outcome(checker, "kernel-tests", lambda: check.kernel_tests(checker, target)))
+
+
+def test_converted_model_generates_the_same_tokens_on_gpu_and_cpu(checker, target, pretrain_runs):
+    entry, run_dir = pretrain_runs
+    if run_dir is None:
+        require(checker.not_run("hf-generate", "no GPU fp32 pretraining run to convert"))
+    require(outcome(checker, "hf-generate", lambda: check.hf_generate(checker, target, run_dir)))
+
+
+def test_deepspeed_zero3_in_bf16_follows_the_cpu_reference(checker, target, data, start):
+    require(outcome(checker, "deepspeed-zero3", lambda: check.deepspeed_zero3(checker, target, *data, start[0])))
