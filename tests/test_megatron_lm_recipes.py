@@ -282,19 +282,25 @@ def test_a_script_in_the_shape_of_pretrain_gpt_trains_with_the_documented_change
         assert json.load(fh) == json.load(gh)
 
 
-def printed_lm_losses(stdout: str) -> list:
-    """The ``lm loss`` Megatron-LM's trainer prints at each iteration (a run without --save writes no metrics)."""
-    return [float(match) for match in re.findall(r"iteration +\d+/ *\d+ \|.*?lm loss: ([0-9.E+-]+)", stdout)]
+def printed_lm_losses(stdout: str, entry: str = "lm loss") -> list:
+    """The ``lm loss`` (or another ``entry``: ``sparsity loss``, ``grad norm``) Megatron-LM's trainer prints at
+    each iteration (a run without --save writes no metrics)."""
+    return [float(match) for match in re.findall(rf"iteration +\d+/ *\d+ \|.*?{entry}: ([0-9.E+-]+)", stdout)]
 
 
-def test_megatron_fsdp_trains_on_the_host_as_ddp_does(small_data, tmp_path):
+def test_megatron_fsdp_trains_on_the_host_as_ddp_does_and_with_memory_beside_it(small_data, tmp_path):
     """The CPU backend answers Megatron-FSDP's CUDA assumptions (its device, device meshes, streams) as it
     does DDP's: --use-megatron-fsdp (optim_grads_params) at DP=2 trains the same curve as DDP with the
     distributed optimizer, within 1e-5 over 4 steps. The drop-in leaves CUDA_DEVICE_MAX_CONNECTIONS unset
     for it (Megatron-FSDP refuses 1), and on gloo NCCL's pre-multiplied sum is refused by name until
     --no-gradient-reduce-div-fusion is given. (No --save: megatron-core 0.19.2's fsdp_dtensor save fails
-    in fp32, docs/megatron_lm.md.)"""
-    from tests.test_megatron_lm import launch, megatron_lm_arguments
+    in fp32, docs/megatron_lm.md.)
+
+    With memory, the backbone is under Megatron-FSDP and the tables are in stores outside it, whole or
+    row-sharded, trained by the table optimizer with one gradient norm over both: LM loss, sparsity loss
+    and gradient norm equal DDP's (tables as its parameters) within 1e-5 over 10 steps. Checkpoints of
+    such a run are refused by name (the stores are not written into fsdp_dtensor checkpoints yet)."""
+    from tests.test_megatron_lm import launch, megatron_lm_arguments, memory_yaml
 
     def without_save(arguments):
         index = arguments.index("--save")
@@ -307,16 +313,24 @@ def test_megatron_fsdp_trains_on_the_host_as_ddp_does(small_data, tmp_path):
                  "--ckpt-format", "fsdp_dtensor"]
     proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args], nproc=2, expect_ok=False)
     assert proc.returncode != 0 and "add --no-gradient-reduce-div-fusion" in proc.stderr, proc.stderr[-3000:]
-    fsdp = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args, "--no-gradient-reduce-div-fusion"],
-                  nproc=2)
+    fsdp_args.append("--no-gradient-reduce-div-fusion")
+    fsdp = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args], nproc=2)
     got, expected = printed_lm_losses(fsdp.stdout), printed_lm_losses(ddp.stdout)
     assert len(got) == len(expected) == 4, (got, expected)
     assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-5, (got, expected)
 
-    # the memory branch does not train beside Megatron-FSDP yet: refused by name before anything is built
-    from tests.test_megatron_lm import memory_yaml
+    memory = ["--fe-memory-config", memory_yaml(tmp_path), "--train-iters", "10"]
+    ddp = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *memory], nproc=2)
+    for sharding in ("replicated", "rows"):
+        fsdp = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args, *memory,
+                       "--fe-table-sharding", sharding], nproc=2)
+        assert "a backbone under Megatron-FSDP" in fsdp.stdout + fsdp.stderr, fsdp.stderr[-3000:]
+        for entry in ("lm loss", "sparsity loss", "grad norm"):
+            got, expected = printed_lm_losses(fsdp.stdout, entry), printed_lm_losses(ddp.stdout, entry)
+            assert len(got) == len(expected) == 10, (entry, got, expected)
+            assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-5, (sharding, entry, got, expected)
 
-    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args, "--no-gradient-reduce-div-fusion",
-                   "--fe-memory-config", memory_yaml(tmp_path)], nproc=2, expect_ok=False)
-    assert proc.returncode != 0 and "  - --use-megatron-fsdp: the memory branch does not train" in proc.stderr, \
+    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args, *memory, "--save",
+                   str(tmp_path / "run")], nproc=2, expect_ok=False)
+    assert proc.returncode != 0 and "  - --save / --load with --use-megatron-fsdp:" in proc.stderr, \
         proc.stderr[-3000:]

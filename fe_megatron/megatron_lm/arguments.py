@@ -151,11 +151,6 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
                        f"--tensor-model-parallel-size {args.tensor_model_parallel_size}: the experts' data-parallel "
                        "group then spans tensor-parallel ranks, over which the tables' columns differ; keep them "
                        "equal")
-    if getattr(args, "use_megatron_fsdp", False):
-        refused.append("--use-megatron-fsdp: the memory branch does not train beside Megatron-FSDP yet (tables held "
-                       "as parameters look like expert parameters to it, and tables in stores join the optimizer "
-                       "chain it replaces); use --use-distributed-optimizer, with --fe-table-sharding rows to shard "
-                       "the tables' rows over the data-parallel ranks")
     if memory.table_dtype not in ("fp32", "bf16"):
         refused.append(f"table_dtype={memory.table_dtype}: fp8 tables are for serving (fe-convert --table-dtype); "
                        "train fp32 or bf16 tables")
@@ -169,7 +164,13 @@ def refused_with_stores(args) -> list:
     if args.fp16 or args.loss_scale is not None:
         refused.append("--fp16 / --loss-scale: the tables in stores take unscaled gradients (fe-pretrain trains in "
                        "bf16 or fp32 without loss scaling); train with --bf16 and no --loss-scale")
-    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+    checkpoints = args.save is not None or args.load is not None
+    if getattr(args, "use_megatron_fsdp", False) and checkpoints:
+        refused.append("--save / --load with --use-megatron-fsdp: Megatron-FSDP checkpoints only in fsdp_dtensor, and "
+                       "the tables in stores are not written into (or read from) such checkpoints yet; train "
+                       "without --save and --load to try it, or keep checkpoints with --use-distributed-optimizer "
+                       "--ckpt-format torch_dist (with --fe-table-sharding rows to shard the tables' rows)")
+    elif getattr(args, "ckpt_format", "torch_dist") != "torch_dist" and checkpoints:
         refused.append(f"--ckpt-format {args.ckpt_format}: the tables in stores and their optimizer state are saved "
                        "in the distributed checkpoint format; use --ckpt-format torch_dist")
     if getattr(args, "data_parallel_random_init", False):
@@ -193,6 +194,29 @@ def _installed(module: str) -> bool:
         return False
 
 
+def _missing_gpu_kernels(args, has_te: bool) -> list:
+    """On a GPU machine: the fused kernels Megatron-LM's defaults ask for whose library is not installed
+    (each has a --no-* flag). Megatron-Core fails on each at its first use: the softmax in bf16, the
+    gradient accumulation when its linear layers are built, the rope at the first forward."""
+    from fe_megatron.megatron.compat import fused_softmax_available
+
+    refused = []
+    if getattr(args, "masked_softmax_fusion", False) and (args.bf16 or args.fp16) and not fused_softmax_available():
+        refused.append("masked-softmax-fusion (on by default): Megatron's fused softmax kernels "
+                       "(scaled_masked_softmax_cuda, from Megatron-LM's megatron/fused_kernels or Apex) are not "
+                       "installed here, and bf16 and fp16 runs ask for them; add --no-masked-softmax-fusion")
+    te_layers = has_te and args.transformer_impl == "transformer_engine"
+    if getattr(args, "gradient_accumulation_fusion", False) and not te_layers \
+            and not _installed("fused_weight_gradient_mlp_cuda"):
+        refused.append("gradient-accumulation-fusion (on by default): its kernel comes from Apex "
+                       "(fused_weight_gradient_mlp_cuda) or Transformer Engine's layers, neither used here; add "
+                       "--no-gradient-accumulation-fusion")
+    if getattr(args, "apply_rope_fusion", False) and args.position_embedding_type == "rope" and not has_te:
+        refused.append("rope-fusion (on by default): the fused rope comes from Transformer Engine, which is not "
+                       "installed here; add --no-rope-fusion")
+    return refused
+
+
 def refused_on_this_host(args, has_cuda: bool) -> list:
     """What this machine cannot run (empty on a GPU machine with Transformer Engine): each entry names
     the argument, why, and what to use instead. Megatron-LM would otherwise fail on each of them in
@@ -210,7 +234,7 @@ def refused_on_this_host(args, has_cuda: bool) -> list:
         refused.append("--apply-layernorm-1p: the zero-centered norm comes from Transformer Engine or Apex, neither "
                        "installed here (the torch norm has no such option); drop it")
     if has_cuda:
-        return refused
+        return refused + _missing_gpu_kernels(args, has_te)
     if args.distributed_backend != "gloo":
         refused.append(f"--distributed-backend {args.distributed_backend}: this machine has no GPU; use "
                        "--distributed-backend gloo")

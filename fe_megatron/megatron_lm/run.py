@@ -166,7 +166,7 @@ def start_up_check(args, on_host: bool) -> StartUpCheck:
         except ValueError as error:  # the run in fe-pretrain's terms fails its checks (ConfigError)
             memory_problems.append(str(error))
         else:
-            checked.plan = table_plan_of(checked.config)
+            checked.plan = table_plan_of(checked.config, fsdp=getattr(args, "use_megatron_fsdp", False))
     if checked.plan is not None and checked.plan.in_stores:
         memory_problems += refused_with_stores(args)
     if not memory_problems and args.load is not None:
@@ -269,16 +269,16 @@ def refuse_arguments(problems: list, rank: int) -> int:
     return 2
 
 
-def table_plan_of(config):
+def table_plan_of(config, fsdp: bool = False):
     """The `TablePlan` of ``config`` (the run in fe-pretrain's terms), by the rules of fe-pretrain's
-    Megatron engine."""
+    Megatron engine; ``fsdp``: the backbone is under Megatron-FSDP (``--use-megatron-fsdp``)."""
     from fe_megatron.memory.sharding import stages_without_memory
     from fe_megatron.tables.plan import TablePlan
 
     stage_without = bool(stages_without_memory(config.memory.layers, config.model.num_layers,
                                                config.parallel.pipeline))
     return TablePlan.for_run(config, bf16_run=config.training.precision == "bf16",
-                             stage_without_memory=stage_without)
+                             stage_without_memory=stage_without, sharded_backbone=fsdp)
 
 
 def refused_resume(args, plan) -> list:
@@ -377,9 +377,11 @@ class TrainerState:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
 
             from fe_megatron.megatron.step import pop_sparsity_loss
+            from fe_megatron.training.distributed import current_device
 
             value = pop_sparsity_loss(self.model_chunks, get_num_microbatches())
-            entries["sparsity loss"] = torch.tensor([value], dtype=torch.float32)
+            # on the trainer's device: its training_log adds the entries to running sums made on the GPU
+            entries["sparsity loss"] = torch.tensor([value], dtype=torch.float32, device=current_device())
         if self.metrics is not None and "lm loss" in loss_dict:
             record = {"step": iteration, "lm_loss": float(loss_dict["lm loss"])}
             if "sparsity loss" in entries:

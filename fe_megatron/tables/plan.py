@@ -23,7 +23,10 @@ The rules (docs/tables.md, "Who trains the tables"):
   backbone (Megatron reduces the parameters it does not all-reduce over the expert-data-parallel
   ranks, a part of the data-parallel ones), and of a pipeline layout with a stage that holds no
   memory layer (every stage must build the same optimizer chain, which a checkpoint's common part,
-  written by global rank 0, describes for all).
+  written by global rank 0, describes for all);
+* and every table beside a backbone under Megatron-FSDP (``sharded_backbone``: Megatron-LM's
+  ``--use-megatron-fsdp``), which would shard the tables' columns with the backbone's parameters
+  and take them for expert parameters; the stores keep them whole or row-sharded outside it.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class TablePlan:
     def resolve(cls, engine: str = "megatron", dtype: str = "fp32", state_dtype: str = "fp32",
                 placement: str = "device", sharding: str = "replicated", update: str = "adamw",
                 bf16_run: bool = False, stage_without_memory: bool = False,
-                expert_parallel: int = 1) -> "TablePlan":
+                expert_parallel: int = 1, sharded_backbone: bool = False) -> "TablePlan":
         if update not in TABLE_UPDATES:
             raise ValueError(f"optimizer.table_update {update!r} is not one of {TABLE_UPDATES}")
         reasons = []
@@ -73,17 +76,21 @@ class TablePlan:
             reasons.append("an expert-parallel backbone")
         if engine == "megatron" and stage_without_memory:
             reasons.append("a pipeline stage without memory layers")
+        if engine == "megatron" and sharded_backbone:
+            reasons.append("a backbone under Megatron-FSDP")
         return cls(engine, dtype, state_dtype, placement, sharding, update, STORES if reasons else ENGINE,
                    tuple(reasons))
 
     @classmethod
-    def for_run(cls, cfg, bf16_run: bool = False, stage_without_memory: bool = False) -> "TablePlan":
+    def for_run(cls, cfg, bf16_run: bool = False, stage_without_memory: bool = False,
+                sharded_backbone: bool = False) -> "TablePlan":
         """The plan of a `fe_megatron.training.config.TrainConfig` with memory (read, not imported:
         this layer sits below the training code).  ``stage_without_memory``: whether a pipeline
         stage of the run's layout holds no memory layer (the Megatron engine's question)."""
         memory, o, p = cfg.memory, cfg.optimizer, cfg.parallel
         return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
-                           p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert)
+                           p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert,
+                           sharded_backbone)
 
     @property
     def in_stores(self) -> bool:

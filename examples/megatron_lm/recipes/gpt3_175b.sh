@@ -20,7 +20,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 SPLIT=${SPLIT:-$([ "$SIZE" = full ] && echo 949,50,1 || echo 949,50,10)}
 
 if [ "$SIZE" = full ]; then
-    SIZE_ARGS=(--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
+    SIZE_ARGS=(--num-layers "${NUM_LAYERS:-96}" --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
                --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 1536
                --train-iters 500000 --lr-decay-iters 430000
                --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16

@@ -2,7 +2,9 @@
 # Megatron-LM's Llama-3 8B recipe (examples/llama/train_llama3_8b_h100_fp8.sh) with FactorEngram:
 # every argument and value of that recipe, launched through fe_megatron.megatron_lm.pretrain_gpt with
 # the memory's --fe-* arguments added. Lines marked "CPU:" are what a machine without a GPU forces
-# (SIZE=cpu, the default here: a tiny model on 2 cores); SIZE=full keeps the recipe's sizes for GPUs.
+# (SIZE=cpu, the default here: a tiny model on 2 cores); SIZE=full keeps the recipe's sizes for GPUs
+# (NUM_LAYERS=2 shortens the stack, TRAIN_ITERS=3 the run; --exit-interval N, added after the script,
+# stops after N steps with a checkpoint).
 #
 #   DATA_PATH=... TOKENIZER_MODEL=... SAVE=... bash examples/megatron_lm/recipes/llama3_8b.sh [more args]
 set -euo pipefail
@@ -11,14 +13,30 @@ source "$(dirname "$0")/common.sh"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 if [ "$SIZE" = full ]; then
-    SIZE_ARGS=(--num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+    SIZE_ARGS=(--num-layers "${NUM_LAYERS:-32}" --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
                --num-query-groups 8 --kv-channels 128 --seq-length 8192 --max-position-embeddings 8192
                --micro-batch-size 1 --global-batch-size 128
-               --train-samples 1953125000 --lr-decay-samples 1949218748 --lr-warmup-samples 3906252
                --eval-iters 32 --eval-interval 100 --save-interval 1000)
-    PRECISION_ARGS=(--bf16 --grad-reduce-in-bf16 --fp8-format hybrid --fp8-amax-history-len 1024
-                    --fp8-amax-compute-algo max --fp8-param-gather)
-    HOST_ONLY_ARGS=(--apply-layernorm-1p --profile --profile-step-start 4 --profile-step-end 6)
+    if [ -n "$TRAIN_ITERS" ]; then
+        # TRAIN_ITERS steps of the recipe's batch, the schedule scaled to them (warmup: one step); the
+        # datasets' sample indices are then that size, not 1.95 billion samples'
+        SIZE_ARGS+=(--train-samples $((TRAIN_ITERS * 128)) --lr-decay-samples $((TRAIN_ITERS * 128))
+                    --lr-warmup-samples 128)
+    else
+        SIZE_ARGS+=(--train-samples 1953125000 --lr-decay-samples 1949218748 --lr-warmup-samples 3906252)
+    fi
+    if python3 -c 'import transformer_engine' 2> /dev/null; then
+        PRECISION_ARGS=(--bf16 --grad-reduce-in-bf16 --fp8-format hybrid --fp8-amax-history-len 1024
+                        --fp8-amax-compute-algo max --fp8-param-gather)
+        HOST_ONLY_ARGS=(--apply-layernorm-1p --profile --profile-step-start 4 --profile-step-end 6)
+    else
+        # GPU without Transformer Engine: bf16 on megatron-core's local layers. fp8, --apply-layernorm-1p and
+        # the fused rope come from Transformer Engine; the fused softmax and gradient accumulation from
+        # Transformer Engine or Apex (the start-up check names each one that is missing)
+        PRECISION_ARGS=(--bf16 --grad-reduce-in-bf16)
+        HOST_ONLY_ARGS=(--profile --profile-step-start 4 --profile-step-end 6 --transformer-impl local
+                        --no-rope-fusion --no-masked-softmax-fusion --no-gradient-accumulation-fusion)
+    fi
 else
     # CPU: sizes. The recipe's proportions kept: GQA with 4 query heads per group, head size =
     # hidden / heads, FFN = 3.5 x hidden, untied embeddings. Samples for TRAIN_ITERS steps of 4.

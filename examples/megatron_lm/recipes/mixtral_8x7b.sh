@@ -17,7 +17,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 SPLIT=${SPLIT:-$([ "$SIZE" = full ] && echo 99990,8,2 || echo 980,10,10)}
 
 if [ "$SIZE" = full ]; then
-    SIZE_ARGS=(--seq-length 4096 --max-position-embeddings 32768 --num-layers 32 --hidden-size 4096
+    SIZE_ARGS=(--seq-length 4096 --max-position-embeddings 32768 --num-layers "${NUM_LAYERS:-32}" --hidden-size 4096
                --ffn-hidden-size 14336 --num-attention-heads 32 --num-query-groups 8
                --micro-batch-size 1 --global-batch-size 256 --train-iters 500000 --lr-decay-iters 320000
                --lr-warmup-iters 500 --pipeline-model-parallel-size 4 --expert-model-parallel-size 8
