@@ -332,7 +332,8 @@ CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 def train_runs(c: Checker, step: str, runs: dict) -> tuple:
     """Run each fe-pretrain command of ``runs`` (``{name: (save, command, env)}``) in turn:
     ``(curves, failed, not_run)``, the logged LM loss per run, the runs that failed or logged
-    nothing, and those the budget left out (what the runs before them measured is kept)."""
+    nothing, and those the budget left out (what the runs before them measured is kept); `BudgetSpent`
+    when the budget left out every run."""
     curves, failed, not_run = {}, [], []
     for name, (save, cmd, env) in runs.items():
         try:
@@ -343,6 +344,8 @@ def train_runs(c: Checker, step: str, runs: dict) -> tuple:
         curves[name] = lm_curve(save)
         if rc != 0 or not curves[name]:
             failed.append(name)
+    if not curves:  # nothing started: the step was not run, rather than failed
+        raise BudgetSpent(step)
     return curves, failed, not_run
 
 
