@@ -26,31 +26,36 @@ if not torch.cuda.is_available():
 # kernels' torch.library operators, checkpoints across megatron-core releases, and Megatron-LM's own
 # trainer (megatron.training ships from 0.19 on), and a shutdown that leaves other libraries' caches alone.
 NEWEST_STACK_SUBSET = (
-    "tests/test_megatron_compat.py",
-    "tests/test_megatron_single.py",
-    "tests/test_checkpoint_versions.py",
-    "tests/test_install.py",
-    "tests/test_train.py::test_resume_reproduces_the_uninterrupted_curve_exactly",
-    "tests/test_train.py::test_a_run_extended_on_purpose_follows_the_new_schedule_and_by_default_keeps_its_own[megatron]",
-    "tests/test_operations.py::test_resume_with_a_changed_hash_seed_or_shape_is_refused_and_allowed_changes_are_listed",
-    "tests/test_row_sharding.py::test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them",
-    "tests/test_row_sharding.py::test_dp2_tp2_rows_match_dp1_tp2_whole_tables",
-    "tests/test_row_sharding.py::test_rows_under_pipeline_parallelism_and_recompute[pp2-dp2]",
-    "tests/test_row_sharding.py::test_a_stage_s_layers_share_one_exchange[2]",
-    "tests/test_row_sharding.py::test_an_expert_parallel_moe_backbone_trains_beside_row_sharded_tables",
-    "tests/test_table_update.py::test_rowwise_adagrad_trains_alike_at_every_layout_and_resumes_across_them",
-    "tests/test_deepspeed.py::test_zero_3_matches_the_megatron_engine_and_resumes_exactly",
-    "tests/test_deepspeed.py::test_tables_outside_zero_are_clipped_as_tables_inside_it",
-    "tests/test_deepspeed.py::test_the_deepspeed_internals_that_clipping_wraps_are_there",
-    "tests/test_deepspeed.py::test_the_bf16_optimizers_clip_the_tables_by_one_norm_too",
-    "tests/test_hf.py::test_converted_logits_equal_megatron[1]",
-    "tests/test_hf.py::test_converted_logits_equal_megatron[rows]",
-    "tests/test_hf.py::test_cached_greedy_generation_equals_full_recompute",
-    "tests/test_hf.py::test_torch_compile_runs_through_the_memory_branch_without_graph_breaks",
-    "tests/test_kernels.py::test_the_operators_pass_torch_library_opcheck",
-    "tests/test_megatron_lm.py",
-    "tests/test_megatron_lm_recipes.py",
-    "tests/test_process_group_shutdown.py",
+    "tests/unit/megatron/test_compat.py",
+    "tests/unit/megatron/test_sparsity.py",
+    "tests/unit/megatron/test_builder.py",
+    "tests/unit/megatron/test_transformer_layer.py",
+    "tests/unit/megatron/test_layer_specs.py",
+    "tests/unit/megatron/test_cpu_backend.py",
+    "tests/unit/megatron/test_megatron_lm_spec.py",
+    "tests/integration/test_checkpoint_versions.py",
+    "tests/unit/test_install.py",
+    "tests/integration/test_train.py::test_resume_reproduces_the_uninterrupted_curve_exactly",
+    "tests/integration/test_train.py::test_a_run_extended_on_purpose_follows_the_new_schedule_and_by_default_keeps_its_own[megatron]",
+    "tests/integration/test_operations.py::test_resume_with_a_changed_hash_seed_or_shape_is_refused_and_allowed_changes_are_listed",
+    "tests/integration/test_row_sharding.py::test_dp2_rows_match_dp1_whole_tables_and_hold_half_of_them",
+    "tests/integration/test_row_sharding.py::test_dp2_tp2_rows_match_dp1_tp2_whole_tables",
+    "tests/integration/test_row_sharding.py::test_rows_under_pipeline_parallelism_and_recompute[pp2-dp2]",
+    "tests/integration/test_row_sharding.py::test_a_stage_s_layers_share_one_exchange[2]",
+    "tests/integration/test_row_sharding.py::test_an_expert_parallel_moe_backbone_trains_beside_row_sharded_tables",
+    "tests/integration/test_table_update.py::test_rowwise_adagrad_trains_alike_at_every_layout_and_resumes_across_them",
+    "tests/integration/test_deepspeed.py::test_zero_3_matches_the_megatron_engine_and_resumes_exactly",
+    "tests/integration/test_deepspeed.py::test_tables_outside_zero_are_clipped_as_tables_inside_it",
+    "tests/unit/deepspeed/test_clipping.py::test_the_deepspeed_internals_that_clipping_wraps_are_there",
+    "tests/integration/test_deepspeed.py::test_the_bf16_optimizers_clip_the_tables_by_one_norm_too",
+    "tests/integration/test_hf_conversion.py::test_converted_logits_equal_megatron[1]",
+    "tests/integration/test_hf_conversion.py::test_converted_logits_equal_megatron[rows]",
+    "tests/unit/hf/test_modeling.py::test_cached_greedy_generation_equals_full_recompute",
+    "tests/unit/hf/test_modeling.py::test_torch_compile_runs_through_the_memory_branch_without_graph_breaks",
+    "tests/unit/ops/test_kernels.py::test_the_operators_pass_torch_library_opcheck",
+    "tests/integration/test_megatron_lm.py",
+    "tests/integration/test_megatron_lm_recipes.py",
+    "tests/unit/training/test_distributed.py::test_destroying_the_groups_keeps_other_libraries_caches",
 )
 
 
@@ -116,24 +121,19 @@ def small_data(tmp_path_factory):
     return dict(tokenizer=str(out / "tok.model"), prefix=str(out / "corpus"), subset=str(subset))
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory):
-    """tests/distributed/check_row_sharding.py at DP=1 with whole fp32 tables held as parameters (TP=1
-    and TP=2): initial weights, per-step losses, final weights; what row-sharded tables and every
-    table storage are compared against."""
-    from tests.helpers.torchrun_util import torchrun
-
-    root = tmp_path_factory.mktemp("row_sharding")
-    for tp, init in ((1, "--save-init"), (2, "--init")):  # both start from the same initial weights
-        torchrun("check_row_sharding.py", "--tables", "replicated", "--tp", str(tp), init, str(root / "init"),
-                 "--steps", "0:3", "--record", str(root / f"ref_tp{tp}.json"), "--save-final",
-                 str(root / f"final_tp{tp}"), nproc=tp)
-    return root
-
-
 @pytest.fixture(scope="module")
-def uniform_dir(small_data, tmp_path_factory):
-    """A saved model whose every weight is zero, with small_data's tokenizer (tests.helpers.evaluation)."""
-    from tests.helpers.evaluation import uniform_model
+def base_llama(tmp_path_factory, small_data):
+    """A small random Llama (grouped-query attention) with a tokenizer, saved as transformers does: the
+    base model of the graft tests (tests/unit/convert, tests/integration/test_hf_conversion.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    return uniform_model(str(tmp_path_factory.mktemp("uniform")), small_data["tokenizer"])
+    from fe_megatron.hf import save_tokenizer
+
+    directory = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    LlamaForCausalLM(config).save_pretrained(directory)
+    save_tokenizer(small_data["tokenizer"], str(directory))
+    return str(directory)

@@ -1,6 +1,6 @@
 """A training script of a team's own, in the shape of Megatron-LM's pretrain_gpt.py (megatron-core 0.19):
-its own batch, loss and forward step around megatron.training.pretrain. tests/test_megatron_lm_recipes.py
-applies the change docs/megatron_lm.md documents ("A training script of your own") and trains with it."""
+its own batch, loss and forward step around megatron.training.pretrain.
+tests/integration/test_megatron_lm_recipes.py applies the change docs/megatron_lm.md documents ("A training script of your own") and trains with it."""
 
 from functools import partial
 

@@ -1,7 +1,8 @@
 """Row-sharded tables against whole tables, and tables in stores (bf16, host memory, bf16 optimizer
 state) against tables held as parameters, through fe-pretrain's own checkpoints.
 
-Run (one phase per invocation; tests/test_row_sharding.py and tests/test_table_storage.py chain them):
+Run (one phase per invocation; tests/integration/test_row_sharding.py, test_table_stores.py and
+test_table_update.py chain them):
   torchrun --nproc_per_node N tests/distributed/check_row_sharding.py --tables rows|replicated --tp T --pp P \
       [--placement device|host] [--table-dtype fp32|bf16] [--state-dtype fp32|bf16] \
       [--table-update adamw|rowwise_adagrad|lazy_adam] \

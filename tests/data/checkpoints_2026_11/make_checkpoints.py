@@ -2,8 +2,8 @@
 
 Each run trains 4 steps from scratch with checkpoints at steps 2 and 4.  The folder keeps
 checkpoint 2, as the run's own tracker names it, and ``expected.json`` keeps the values that
-run logged at steps 3 and 4.  `tests/test_table_checkpoints.py` resumes every checkpoint with
-today's code and checks those values.
+run logged at steps 3 and 4.  `tests/integration/test_table_checkpoints.py` resumes every
+checkpoint with today's code and checks those values.
 
     python tests/data/checkpoints_2026_11/make_checkpoints.py [MODE ...]   # from the repository root
 

@@ -1,0 +1,54 @@
+"""Sparse table updates across parallel layouts and checkpoints, through Megatron's optimizer chain
+(tests/distributed/check_row_sharding.py against the DP=1 reference)."""
+
+import pytest
+
+from tests.helpers.torchrun_util import torchrun
+
+
+def check_sharding(*args, nproc: int):
+    out = torchrun("check_row_sharding.py", *args, nproc=nproc)
+    assert "0 failures" in out
+
+
+@pytest.mark.distributed
+def test_rowwise_adagrad_trains_alike_at_every_layout_and_resumes_across_them(reference, tmp_path):
+    """Through Megatron's optimizer chain (clipping by one global norm, the scheduler's learning
+    rate): whole tables at DP=1 against DP=2 replicas (their touched rows' union all-reduced),
+    DP=2 row shards, TP=2 (a row's squares summed over its columns), and the DP=2 row-sharded and
+    TP=2 step-1 checkpoints resumed at DP=1: losses, gradient norms and every weight within 1e-5."""
+    init, record, final = str(reference / "init"), str(tmp_path / "dp1.json"), str(tmp_path / "dp1_final")
+    update = ("--table-update", "rowwise_adagrad")
+    check_sharding("--tables", "replicated", *update, "--init", init, "--steps", "0:3", "--record", record,
+                   "--save-final", final, nproc=1)
+    compare = ("--compare", record, "--compare-final", final)
+    check_sharding("--tables", "replicated", *update, "--init", init, "--steps", "0:3", *compare, nproc=2)
+    check_sharding("--tables", "rows", *update, "--init", init, "--steps", "0:3", *compare, "--save-step", "1",
+                   str(tmp_path / "rows_step1"), nproc=2)
+    # the per-row state is saved as one value per row, [table rows, 1], at every layout
+    from fe_megatron.convert.megatron_reader import DistCheckpoint
+
+    saved = DistCheckpoint(str(tmp_path / "rows_step1" / "iter_0000001")).metadata
+    tables = {name: tuple(meta.size) for name, meta in saved.items() if name.endswith("memory.tables.weight")
+              and not name.startswith("optimizer.")}
+    assert tables and not any(name.startswith("optimizer.state.momentum.") for name in saved)
+    for name, (rows, _) in tables.items():
+        assert tuple(saved[f"optimizer.state.row_momentum.{name}"].size) == (rows, 1)
+    check_sharding("--tables", "replicated", "--tp", "2", *update, "--init", init, "--steps", "0:3", *compare,
+                   "--save-step", "1", str(tmp_path / "tp2_step1"), nproc=2)
+    for saved in ("rows_step1", "tp2_step1"):  # both reshard to whole tables on one rank
+        check_sharding("--tables", "replicated", *update, "--load", str(tmp_path / saved), "--steps", "1:3",
+                       *compare, nproc=1)
+
+
+@pytest.mark.distributed
+def test_lazy_adam_in_host_memory_trains_as_on_the_device_and_resumes(reference, tmp_path):
+    init, record, final = str(reference / "init"), str(tmp_path / "dp1.json"), str(tmp_path / "dp1_final")
+    update = ("--table-update", "lazy_adam")
+    check_sharding("--tables", "replicated", *update, "--init", init, "--steps", "0:3", "--record", record,
+                   "--save-final", final, nproc=1)
+    compare = ("--compare", record, "--compare-final", final)
+    check_sharding("--tables", "rows", "--placement", "host", *update, "--init", init, "--steps", "0:3", *compare,
+                   "--save-step", "1", str(tmp_path / "rows_step1"), nproc=2)
+    check_sharding("--tables", "replicated", *update, "--load", str(tmp_path / "rows_step1"), "--steps", "1:3",
+                   *compare, nproc=1)

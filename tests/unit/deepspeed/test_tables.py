@@ -1,0 +1,66 @@
+"""`fe_megatron.deepspeed.tables`: tables outside ZeRO, in one process, clipped by the norm they are given."""
+
+import pytest
+import torch
+
+from fe_megatron.training.config import load_train_config
+from tests.helpers.training import CONFIG, small_overrides
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
+
+
+STEPS = 4
+CLIP = 0.3  # below every step's gradient norm (0.5-0.9 here): every run here clips at every step
+
+
+def overrides(data, **extra):
+    values = {"training.train_steps": STEPS, "training.log_interval": 1, "training.eval_interval": STEPS,
+              "training.eval_steps": 1, "training.save_interval": 2, "optimizer.warmup_steps": 1,
+              "optimizer.lr": 1e-2, "optimizer.clip_grad": CLIP}
+    values.update(extra)
+    return small_overrides(data, **values)
+
+
+def test_tables_outside_zero_are_clipped_by_the_norm_of_every_gradient(small_data, tmp_path):
+    """Under table_sharding=rows the tables' gradients are averaged over the ranks and clipped by the
+    norm they are given (the joint norm of ZeRO's parameters and theirs, `JointClipping`), or by
+    their own when none is."""
+    import torch.distributed as dist
+
+    from fe_megatron.deepspeed.engine import build_model
+    from fe_megatron.deepspeed.tables import StoredTables
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = load_train_config(CONFIG, overrides(small_data, **{"parallel.table_sharding": "rows",
+                                                                 "optimizer.clip_grad": 0.5,
+                                                                 "optimizer.weight_decay": 0.0}))
+        model = build_model(cfg, dist.group.WORLD)
+        tables = StoredTables(model, cfg.optimizer)
+        assert not any(name.endswith("tables.weight") for name, _ in model.named_parameters())  # outside ZeRO
+        assert not any(name.endswith("tables.weight") for name in model.state_dict())  # ZeRO saves none either
+        stores = tables.tables.stores
+        for group in tables.optimizer.param_groups:
+            group["lr"] = 1e-3
+        for given in (None, 3.0):  # their own norm; a joint norm above it
+            grads = {name: torch.randn_like(store.weight) for name, store in stores.items()}
+            before = {name: store.weight.clone() for name, store in stores.items()}
+            moments = {name: tables.optimizer.state[store.weight]["exp_avg"].clone()
+                       if store.weight in tables.optimizer.state else torch.zeros_like(store.weight)
+                       for name, store in stores.items()}
+            for name, store in stores.items():
+                store.main_grad.copy_(grads[name])
+            own = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values())).item()
+            if given is not None:
+                given = own * given
+            norm = tables.step(given)
+            assert norm == pytest.approx(own if given is None else given, rel=1e-9)
+            assert [name for name, store in stores.items() if not torch.equal(store.weight, before[name])] == \
+                list(stores)
+            for name, store in stores.items():  # AdamW saw the gradient clipped by that norm
+                clipped = grads[name] * (0.5 / (norm + 1e-6))
+                torch.testing.assert_close(tables.optimizer.state[store.weight]["exp_avg"],
+                                           0.9 * moments[name] + 0.1 * clipped, rtol=1e-5, atol=1e-9)
+                assert not store.main_grad.any()  # zeroed for the next step
+    finally:
+        dist.destroy_process_group()

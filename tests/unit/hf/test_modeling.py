@@ -1,0 +1,129 @@
+"""The Hugging Face model (`fe_megatron.hf.modeling_fe_megatron`): torch.compile through the memory
+branch, initialization, cached generation, the decoding step's lookback, the loss, and loading
+through transformers' Auto classes and remote code."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.models import tiny_model
+
+
+def test_torch_compile_runs_through_the_memory_branch_without_graph_breaks():
+    """The hash and the row gather are torch.library operators with fake implementations and an
+    autograd formula: torch.compile captures a training forward of the model as one graph (there
+    were 25 graph breaks in this model before), and the compiled loss and every gradient, the
+    tables' included, equal eager's."""
+    import torch._dynamo as dynamo
+
+    model = tiny_model().train()
+    ids = torch.randint(3, 256, (2, 32))
+    explain = dynamo.explain(lambda batch: model(input_ids=batch, labels=batch).loss)(ids)
+    assert explain.graph_break_count == 0, [str(reason.reason)[:200] for reason in explain.break_reasons]
+    dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    compiled_grads = {name: param.grad.clone() for name, param in model.named_parameters()}
+    model.zero_grad()
+    eager = model(input_ids=ids, labels=ids).loss
+    eager.backward()
+    assert torch.allclose(loss, eager, rtol=1e-6, atol=1e-6)
+    assert any(".memory.tables" in name for name in compiled_grads)
+    for name, param in model.named_parameters():
+        assert torch.allclose(compiled_grads[name], param.grad, rtol=1e-5, atol=1e-6), name
+    dynamo.reset()
+
+
+@pytest.mark.parametrize("kind", ["factorengram", "engram"])
+def test_a_model_from_its_config_initializes_every_memory_parameter(kind):
+    """Engram's branch has no direct parameters; transformers must not skip it as initialized."""
+    for _ in range(2):  # uninitialized memory could pass once by chance
+        memory = tiny_model(kind, perturb=False).model.layers[0].memory
+        tables, values = memory.tables.weight, memory.value_proj.weight
+        assert torch.isfinite(tables).all() and abs(tables.std().item() - memory.config.table_init_std) < 0.1
+        assert torch.count_nonzero(values) == 0 and torch.count_nonzero(memory.conv.weight) == 0
+        key = memory.key_proj.weight if kind == "engram" else memory.query_proj.weight
+        assert abs(key.std().item() - memory.config.init_std) < 0.005
+
+
+@pytest.mark.parametrize("kind", ["factorengram", "engram"])
+@pytest.mark.parametrize("placement", ["before_attn", "before_ffn", "inside_ffn"])
+def test_cached_greedy_generation_equals_full_recompute(kind, placement):
+    model = tiny_model(kind, placement)
+    ids = torch.randint(3, 256, (3, 12))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0  # left padding
+    ids[1, :2], mask[1, :2] = 0, 0
+    settings = dict(max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+    cached = model.generate(ids, attention_mask=mask, use_cache=True, **settings)
+    recomputed = model.generate(ids, attention_mask=mask, use_cache=False, **settings)
+    assert cached.shape == (3, 12 + 64) and torch.equal(cached, recomputed)
+    single = model.generate(ids[2:], use_cache=True, **settings)
+    assert torch.equal(single, model.generate(ids[2:], use_cache=False, **settings))
+    # padding is "before the sequence start": a padded row generates what it generates alone
+    alone = model.generate(ids[0:1, 5:], use_cache=True, **settings)
+    assert torch.equal(cached[0, 12:], alone[0, 7:])
+    assert torch.equal(cached[2:], single)
+
+
+def test_a_decoding_step_reads_a_fixed_lookback_only():
+    """The memory state stays [batch, max_order - 1] ids and [batch, (K-1) r, d] values."""
+    from fe_megatron.hf import FactorEngramCache
+
+    model = tiny_model()
+    cache = FactorEngramCache(config=model.config)
+    out = model(torch.randint(3, 256, (2, 40)), past_key_values=cache, use_cache=True)
+    for _ in range(3):
+        out = model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    for layer, state in cache.memory_states.items():
+        branch = model.model.layers[layer].memory
+        assert state.recent_ids.shape == (2, 2)
+        assert state.recent_values.shape == (2, branch.conv.receptive_field, 64)
+
+
+def test_the_loss_is_eq_13():
+    model = tiny_model()
+    ids = torch.randint(3, 256, (2, 16))
+    out = model(ids, labels=ids)
+    lm = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    # Eq. 12 by hand: ||z_t||_1 averaged over positions, then over the insertion layers
+    terms = []
+    for index in model.config.memory["layers"]:
+        layer = model.model.layers[index]
+        layer.memory.register_forward_hook(lambda module, args, out: terms.append(out[1].mean()))
+    sparsity = model.model(ids).sparsity_loss
+    assert len(terms) == 2 and torch.allclose(sparsity, torch.stack(terms).mean()) and sparsity > 0
+    assert torch.allclose(out.loss, lm + model.config.memory["sparsity_lambda"] * sparsity, atol=1e-6)
+
+
+def test_loads_through_auto_registration_and_remote_code(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from fe_megatron.hf import AUTO_MAP, write_modeling_files
+
+    model = tiny_model()
+    model.config.auto_map = AUTO_MAP
+    model.save_pretrained(tmp_path)
+    write_modeling_files(str(tmp_path))
+    assert os.path.isfile(tmp_path / "model.safetensors")
+    ids = torch.randint(3, 256, (2, 10))
+    expected = model(ids).logits
+    registered = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(registered).__name__ == "FactorEngramForCausalLM"
+    assert torch.equal(registered(ids).logits, expected)
+    # trust_remote_code in a fresh process that never imports fe_megatron.hf itself
+    torch.save(ids, tmp_path / "ids.pt")
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
+assert "fe_megatron.hf" not in type(model).__module__, type(model).__module__
+torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'remote.pt')!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "remote.pt"), expected)

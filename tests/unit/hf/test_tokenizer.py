@@ -1,0 +1,274 @@
+"""The converted Hugging Face tokenizer (`fe_megatron.hf.tokenizer`): sentencepiece's ids for every
+text, decoding that keeps the space between a prompt and its continuation, loading without custom
+code, and old converted directories."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import sentencepiece as spm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers.paths import CORPUS, ROOT
+
+# a real 32K sentencepiece model (Mistral 7B's, Apache-2.0), bundled in data/tokenizers/
+MISTRAL = os.path.join(ROOT, "data", "tokenizers",
+                       "mistral_32k.model")
+
+# Text sentencepiece normalizes specially: runs of white space, NFKC (full-width letters,
+# ligatures, compatibility characters), characters nmt_nfkc deletes or turns into spaces, decomposed
+# letters, marks sentencepiece leaves alone that NFC would reorder or compose (Arabic shadda +
+# fatha, Hebrew points, a composed Vietnamese letter + tone mark), emoji, control pieces' spellings.
+ARABIC = "\u0645\u064f\u062d\u064e\u0645\u0651\u064e\u062f\u064c"  # shadda before fatha
+HEBREW = "\u05e9\u05c1\u05b8\u05dc\u05d5\u05b9\u05dd"  # shin dot before qamats
+FRAGMENTS = [" ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n ", "\u3000", "\u00a0", "\u2009",
+             "\u200b", "\ufeff", "\u00ad", "\x00", "\x01", "\x1b", "\x7f", "ﬁ", "ﬂ", "ﬃ", "Ｈｅｌｌｏ", "ＡＢＣ１２３",
+             "①", "½", "™", "㎏", "ǅ", "ﷺ", "e\u0301", "a\u0308\u0304", "e\u0323\u0302", "tie\u0302\u0301ng",
+             "Vi\u00ea\u0323t", "\u00c5\u0323", ARABIC, HEBREW, "ｶﾞｷﾞ", "ㄱㅏ", "\u1100\u1161\u11a8", "한국어", "ㅋㅋ",
+             "中文", "😀", "👍🏽", "👨\u200d👩\u200d👧", "🇺🇸", "❤️", "—", "’", "\u2581", "</s>", "<s>", "<pad>",
+             "<unk>", "<0x41>", "1234567", "3.14", "The", " the", "  They", "State of the Union"]
+# Random characters are not combining marks: a mark after an arbitrary character hits the cases
+# the module docstring lists as not reproduced (e.g. "ﬁ" + acute: sentencepiece "fi" + acute,
+# NFC "fí").  Unpaired surrogates have their own test.
+CHARACTERS = st.characters(exclude_categories=("Cs", "Mn", "Mc", "Me"))
+TEXTS = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(CHARACTERS, max_size=6)), max_size=24).map("".join)
+
+
+def train_fe_data_tokenizer(directory, vocab_size=1000, documents=40) -> str:
+    from fe_megatron.data.cli import main as fe_data
+
+    subset = os.path.join(directory, "subset.jsonl")
+    with gzip.open(CORPUS, "rt") as src, open(subset, "w") as dst:
+        for i, line in enumerate(src):
+            if i >= documents:
+                break
+            dst.write(line)
+    prefix = os.path.join(directory, "tok")
+    assert fe_data(["train-tokenizer", "--input", subset, "--output-prefix", prefix,
+                    "--vocab-size", str(vocab_size)]) == 0
+    return prefix + ".model"
+
+
+@pytest.fixture(scope="module", params=["fe-data", "mistral_32k"])
+def converted(request, tmp_path_factory):
+    """``(directory, transformers tokenizer loaded from it, SentencePieceProcessor)``."""
+    from transformers import AutoTokenizer
+
+    from fe_megatron.hf import save_tokenizer
+
+    base = tmp_path_factory.mktemp("tok")
+    if request.param == "fe-data":
+        model = train_fe_data_tokenizer(str(base))
+    else:
+        model = MISTRAL
+    directory = str(base / "hf")
+    save_tokenizer(model, directory)
+    return directory, AutoTokenizer.from_pretrained(directory), spm.SentencePieceProcessor(model_file=model)
+
+
+def test_the_directory_holds_a_plain_tokenizer(converted):
+    directory, hf, sp = converted
+    with open(os.path.join(directory, "tokenizer_config.json")) as fh:
+        config = json.load(fh)
+    assert "auto_map" not in config and config["split_special_tokens"] is True
+    assert len(hf) == sp.get_piece_size() and hf.get_vocab() == {sp.id_to_piece(i): i for i in range(len(hf))}
+    assert (hf.unk_token_id, hf.bos_token_id, hf.eos_token_id) == (sp.unk_id(), sp.bos_id(), sp.eos_id())
+    assert hf.pad_token_id == (sp.pad_id() if sp.pad_id() >= 0 else None)
+    assert hf("Hello world")["input_ids"] == sp.encode("Hello world")  # no BOS, no EOS
+
+
+@pytest.mark.parametrize("text", ["—  They said", "The  state of the Union\t\tis\n\n   strong.  ", "  lead",
+                                  "trail  ", "", " ", "\n", "def f(x):\n    return x  # two  spaces\n",
+                                  "Ｈｅｌｌｏ ﬁne ①", "tie\u0302\u0301ng Vi\u00ea\u0323t", ARABIC, HEBREW,
+                                  "a</s>b<s><pad><unk>", "x\u2581", "\u2581", "\x01 a \x01", "ｶﾞ ㄱㅏ"])
+def test_known_texts_get_sentencepieces_ids(converted, text):
+    _, hf, sp = converted
+    assert hf.encode(text, add_special_tokens=False) == sp.encode(text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXTS)
+def test_any_text_gets_sentencepieces_ids(converted, text):
+    _, hf, sp = converted
+    assert hf.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert hf(text, add_special_tokens=False)["input_ids"] == sp.encode(text)  # the batch path too
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(before=st.text(CHARACTERS, max_size=5), after=st.text(CHARACTERS, max_size=5))
+def test_unpaired_surrogates_are_refused_like_fe_data_refuses_them(converted, tmp_path, before, after):
+    from fe_megatron.data.sources import DataError, iter_jsonl
+
+    _, hf, sp = converted
+    text = before + "\ud83d" + after
+    path = tmp_path / "doc.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")  # escaped as \ud83d in the JSON
+    with pytest.raises(DataError, match="unpaired surrogate"):
+        list(iter_jsonl(str(path), "text"))
+    with pytest.raises(RuntimeError):
+        sp.encode(text)
+    with pytest.raises(TypeError):
+        hf.encode(text, add_special_tokens=False)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt=TEXTS.filter(lambda t: t.strip()),
+       parts=st.lists(st.one_of(st.integers(min_value=0), TEXTS), max_size=8))
+def test_prompt_plus_decoded_continuation_reads_as_the_whole_sequence(converted, prompt, parts):
+    """What pipeline("text-generation") does: the prompt, then the new tokens decoded alone.  The new
+    tokens: any pieces but <unk> (sentencepiece: " ⁇ ") and the ids of texts, so that every run of
+    byte pieces is valid UTF-8 (see the module docstring for invalid runs)."""
+    _, hf, sp = converted
+    prompt_ids = sp.encode(prompt)
+    if not sp.decode(prompt_ids):
+        return  # sentencepiece drops the leading spaces of a sequence: nothing before the continuation
+    pieces = [i for i in range(sp.get_piece_size()) if not (sp.is_unknown(i) or sp.is_byte(i))]
+    new = []
+    for part in parts:
+        new += [pieces[part % len(pieces)]] if isinstance(part, int) else sp.encode(part)
+    whole = sp.decode(prompt_ids + new)
+    assert sp.decode(prompt_ids) + hf.decode(new, skip_special_tokens=True) == whole
+
+
+# ----------------------------------------------------------------------------- loading
+CHECK_LOADING = textwrap.dedent("""
+    import json, logging, sys, warnings
+    directory, register = sys.argv[1], sys.argv[2] == "register"
+    if register:
+        import fe_megatron.hf
+    records = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    import transformers
+    transformers.logging.get_logger().addHandler(Keep(logging.WARNING))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    print(json.dumps({"warnings": [str(w.message) for w in caught] + records,
+                      "ids": tokenizer.encode("—  They", add_special_tokens=False)}))
+""")
+
+
+def load_in_fresh_process(directory, register=False) -> dict:
+    """AutoTokenizer in a new interpreter with stdin closed (a question would fail, not wait)."""
+    proc = subprocess.run([sys.executable, "-c", CHECK_LOADING, directory, "register" if register else "-"],
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def model_directory(tmp_path_factory):
+    """A converted directory as ``fe-convert mcore-to-hf`` lays it out: config.json (model_type
+    fe_megatron, auto_map to the modeling files), a tiny random model, the tokenizer."""
+    import torch
+
+    from fe_megatron.config import BackboneConfig, MemoryConfig
+    from fe_megatron.hf import (AUTO_MAP, FactorEngramConfig, FactorEngramForCausalLM, save_tokenizer,
+                                write_modeling_files)
+
+    base = tmp_path_factory.mktemp("model")
+    model_file = train_fe_data_tokenizer(str(base), vocab_size=600, documents=20)
+    directory = str(base / "hf")
+    tokenizer = save_tokenizer(model_file, directory)
+    backbone = BackboneConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_attention_heads=2,
+                              ffn_hidden_size=64, seq_length=128)
+    memory = MemoryConfig(backbone=backbone, ngram_orders=[1, 2], heads_per_order=1,
+                          table_capacity=[len(tokenizer), 997], coeff_width=16, memory_dim=16, layers=[1])
+    config = FactorEngramConfig.from_fe_megatron(
+        backbone, memory, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, architectures=["FactorEngramForCausalLM"], auto_map=AUTO_MAP)
+    torch.manual_seed(0)
+    FactorEngramForCausalLM(config).eval().save_pretrained(directory)
+    write_modeling_files(directory)
+    return directory, model_file
+
+
+def test_the_tokenizer_alone_loads_without_question_or_warning(model_directory, tmp_path):
+    from fe_megatron.hf import save_tokenizer
+
+    _, model_file = model_directory
+    save_tokenizer(model_file, str(tmp_path))
+    result = load_in_fresh_process(str(tmp_path))
+    assert result["warnings"] == [] and result["ids"] == spm.SentencePieceProcessor(model_file=model_file).encode(
+        "—  They")
+
+
+def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_once_registered(model_directory):
+    directory, model_file = model_directory
+    result = load_in_fresh_process(directory, register=True)
+    assert result["warnings"] == []
+    assert result["ids"] == spm.SentencePieceProcessor(model_file=model_file).encode("—  They")
+
+
+@pytest.mark.xfail(strict=True, reason="transformers' AutoTokenizer reads config.json (AutoConfig) before "
+                   "any tokenizer file; its auto_map to custom code asks for trust_remote_code and then warns "
+                   "'model of type fe_megatron'. The tokenizer files cannot change that: config.json can")
+def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_in_a_bare_interpreter(
+        model_directory):
+    directory, _ = model_directory
+    assert load_in_fresh_process(directory)["warnings"] == []
+
+
+def test_an_old_converted_directory_still_loads_and_can_be_rewritten(model_directory, tmp_path):
+    """A directory written by the LlamaTokenizer-based converter (before this module)."""
+    from transformers import AutoTokenizer, LlamaTokenizer
+
+    from fe_megatron.data.tokenizer import HFTokenizer
+    from fe_megatron.hf import save_tokenizer
+
+    _, model_file = model_directory
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    old = tmp_path / "old"
+    old.mkdir()
+    kept = old / "tokenizer.model"
+    kept.write_bytes(open(model_file, "rb").read())
+    LlamaTokenizer.from_pretrained(str(old), add_bos_token=False, add_eos_token=False).save_pretrained(str(old))
+    assert json.loads((old / "tokenizer_config.json").read_text())["tokenizer_class"] == "LlamaTokenizer"
+    assert AutoTokenizer.from_pretrained(str(old)).encode("Hello", add_special_tokens=False) == sp.encode("Hello")
+    assert HFTokenizer(str(old)).eod == sp.eos_id()
+    save_tokenizer(str(kept), str(old))  # rewritten from its own tokenizer.model
+    assert AutoTokenizer.from_pretrained(str(old)).encode("—  They", add_special_tokens=False) == sp.encode("—  They")
+    assert HFTokenizer(str(old)).tokenize("—  They").tolist() == sp.encode("—  They")
+
+
+def test_text_generation_pipeline_keeps_the_space_before_the_continuation(model_directory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    import fe_megatron.hf  # noqa: F401  (registers the model class)
+
+    directory, model_file = model_directory
+    sp = spm.SentencePieceProcessor(model_file=model_file)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    generate = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    words = [i for i in range(sp.get_piece_size())  # new tokens: words that start with a space
+             if sp.id_to_piece(i).startswith("\u2581") and len(sp.id_to_piece(i)) > 1 and not sp.is_control(i)]
+    suppress = sorted(set(range(sp.get_piece_size())) - set(words))
+    for prompt in ("The state of the Union is", "Fellow-citizens  of the Senate"):
+        settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, suppress_tokens=suppress)
+        text = generate(prompt, **settings)[0]["generated_text"]
+        ids = generate(prompt, return_tensors=True, **settings)[0]["generated_token_ids"]
+        ids = [int(i) for i in ids]
+        prompt_ids = sp.encode(prompt)
+        assert ids[:len(prompt_ids)] == prompt_ids and len(ids) == len(prompt_ids) + 6
+        continuation = sp.decode(ids)[len(sp.decode(prompt_ids)):]  # sentencepiece's, of the whole sequence
+        assert text == prompt + continuation and continuation.startswith(" ")
+        assert continuation == " " + sp.decode(ids[len(prompt_ids):])
+
+
+def test_the_tokenizer_matches_sentencepiece(small_data, tmp_path):
+    from fe_megatron.hf import save_tokenizer
+
+    hf = save_tokenizer(small_data["tokenizer"], str(tmp_path))
+    sp = spm.SentencePieceProcessor(model_file=small_data["tokenizer"])
+    text = "The Congress shall have Power To lay and collect Taxes, 1787 ü and naïve -- 3.14"
+    assert hf.encode(text, add_special_tokens=False) == sp.encode(text)
+    assert len(hf) == sp.get_piece_size() and hf.eos_token_id == sp.eos_id()

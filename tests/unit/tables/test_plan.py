@@ -1,0 +1,41 @@
+"""The table plan (`fe_megatron.tables.plan`) decides who trains the tables, as docs/tables.md says, and
+counts the state each rule keeps."""
+
+import pytest
+
+from fe_megatron.tables.plan import TablePlan
+
+
+@pytest.mark.parametrize("settings, engine, trainer, mode", [
+    ({}, "megatron", "engine", "parameters"),
+    ({"bf16_run": True}, "megatron", "stores", "stores"),
+    ({"stage_without_memory": True}, "megatron", "stores", "stores"),
+    ({"dtype": "bf16"}, "megatron", "stores", "stores"),
+    ({"update": "rowwise_adagrad"}, "megatron", "stores", "stores"),
+    ({"update": "lazy_adam", "sharding": "rows"}, "megatron", "stores", "stores"),
+    ({"sharding": "rows"}, "megatron", "stores", "stores"),
+    ({"expert_parallel": 2}, "megatron", "stores", "stores"),
+    ({"sharded_backbone": True}, "megatron", "stores", "stores"),
+    ({}, "deepspeed", "engine", "zero"),
+    ({"bf16_run": True, "stage_without_memory": True}, "deepspeed", "engine", "zero"),
+    ({"sharding": "zero"}, "deepspeed", "engine", "zero"),
+    ({"sharding": "rows"}, "deepspeed", "stores", "rows"),
+    ({"placement": "host"}, "deepspeed", "stores", "replicated"),
+    ({"update": "lazy_adam"}, "deepspeed", "stores", "replicated"),
+    ({"state_dtype": "bf16", "sharding": "rows"}, "deepspeed", "stores", "rows"),
+])
+def test_the_plan_decides_who_trains_the_tables(settings, engine, trainer, mode):
+    plan = TablePlan.resolve(engine, **settings)
+    assert (plan.trainer, plan.mode) == (trainer, mode)
+    assert bool(plan.reasons) == (trainer == "stores")
+    line = plan.describe()
+    assert line.startswith("tables ") and ("in stores because of" in line) == plan.in_stores
+
+
+def test_the_plan_counts_the_state_each_rule_keeps():
+    adamw, adagrad, lazy = (TablePlan.resolve(update=u) for u in ("adamw", "rowwise_adagrad", "lazy_adam"))
+    assert (adamw.gradient_bytes_per_parameter(), adamw.state_bytes_per_parameter(128)) == (4, 8)
+    assert (adagrad.gradient_bytes_per_parameter(), adagrad.state_bytes_per_parameter(128)) == (0, 4 / 128)
+    assert (lazy.gradient_bytes_per_parameter(), lazy.state_bytes_per_parameter(128)) == (0, 8)
+    with pytest.raises(ValueError, match="'sgd' is not one of"):
+        TablePlan.resolve(update="sgd")

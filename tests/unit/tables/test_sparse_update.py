@@ -1,0 +1,108 @@
+"""Sparse table updates (``optimizer.table_update``, `fe_megatron.tables.sparse_update`).
+
+Each rule is checked against a plain implementation of its formula (and ``lazy_adam`` against
+`torch.optim.SparseAdam` itself), on fresh random gradients over a few steps with repeated rows; the
+rules leave untouched rows and their state as they are.  Through a memory branch they are
+tests/unit/tables/test_managed.py's; across parallel layouts and checkpoints
+tests/integration/test_table_update.py's."""
+
+import pytest
+import torch
+
+from fe_megatron.tables.sparse_update import LazyAdam, RowwiseAdagrad
+from fe_megatron.tables.store import RowGradients
+
+
+ROWS, WIDTH = 50, 8
+
+
+def random_steps(steps: int = 4, seed: int = 0):
+    """Per step: ids (with repeats, a few rows only) and their gradient rows, fresh random values."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, ROWS, (12,), generator=gen)
+        ids[:3] = ids[3]  # one row several times
+        out.append((ids, torch.randn(12, WIDTH, generator=gen)))
+    return out
+
+
+def dense_gradient(ids, rows):
+    grad = torch.zeros(ROWS, WIDTH)
+    grad.index_add_(0, ids, rows)
+    return grad
+
+
+def run_sparse(optimizer_class, weight, steps, **settings):
+    weight = weight.clone()
+    weight.row_gradients = RowGradients(WIDTH, weight.device)
+    optimizer = optimizer_class([weight], **settings)
+    for ids, rows in steps:
+        weight.row_gradients.clear()
+        half = len(ids) // 2  # two microbatches' pieces
+        weight.row_gradients.add(ids[:half], rows[:half])
+        weight.row_gradients.add(ids[half:], rows[half:])
+        optimizer.step()
+    return weight, optimizer
+
+
+def test_lazy_adam_is_torch_sparse_adam():
+    weight = torch.randn(ROWS, WIDTH)
+    steps = random_steps()
+    got, _ = run_sparse(LazyAdam, weight, steps, lr=0.05, betas=(0.9, 0.99), eps=1e-8)
+    reference = torch.nn.Parameter(weight.clone())
+    sparse_adam = torch.optim.SparseAdam([reference], lr=0.05, betas=(0.9, 0.99), eps=1e-8)
+    for ids, rows in steps:
+        reference.grad = dense_gradient(ids, rows).to_sparse()
+        sparse_adam.step()
+    torch.testing.assert_close(got, reference.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_lazy_adam_decays_only_the_touched_rows():
+    weight = torch.randn(ROWS, WIDTH)
+    steps = random_steps()
+    lr, beta1, beta2, eps, decay = 0.05, 0.9, 0.99, 1e-8, 0.1
+    got, optimizer = run_sparse(LazyAdam, weight, steps, lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=decay)
+    expected, m, v = weight.clone(), torch.zeros(ROWS, WIDTH), torch.zeros(ROWS, WIDTH)
+    for step, (ids, rows) in enumerate(steps, start=1):
+        grad = dense_gradient(ids, rows)
+        for r in torch.unique(ids).tolist():
+            m[r] = beta1 * m[r] + (1 - beta1) * grad[r]
+            v[r] = beta2 * v[r] + (1 - beta2) * grad[r] ** 2
+            expected[r] *= 1 - lr * decay
+            expected[r] -= lr * (1 - beta2 ** step) ** 0.5 / (1 - beta1 ** step) * m[r] / (v[r].sqrt() + eps)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    untouched[torch.cat([ids for ids, _ in steps])] = False
+    assert untouched.any()
+    assert torch.equal(got[untouched], weight[untouched])
+    assert not optimizer.state[optimizer.param_groups[0]["params"][0]]["exp_avg"][untouched].any()
+
+
+def test_rowwise_adagrad_is_fbgemm_s_exact_rowwise_rule():
+    weight = torch.randn(ROWS, WIDTH)
+    steps = random_steps(5, seed=1)
+    lr, eps, decay = 0.1, 1e-8, 0.01
+    got, optimizer = run_sparse(RowwiseAdagrad, weight, steps, lr=lr, eps=eps, weight_decay=decay)
+    expected, momentum = weight.clone(), torch.zeros(ROWS)
+    for ids, rows in steps:
+        grad = dense_gradient(ids, rows)
+        for r in torch.unique(ids).tolist():
+            momentum[r] += grad[r].square().mean()
+            expected[r] *= 1 - lr * decay
+            expected[r] -= lr * grad[r] / (momentum[r].sqrt() + eps)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    torch.testing.assert_close(state["momentum"], momentum)
+    assert state["momentum"].shape == (ROWS,) and state["momentum"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("update", ["rowwise_adagrad", "lazy_adam"])
+def test_bf16_tables_follow_fp32_within_rounding(update):
+    weight = torch.randn(ROWS, WIDTH)
+    steps = random_steps(6, seed=2)
+    cls = RowwiseAdagrad if update == "rowwise_adagrad" else LazyAdam
+    fp32, _ = run_sparse(cls, weight, steps, lr=0.01)
+    bf16, _ = run_sparse(cls, weight.bfloat16(), steps, lr=0.01)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), fp32, rtol=2e-2, atol=2e-2)
