@@ -86,7 +86,8 @@ class TablePlan:
                 sharded_backbone: bool = False) -> "TablePlan":
         """The plan of a `fe_megatron.training.config.TrainConfig` with memory (read, not imported:
         this layer sits below the training code).  ``stage_without_memory``: whether a pipeline
-        stage of the run's layout holds no memory layer (the Megatron engine's question)."""
+        stage of the run's layout holds no memory layer (the Megatron engine's question);
+        ``sharded_backbone``: whether the backbone is under Megatron-FSDP (the Megatron-LM trainer's)."""
         memory, o, p = cfg.memory, cfg.optimizer, cfg.parallel
         return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
                            p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert,
