@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 # What is wrapped or called, by module, class (or None) and attribute: checked by
-# tests/test_deepspeed.py on the installed release, and named in docs/compatibility.md.
+# tests/unit/deepspeed/test_clipping.py on the installed release, and named in docs/compatibility.md.
 DEEPSPEED_INTERNALS = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer", "scaled_global_norm"),
     ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3", "_get_norm_groups"),

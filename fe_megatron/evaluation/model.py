@@ -3,7 +3,7 @@ score token sequences with it.
 
 A run directory's checkpoint (any TP/PP/DP layout and table sharding: its tensors are stored
 whole by global name) is read tensor by tensor into `fe_megatron.hf.FactorEngramForCausalLM`,
-the same function as the Megatron model (tested to 1e-5 in ``tests/test_hf.py``); no optimizer
+the same function as the Megatron model (tested to 1e-5 in ``tests/integration/test_hf_conversion.py``); no optimizer
 is built.  The tokenizer is the run's, found through ``fe_run.json`` and checked by checksum.
 """
 

@@ -7,7 +7,7 @@ memory branch sits between them), optimizer internals (a chain member of our own
 norm per step), the checkpoint writer's result queue, and the module-level ``torch`` and RNG
 functions that the CPU backend answers.  Those internals move between releases; this module
 is the only one that touches them, and `CONTRACTS` states what each use expects, so that an
-upstream change fails one named check (``tests/test_megatron_compat.py``) instead of a
+upstream change fails one named check (``tests/unit/megatron/test_compat.py``) instead of a
 training run.
 
 Supported: megatron-core ``SUPPORTED_MEGATRON_CORE`` (docs/compatibility.md lists the releases

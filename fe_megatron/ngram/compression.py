@@ -80,7 +80,7 @@ class _TokenizerFile:
     """A Hugging Face tokenizer directory read with the ``tokenizers`` library alone, as much of
     it as `TokenCompression.from_hf_tokenizer` uses: its length, its special ids and the decoding
     of one id (with transformers' ``clean_up_tokenization_spaces`` rule).  The core does not import
-    transformers; ``tests/test_hashing.py`` checks this against ``AutoTokenizer``."""
+    transformers; ``tests/unit/ngram/test_compression.py`` checks this against ``AutoTokenizer``."""
 
     _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
                  (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # transformers' clean_up_tokenization

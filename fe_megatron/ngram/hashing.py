@@ -14,7 +14,7 @@ Scheme (after DeepSeek's public Engram code, made platform-independent):
 
 splitmix64 replaces NumPy's generator because NumPy promises no stream stability across
 versions; this way indices are identical on every machine and release (golden vectors
-in ``tests/test_hashing.py`` pin them).
+in ``tests/unit/ngram/test_hashing.py`` pin them).
 """
 
 from __future__ import annotations

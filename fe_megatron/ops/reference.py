@@ -21,7 +21,7 @@ fastest backend for the device that has one stands in, else the torch one: `fe_m
   keys, lr, beta1, beta2, eps, weight_decay, step)``: one AdamW step of a table in place, what is
   stored in bf16 written back with stochastic rounding.  A compiled backend may differ from the
   reference in the last fp32 bit of an intermediate, which moves a bf16 result by one bf16 step
-  where it moved the rounding's threshold: about one element in a million (tests/test_kernels.py).
+  where it moved the rounding's threshold: about one element in a million (tests/unit/ops/test_kernels.py).
 """
 
 import torch

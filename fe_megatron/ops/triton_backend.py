@@ -174,7 +174,7 @@ def gather_rows_backward(grad_rows, flat_indices, out, deterministic=True):
 
 # ----------------------------------------------------------------------------- the table optimizer's update
 # constants read inside @triton.jit functions must be tl.constexpr: the compiler refuses other
-# globals (Triton's CPU interpreter accepts them, so tests/test_kernels.py checks this by name)
+# globals (Triton's CPU interpreter accepts them, so tests/unit/ops/test_kernels.py checks this by name)
 _LOW31 = tl.constexpr(0x7FFFFFFF)
 _MIXER = tl.constexpr(0x45D9F3B)
 UPDATE_BLOCK = 1024  # table elements per program

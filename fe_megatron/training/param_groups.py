@@ -2,7 +2,7 @@
 biases and 1-D tensors (norm weights), and the memory tables in a group of their own with
 ``optimizer.table_lr_mult`` and ``table_weight_decay_mult``.  The Megatron engine states it as
 megatron-core's parameter keys (`fe_megatron.megatron.builder.build_optimizer`), the DeepSpeed
-engine as torch parameter groups (`parameter_groups`); `tests/test_megatron_single.py` checks
+engine as torch parameter groups (`parameter_groups`); `tests/unit/megatron/test_builder.py` checks
 that Megatron's keys put every parameter where the rule does.  Nothing here imports megatron or deepspeed."""
 
 from __future__ import annotations
