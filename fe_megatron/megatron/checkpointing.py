@@ -159,6 +159,10 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
     if "scheduler" not in common:
         model.load_state_dict(dist_checkpointing.load(_state(model_chunks, None, None, None, True, False),
                                                       folder)["model"])
+        # a mixed-precision optimizer copied the parameters into its fp32 main parameters when it was
+        # built; without this its first step would write the initial weights back over the loaded ones
+        with torch.no_grad():
+            optimizer.reload_model_params()
         return 0
     give_fresh_adam_states_a_step(optimizer)
     _read_row_states_as_saved(folder, optimizer)

@@ -234,3 +234,43 @@ def test_a_configuration_error_is_one_message_before_any_worker_starts():
     worker = subprocess.run([sys.executable, "-m", "fe_megatron.train", "--config", CONFIG, "training.train_steps=5"],
                             capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, RANK="1"))
     assert worker.returncode == 2 and worker.stderr == ""
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_run_starts_from_the_weights_of_a_converted_checkpoint(small_data, tmp_path, precision):
+    """A converted checkpoint (fe-convert hf-to-mcore: weights only) as a run's --load. Megatron's
+    mixed-precision optimizer (bf16) keeps fp32 main parameters, copied when it was built: they are
+    refreshed from the loaded weights, else its first step writes the initial weights back over them.
+    After one step every weight lies within Adam's first step (at most the learning rate per element),
+    plus bf16 rounding, of the converted ones; the bf16 run's initial weights would miss by far more."""
+    import torch
+    from safetensors.torch import load_file
+
+    from fe_megatron.convert.to_hf import mcore_to_hf
+    from fe_megatron.convert.to_mcore import hf_to_mcore
+    from fe_megatron.deepspeed.engine import build_model
+    from fe_megatron.training.config import load_train_config
+
+    one_step = {"training.train_steps": 1, "optimizer.warmup_steps": 0, "training.save_interval": 1,
+                "training.eval_interval": 1, "training.log_interval": 1, "training.precision": precision}
+    cfg = load_train_config(CONFIG, small_overrides(small_data, **one_step))
+    torch.manual_seed(5)
+    start = str(tmp_path / "start_hf")
+    build_model(cfg).save_pretrained(start)
+    shutil.copyfile(small_data["tokenizer"], os.path.join(start, "tokenizer.model"))
+    save = str(tmp_path / "run")
+    out = run_pretrain(["--config", CONFIG, "--save", save, "--load", hf_to_mcore(start, str(tmp_path / "start"))]
+                       + small_overrides(small_data, **one_step)).stdout
+    assert "a converted checkpoint: no optimizer state" in out, out[-2000:]
+
+    def weights(directory):
+        return {k: v.float() for f in os.listdir(directory) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(directory, f)).items()}
+
+    before, after = weights(start), weights(mcore_to_hf(save, str(tmp_path / "after_hf")))
+    assert before.keys() == after.keys()
+    bound = {name: cfg.optimizer.lr * 1.01 + (2 ** -8 if precision == "bf16" else 0) * before[name].abs().max().item()
+             for name in before}
+    worst = max(before, key=lambda name: (after[name] - before[name]).abs().max().item() / bound[name])
+    moved = (after[worst] - before[worst]).abs().max().item()
+    assert moved <= bound[worst], f"{worst} moved by {moved:.3g} in one step (at most {bound[worst]:.3g})"
