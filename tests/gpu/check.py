@@ -33,9 +33,13 @@ CONFIG = os.path.join(ROOT, "examples", "configs", "demo_cpu.yaml")
 PY = sys.executable
 # fp32 on GPU against fp32 on CPU: the same weights and batches, other kernels and reduction orders
 FP32_CURVE_RTOL = 1e-3
-# bf16 against the fp32 reference (other rounding; with Transformer Engine also its own initialization):
-# a sanity bound on the logged losses
-BF16_CURVE_RTOL = 0.05
+# bf16 against the fp32 reference (other rounding): 40 steps of the demo config from the same weights
+# end within 5e-4 on CPU (benchmarks/RESULTS.md); 1e-2 leaves room for the GPU's kernels and still
+# fails a run that did not start from the shared weights (3e-2, the weights-only load bug)
+BF16_CURVE_RTOL = 0.01
+# bf16 with Transformer Engine's spec, which names its weights otherwise and so starts from its own
+# initialization: a sanity bound
+BF16_TE_CURVE_RTOL = 0.05
 # the kernel tests a dry run runs (every CUDA and compiled-Triton case skips without a GPU)
 KERNEL_TESTS = "tests/unit/ops/test_kernels.py"
 DRY_KERNEL_TESTS = "test_the_operators_pass_torch_library_opcheck"
@@ -405,7 +409,8 @@ def pretrain(c: Checker, t: Target, tokenizer: str, prefix: str, mcore_start: st
     why = [f"runs that failed: {', '.join(failed)}"] if failed else []
     if not_run:
         why.append(f"runs not started, the time budget being spent: {', '.join(not_run)}")
-    limits = {"gpu_fp32": ("GPU fp32", FP32_CURVE_RTOL), "gpu_bf16": ("GPU bf16", BF16_CURVE_RTOL),
+    limits = {"gpu_fp32": ("GPU fp32", FP32_CURVE_RTOL),
+              "gpu_bf16": ("GPU bf16", BF16_TE_CURVE_RTOL if has_te else BF16_CURVE_RTOL),
               "gpu_bf16_host_tables": ("GPU bf16 host-tier", BF16_CURVE_RTOL)}
     for name, (what, limit) in limits.items():
         if curves.get(name) and curves.get("cpu_fp32"):  # compared only where both runs logged losses

@@ -34,7 +34,8 @@ def test_whole_340m_preset_in_bf16_against_its_backbone(checker, target, kernels
 
 def test_pretraining_curves_on_the_gpu_follow_the_cpu_reference(pretrain_runs):
     """bf16 (local spec), bf16 with host-tier bf16 tables, and fp32 with the CUDA kernels, against fp32 on
-    the CPU from the same initial weights: fp32 within 1e-3, bf16 within 5%."""
+    the CPU from the same initial weights: fp32 within 1e-3, bf16 within 1e-2 (5e-2 with Transformer Engine's
+    spec, which starts from its own weights)."""
     require(pretrain_runs[0])
 
 
