@@ -12,21 +12,12 @@ import pytest
 import torch
 
 from fe_megatron.training.config import load_train_config
-from tests.helpers.training import CONFIG, ENDS_CLEANLY, ROOT, metrics, run_pretrain, small_overrides
+from tests.helpers.deepspeed import CLIP, STEPS, overrides
+from tests.helpers.training import CONFIG, ENDS_CLEANLY, ROOT, metrics, run_pretrain
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
 
-STEPS = 4
 DS = "training.engine=deepspeed"
-CLIP = 0.3  # below every step's gradient norm (0.5-0.9 here): every run here clips at every step
-
-
-def overrides(data, **extra):
-    values = {"training.train_steps": STEPS, "training.log_interval": 1, "training.eval_interval": STEPS,
-              "training.eval_steps": 1, "training.save_interval": 2, "optimizer.warmup_steps": 1,
-              "optimizer.lr": 1e-2, "optimizer.clip_grad": CLIP}
-    values.update(extra)
-    return small_overrides(data, **values)
 
 
 def losses(save):

@@ -4,21 +4,10 @@ import pytest
 import torch
 
 from fe_megatron.training.config import load_train_config
-from tests.helpers.training import CONFIG, small_overrides
+from tests.helpers.deepspeed import overrides
+from tests.helpers.training import CONFIG
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
-
-
-STEPS = 4
-CLIP = 0.3  # below every step's gradient norm (0.5-0.9 here): every run here clips at every step
-
-
-def overrides(data, **extra):
-    values = {"training.train_steps": STEPS, "training.log_interval": 1, "training.eval_interval": STEPS,
-              "training.eval_steps": 1, "training.save_interval": 2, "optimizer.warmup_steps": 1,
-              "optimizer.lr": 1e-2, "optimizer.clip_grad": CLIP}
-    values.update(extra)
-    return small_overrides(data, **values)
 
 
 def test_tables_outside_zero_are_clipped_by_the_norm_of_every_gradient(small_data, tmp_path):
