@@ -7,6 +7,8 @@ Layout of ``<run>/``::
         fe_run.json                      the resolved training config, the tokenizer's path and sha256,
                                          the parallel layout that wrote it
         fe_manifest.json                 sha256 and size of every other file, written last
+        fe_tables/                       beside a Megatron-FSDP checkpoint (fsdp_dtensor): the tables in
+                                         stores and their optimizer state, a dist checkpoint by global row
     iter_0000200.tmp/                    a save in progress (or one that never finished: ignored)
 
 A checkpoint is written under ``.tmp``, its files are hashed, the manifest is written, the
@@ -30,6 +32,7 @@ from typing import Optional
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "fe_manifest.json"
 RUN_INFO = "fe_run.json"
+TABLES_BESIDE = "fe_tables"  # fe_megatron.megatron_lm.fsdp_checkpoint
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 
 

@@ -4,9 +4,11 @@ TP/PP/DP layout that wrote it)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import warnings
+
 import torch
 
 from fe_megatron.config import BackboneConfig
@@ -85,3 +87,82 @@ class DistCheckpoint:
             dcp.load({name: tensor}, storage_reader=self.reader, no_dist=True)
         return tensor
 
+
+
+# a Megatron-FSDP checkpoint's model tensors: "model." and its wrappers' "module." before each name
+_FSDP_MODEL_TENSOR = re.compile(r"^model\.(module\.)+")
+# SwiGLU's fc1, which Megatron-FSDP's checkpoint keeps as two halves (gate "_w", up "_v") so that each
+# half reshards across tensor-parallel sizes on its own
+_SWIGLU_HALF = re.compile(r"^(.*\.linear_fc1\.(weight|bias))_([wv])$")
+
+
+class FsdpDtensorCheckpoint:
+    """A Megatron-FSDP checkpoint (``--ckpt-format fsdp_dtensor``) read one global tensor at a time, with
+    `DistCheckpoint`'s methods and names: its DTensors under ``model.module.<name>``, SwiGLU's
+    ``linear_fc1`` as the halves ``<name>_w`` and ``<name>_v`` (joined here in that order, Megatron's
+    layout at one tensor-parallel rank), and the tables in stores beside it, in ``fe_tables/``
+    (`fe_megatron.megatron_lm.fsdp_checkpoint`)."""
+
+    def __init__(self, folder: str):
+        from fe_megatron.checkpoint.files import TABLES_BESIDE
+
+        self.folder = folder
+        self.model = DistCheckpoint(folder)
+        tables = os.path.join(folder, TABLES_BESIDE)
+        self.tables = DistCheckpoint(tables) if os.path.isdir(tables) else None
+        self.sources = {}  # {name: (checkpoint, [stored names, concatenated along dim 0])}
+        for stored, meta in self.model.metadata.items():
+            if not _FSDP_MODEL_TENSOR.match(stored) or not hasattr(meta, "size"):
+                continue
+            name = _FSDP_MODEL_TENSOR.sub("", stored)
+            half = _SWIGLU_HALF.match(name)
+            if half:
+                name = half.group(1)
+                halves = self.sources.setdefault(name, (self.model, {}))[1]
+                halves[half.group(3)] = stored
+            else:
+                self.sources[name] = (self.model, {"": stored})
+        for name, (_, parts) in self.sources.items():
+            if set(parts) not in ({""}, {"w", "v"}):
+                raise ConversionError(f"{folder}: {name} is stored as {sorted(parts)}; a Megatron-FSDP checkpoint "
+                                      "keeps SwiGLU's fc1 as the halves _w and _v")
+        if self.tables is not None:
+            for name in self.tables.weight_names():
+                self.sources[name] = (self.tables, {"": name})
+
+    def _stored(self, name: str) -> tuple:
+        checkpoint, parts = self.sources[name]
+        return checkpoint, [parts[key] for key in ("", "w", "v") if key in parts]
+
+    def weight_names(self) -> list:
+        names = []
+        for name in self.sources:
+            if not weights.is_weight(name):
+                continue
+            if weights.hf_names(_one_layer_name(name)) is None:
+                raise ConversionError(f"{self.folder}: tensor {name!r} is not a weight of fe_megatron's GPT model; "
+                                      "this checkpoint was not written by fe_megatron")
+            names.append(name)
+        return names
+
+    def shape(self, name: str) -> tuple:
+        checkpoint, stored = self._stored(name)
+        shapes = [checkpoint.shape(part) for part in stored]
+        return (sum(shape[0] for shape in shapes),) + shapes[0][1:]
+
+    def dtype(self, name: str) -> torch.dtype:
+        checkpoint, stored = self._stored(name)
+        return checkpoint.dtype(stored[0])
+
+    def load(self, name: str) -> torch.Tensor:
+        checkpoint, stored = self._stored(name)
+        return torch.cat([checkpoint.load(part) for part in stored]) if len(stored) > 1 else checkpoint.load(stored[0])
+
+
+def open_checkpoint(folder: str):
+    """The reader of a Megatron-engine checkpoint folder: `FsdpDtensorCheckpoint` for Megatron-FSDP's
+    format, else `DistCheckpoint` (torch_dist)."""
+    checkpoint = DistCheckpoint(folder)
+    if any(_FSDP_MODEL_TENSOR.match(name) for name in checkpoint.metadata):
+        return FsdpDtensorCheckpoint(folder)
+    return checkpoint

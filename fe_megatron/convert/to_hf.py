@@ -20,7 +20,7 @@ from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.convert.common import (TRAINING_SETTINGS, ConversionError, Progress, check_vocabulary,
                                         find_run_checkpoint, fresh_output, training_settings,
                                         publish, run_tokenizer)
-from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
+from fe_megatron.convert.megatron_reader import open_checkpoint, split_checkpoint_tensor
 from fe_megatron.tables.storage import ROW_SCALE, STORAGE, has_row_scale, quantize_table
 
 TABLE_WEIGHT = "memory.tables.weight"  # the end of every table's name in a transformers directory
@@ -56,7 +56,7 @@ def mcore_to_hf(load: str, output: str, iteration: Optional[int] = None, tokeniz
                               "no Hugging Face form (fe-pretrain reports its validation and test perplexity in the "
                               "run's metrics.jsonl)")
     tokenizer_path = run_tokenizer(info, tokenizer)
-    checkpoint = DistCheckpoint(folder)
+    checkpoint = open_checkpoint(folder)
     groups = []
     for name in checkpoint.weight_names():
         parts = split_checkpoint_tensor(name, torch.empty(checkpoint.shape(name), device="meta"), backbone)

@@ -52,7 +52,7 @@ class EvalModel:
         from fe_megatron.checkpoint.files import read_run_info
         from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder
         from fe_megatron.convert.common import run_tokenizer
-        from fe_megatron.convert.megatron_reader import DistCheckpoint, split_checkpoint_tensor
+        from fe_megatron.convert.megatron_reader import open_checkpoint, split_checkpoint_tensor
         from fe_megatron.data.tokenizer import load_tokenizer
         from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
 
@@ -66,7 +66,7 @@ class EvalModel:
         tok = load_tokenizer(run_tokenizer(info, tokenizer))
         model = FactorEngramForCausalLM(config)
         params = model.state_dict()
-        checkpoint = DistCheckpoint(folder)
+        checkpoint = open_checkpoint(folder)
         filled = set()
         with torch.no_grad():
             for name in checkpoint.weight_names():

@@ -526,6 +526,55 @@ def around_trainer_loads(before: Callable, after: Callable) -> None:
     training.load_checkpoint = load_between_hooks
 
 
+def wrap_trainer_checkpointing(save: Callable, load: Callable) -> None:
+    """Megatron-LM's trainer saves with ``save(save_checkpoint)`` and loads with ``load(load_checkpoint)``:
+    each receives the trainer's function and returns the one it calls instead, with the same parameters
+    (``save_checkpoint(iteration, model, optimizer, ...)``, ``load_checkpoint(ddp_model, optimizer, ...)``)."""
+    from megatron.training import training
+
+    training.save_checkpoint = save(training.save_checkpoint)
+    training.load_checkpoint = load(training.load_checkpoint)
+
+
+class _LookupBelowWrappers:
+    """A wrapped model (Megatron-FSDP's) whose ``get_parameter`` takes a name with any number of leading
+    ``module.`` parts and looks it up in the innermost module; everything else is the model's."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def get_parameter(self, name: str):
+        inner = self._model
+        while isinstance(getattr(inner, "module", None), torch.nn.Module):
+            inner = inner.module
+        parts = name.split(".")
+        while parts and parts[0] == "module":
+            parts.pop(0)
+        return inner.get_parameter(".".join(parts))
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def repair_fsdp_dtensor_swiglu_lookup() -> None:
+    """megatron-core 0.19's ``fsdp_dtensor`` save and load split SwiGLU's ``linear_fc1`` in two
+    (``handle_swiglu_in_state_dict``), looking each weight up on the Megatron-FSDP module they are handed
+    under ``module.`` plus a state-dict key that already starts with ``module.``: one wrapper too deep,
+    which fails in every run without a Float16Module ("GPTModel has no attribute `module`", an fp32
+    run). Hand it the model with a lookup below every wrapper (the same parameter objects)."""
+    from megatron.training import checkpointing
+
+    handle = getattr(checkpointing, "handle_swiglu_in_state_dict", None)
+    if handle is None or getattr(handle, "looks_up_below_wrappers", False):
+        return
+
+    def handle_below_wrappers(model, *args, **kwargs):
+        return handle(_LookupBelowWrappers(model), *args, **kwargs)
+
+    handle_below_wrappers.looks_up_below_wrappers = True
+    checkpointing.handle_swiglu_in_state_dict = handle_below_wrappers
+
+
 @contextlib.contextmanager
 def argument_dump_held(held: list):
     """Inside the block, megatron.training's argument validation appends its argument dump (about 850
@@ -729,6 +778,13 @@ def _check_trainer():
                     "training.training_log")
     _has_parameters(training.save_checkpoint, ("iteration",), "training.save_checkpoint")
     _has_parameters(training.load_checkpoint, ("ddp_model", "optimizer"), "training.load_checkpoint")
+    from megatron.training import checkpointing
+
+    if getattr(checkpointing, "HAVE_MEGATRON_FSDP", False):
+        _has_parameters(checkpointing.handle_swiglu_in_state_dict, ("model",),
+                        "megatron.training.checkpointing.handle_swiglu_in_state_dict")
+        _require("handle_swiglu_in_state_dict(" in inspect.getsource(checkpointing.preprocess_fsdp_dtensor_state_dict),
+                 "preprocess_fsdp_dtensor_state_dict no longer splits SwiGLU with handle_swiglu_in_state_dict")
     from megatron.training import arguments
 
     _has_parameters(arguments._print_args, ("title", "args"), "megatron.training.arguments._print_args")

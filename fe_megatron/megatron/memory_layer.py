@@ -69,10 +69,11 @@ def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, 
 
 
 def memory_sharded_state_dict(branch: MemoryBranch, prefix: str, sharded_offsets: tuple = (),
-                              metadata: Optional[dict] = None) -> dict:
-    """ShardedTensors of the branch's parameters: split along the plan's tensor-parallel axes, and
-    row-sharded tables as one uneven chunk per branch at its global row offset."""
-    state = branch.state_dict(prefix="", keep_vars=True)
+                              metadata: Optional[dict] = None, state: Optional[dict] = None) -> dict:
+    """ShardedTensors of the branch's parameters (``state``: of these tensors only, ``{name relative to
+    the branch: tensor}``): split along the plan's tensor-parallel axes, and row-sharded tables as one
+    uneven chunk per branch at its global row offset."""
+    state = branch.state_dict(prefix="", keep_vars=True) if state is None else state
     row_sharded = {name for name in state
                    if param_sharding(branch.kind, name).row_parallel and branch.row_partition is not None}
     axes = {name: param_sharding(branch.kind, name).tensor_parallel_dim for name in state if name not in row_sharded}

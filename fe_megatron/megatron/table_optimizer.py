@@ -68,10 +68,11 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
 
 
 def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int,
-                  update: str = "adamw") -> ManagedTables:
+                  update: str = "adamw", in_state_dict: bool = True) -> ManagedTables:
     """Every memory branch of this pipeline stage's ``model`` in a store (on ``device`` or the host,
     as its ``table_placement`` says), with the groups and averaging of Megatron's layout, trained by
-    rule ``update``."""
+    rule ``update``; ``in_state_dict``: whether the model's state dict keeps the tables
+    (`TablePlan.tables_in_model_state_dict`)."""
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
     norm_groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()]
     rows = table_sharding == ROW_SHARDED
@@ -80,7 +81,8 @@ def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, 
     return ManagedTables(memory_branches(model), optimizer_args, state_dtype, device,
                          replica_group=None if rows else data_parallel, norm_groups=norm_groups,
                          gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed,
-                         update=update, row_group=parallel_state.get_tensor_model_parallel_group())
+                         update=update, row_group=parallel_state.get_tensor_model_parallel_group(),
+                         in_state_dict=in_state_dict)
 
 
 class TableOptimizer(compat.fp32_optimizer_class()):

@@ -165,14 +165,13 @@ def refused_with_stores(args) -> list:
         refused.append("--fp16 / --loss-scale: the tables in stores take unscaled gradients (fe-pretrain trains in "
                        "bf16 or fp32 without loss scaling); train with --bf16 and no --loss-scale")
     checkpoints = args.save is not None or args.load is not None
-    if getattr(args, "use_megatron_fsdp", False) and checkpoints:
-        refused.append("--save / --load with --use-megatron-fsdp: Megatron-FSDP checkpoints only in fsdp_dtensor, and "
-                       "the tables in stores are not written into (or read from) such checkpoints yet; train "
-                       "without --save and --load to try it, or keep checkpoints with --use-distributed-optimizer "
-                       "--ckpt-format torch_dist (with --fe-table-sharding rows to shard the tables' rows)")
-    elif getattr(args, "ckpt_format", "torch_dist") != "torch_dist" and checkpoints:
+    fsdp = getattr(args, "use_megatron_fsdp", False)  # (Megatron-LM asserts --ckpt-format fsdp_dtensor for it)
+    if not fsdp and getattr(args, "ckpt_format", "torch_dist") != "torch_dist" and checkpoints:
         refused.append(f"--ckpt-format {args.ckpt_format}: the tables in stores and their optimizer state are saved "
                        "in the distributed checkpoint format; use --ckpt-format torch_dist")
+    if fsdp and getattr(args, "non_persistent_save_interval", None):
+        refused.append("--non-persistent-save-interval with --use-megatron-fsdp: the tables in stores are saved "
+                       "beside persistent checkpoints only; use --save-interval")
     if getattr(args, "data_parallel_random_init", False):
         refused.append("--data-parallel-random-init: DDP broadcasts parameters only, and tables in stores are not "
                        "parameters, so replicated tables would differ across data-parallel ranks")

@@ -103,7 +103,13 @@ def prepare_trainer(args, on_host: bool):
         compat.extend_trainer_optimizer(state.add_table_member)
     model_config.post_wrap_hooks.append(state.remember_model)
     compat.add_training_log_entries(state.log_entries)
-    compat.after_each_save(state.seal_checkpoint)
+    if getattr(args, "use_megatron_fsdp", False) and args.ckpt_format == "fsdp_dtensor":
+        from fe_megatron.megatron_lm.fsdp_checkpoint import fsdp_checkpointing
+
+        compat.repair_fsdp_dtensor_swiglu_lookup()
+        tables_beside = state.plan is not None and not state.plan.tables_in_model_state_dict
+        compat.wrap_trainer_checkpointing(*fsdp_checkpointing(args, tables_beside))
+    compat.after_each_save(state.seal_checkpoint)  # after the wrappers above: seals what they wrote too
     from fe_megatron.megatron.checkpointing import adopt_loaded_adam_step_counts, give_fresh_adam_states_a_step
 
     # megatron-core's distributed optimizer on torch's Adam (no Apex or Transformer Engine: a CPU machine)
@@ -347,7 +353,8 @@ class TrainerState:
             raise ValueError("the tables of this pipeline stage were already taken into stores: the memory branch "
                              "is built for one model chunk per stage")
         self.tables = manage_tables(model, self.config.optimizer, self.plan.state_dtype, self.plan.sharding,
-                                    current_device(), self.args.seed, update=self.plan.update)
+                                    current_device(), self.args.seed, update=self.plan.update,
+                                    in_state_dict=self.plan.tables_in_model_state_dict)
 
     def add_table_member(self, optimizer):
         """The trainer's optimizer chain with the tables' `TableOptimizer` as a member."""

@@ -51,6 +51,7 @@ class TablePlan:
     update: str  # optimizer.table_update
     trainer: str  # ENGINE (the engine's optimizer or ZeRO) or STORES (fe_megatron's table optimizer)
     reasons: tuple = ()  # why STORES: the settings that asked for it
+    sharded_backbone: bool = False  # the backbone under Megatron-FSDP: the tables are checkpointed beside its state
 
     @classmethod
     def resolve(cls, engine: str = "megatron", dtype: str = "fp32", state_dtype: str = "fp32",
@@ -79,7 +80,7 @@ class TablePlan:
         if engine == "megatron" and sharded_backbone:
             reasons.append("a backbone under Megatron-FSDP")
         return cls(engine, dtype, state_dtype, placement, sharding, update, STORES if reasons else ENGINE,
-                   tuple(reasons))
+                   tuple(reasons), engine == "megatron" and sharded_backbone)
 
     @classmethod
     def for_run(cls, cfg, bf16_run: bool = False, stage_without_memory: bool = False,
@@ -96,6 +97,14 @@ class TablePlan:
     @property
     def in_stores(self) -> bool:
         return self.trainer == STORES
+
+    @property
+    def tables_in_model_state_dict(self) -> bool:
+        """Whether the model's state dict holds the tables (Megatron's dist-checkpoint saves them with the
+        model), or they are checkpointed in files of their own: the DeepSpeed engine's, and beside a
+        backbone under Megatron-FSDP, whose ``fsdp_dtensor`` checkpoint would take a store's rows for a
+        replicated tensor (`fe_megatron.megatron_lm.fsdp_checkpoint`)."""
+        return self.engine == "megatron" and not self.sharded_backbone
 
     @property
     def sparse(self) -> bool:

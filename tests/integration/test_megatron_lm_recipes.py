@@ -292,13 +292,12 @@ def test_megatron_fsdp_trains_on_the_host_as_ddp_does_and_with_memory_beside_it(
     does DDP's: --use-megatron-fsdp (optim_grads_params) at DP=2 trains the same curve as DDP with the
     distributed optimizer, within 1e-5 over 4 steps. The drop-in leaves CUDA_DEVICE_MAX_CONNECTIONS unset
     for it (Megatron-FSDP refuses 1), and on gloo NCCL's pre-multiplied sum is refused by name until
-    --no-gradient-reduce-div-fusion is given. (No --save: megatron-core 0.19.2's fsdp_dtensor save fails
-    in fp32, docs/megatron_lm.md.)
+    --no-gradient-reduce-div-fusion is given.
 
     With memory, the backbone is under Megatron-FSDP and the tables are in stores outside it, whole or
     row-sharded, trained by the table optimizer with one gradient norm over both: LM loss, sparsity loss
-    and gradient norm equal DDP's (tables as its parameters) within 1e-5 over 10 steps. Checkpoints of
-    such a run are refused by name (the stores are not written into fsdp_dtensor checkpoints yet)."""
+    and gradient norm equal DDP's (tables as its parameters) within 1e-5 over 10 steps. (Its checkpoints:
+    test_llama3_fsdp_recipe_trains_resumes_exactly_and_converts.)"""
     from tests.helpers.megatron_lm import launch, megatron_lm_arguments, memory_yaml
 
     def without_save(arguments):
@@ -329,7 +328,48 @@ def test_megatron_fsdp_trains_on_the_host_as_ddp_does_and_with_memory_beside_it(
             assert len(got) == len(expected) == 10, (entry, got, expected)
             assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-5, (sharding, entry, got, expected)
 
-    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *arguments, *fsdp_args, *memory, "--save",
-                   str(tmp_path / "run")], nproc=2, expect_ok=False)
-    assert proc.returncode != 0 and "  - --save / --load with --use-megatron-fsdp:" in proc.stderr, \
-        proc.stderr[-3000:]
+
+
+def test_llama3_fsdp_recipe_trains_resumes_exactly_and_converts(corpus, tmp_path):
+    """Megatron-LM's Llama-3 recipe under Megatron-FSDP (examples/megatron_fsdp/): the backbone sharded
+    (optim_grads_params) at DP=2 with --calculate-per-token-loss and --decoupled-lr, the tables in stores
+    beside it. Its fsdp_dtensor checkpoints hold the tables beside Megatron-FSDP's part (fe_tables/, by
+    global row): --load of step 3 ends on the uninterrupted curve exactly. Row-sharded tables train the
+    same 3 steps within 1e-5, and so does the recipe's DDP branch (USE_MEGATRON_FSDP=0: tables as the
+    trainer's parameters, torch_dist; the first launch's --load of an empty folder leaves both alike); the
+    step-3 checkpoints of both convert to Hugging Face models whose logits agree within 1e-4 (SwiGLU's
+    halves joined, the row-sharded tables gathered)."""
+    save = str(tmp_path / "fsdp")
+    proc = recipe("llama3_8b_fsdp", corpus, save)
+    curve = losses(save)
+    assert sorted(curve) == [1, 2, 3, 4, 5, 6], curve
+    assert "in stores because of a backbone under Megatron-FSDP" in proc.stdout, proc.stdout[-3000:]
+    assert os.path.isfile(os.path.join(save, "iter_0000003", "fe_tables", "metadata.json"))
+    print("llama3_8b_fsdp: lm loss at step 1 %.4f, at step 6 %.4f" % (curve[1][0], curve[6][0]))
+
+    resumed = resumed_from_step_3(save, tmp_path)
+    recipe("llama3_8b_fsdp", corpus, resumed)
+    after = losses(resumed)
+    assert sorted(after) == [4, 5, 6] and all(after[step] == curve[step] for step in after), (after, curve)
+
+    rows, ddp = str(tmp_path / "rows"), str(tmp_path / "ddp")
+    recipe("llama3_8b_fsdp", corpus, rows, "--exit-interval", "3",
+           FE_ARGS="--fe-memory-preset factorengram-tiny --fe-memory-layers 1 3 --fe-table-sharding rows")
+    recipe("llama3_8b_fsdp", corpus, ddp, "--exit-interval", "3", USE_MEGATRON_FSDP="0")
+    for run in (rows, ddp):
+        other = losses(run)
+        assert sorted(other) == [1, 2, 3], other
+        assert max(abs(a - b) for step in (1, 2, 3) for a, b in zip(other[step], curve[step])) < 1e-5, (run, other)
+
+    from transformers import AutoModelForCausalLM
+
+    from fe_megatron.convert.to_hf import mcore_to_hf
+
+    tokens = torch.randint(0, 512, (2, 48))
+    logits = []
+    for run in (rows, ddp):
+        hf_dir = mcore_to_hf(run, run + "_hf")
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True).eval()
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert (logits[0] - logits[1]).abs().max() < 1e-4

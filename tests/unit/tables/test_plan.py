@@ -39,3 +39,16 @@ def test_the_plan_counts_the_state_each_rule_keeps():
     assert (lazy.gradient_bytes_per_parameter(), lazy.state_bytes_per_parameter(128)) == (0, 8)
     with pytest.raises(ValueError, match="'sgd' is not one of"):
         TablePlan.resolve(update="sgd")
+
+
+@pytest.mark.parametrize("engine, settings, in_model", [
+    ("megatron", {}, True),
+    ("megatron", {"sharding": "rows"}, True),
+    ("megatron", {"sharded_backbone": True}, False),
+    ("megatron", {"sharded_backbone": True, "sharding": "rows"}, False),
+    ("deepspeed", {"sharding": "rows"}, False),
+])
+def test_the_plan_says_where_the_tables_are_checkpointed(engine, settings, in_model):
+    """Megatron's dist-checkpoint saves the tables with the model, except beside a backbone under
+    Megatron-FSDP, whose fsdp_dtensor checkpoint has them beside it (as the DeepSpeed engine's files do)."""
+    assert TablePlan.resolve(engine, **settings).tables_in_model_state_dict is in_model

@@ -1,0 +1,188 @@
+"""Megatron-FSDP checkpoints (``--ckpt-format fsdp_dtensor``) of a run whose tables are in stores.
+
+Megatron-FSDP saves what it shards (the backbone and the memory's dense weights) as torch DCP
+DTensors. The tables in stores are not its parameters, and every rank of a row-sharded table holds
+other rows, which its writer would take for one replicated tensor. So the tables go beside its
+checkpoint, in the same iteration folder, under ``fe_tables/``: a distributed checkpoint
+(``torch_dist``) of the tables' rows and of the table optimizer's state, by global row, under the
+names of every other Megatron-engine checkpoint of the project (``decoder.layers.<i>.memory.tables.
+weight``). It reshards as those do, across data-parallel sizes and row splits, and ``fe-convert``
+reads it as it reads a ``torch_dist`` checkpoint (`fe_megatron.convert.megatron_reader`).
+
+The tables are written before Megatron-FSDP's part, and Megatron-LM's trainer moves its tracker
+(``latest_checkpointed_iteration.txt``) after its own part: a save interrupted in between leaves
+the tracker on the previous checkpoint.
+
+While Megatron-LM writes or reads its part, it sees the optimizer chain without the tables' member
+(its ``fsdp_dtensor`` writer reads one optimizer's state), and the model's state dict holds no
+table (`TablePlan.tables_in_model_state_dict`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fe_megatron.checkpoint.files import TABLES_BESIDE as TABLES_FOLDER
+from fe_megatron.checkpoint.files import TRACKER, CheckpointError, iteration_dir, read_tracker
+
+
+def table_sharded_state_dict(model_chunks: list) -> dict:
+    """``{checkpoint name: ShardedTensor or factory}`` of this rank's tables in ``model_chunks``
+    (Megatron-LM's wrapped chunks), named as a ``torch_dist`` checkpoint of the model names them."""
+    from megatron.core.utils import unwrap_model
+
+    from fe_megatron.megatron.memory_layer import memory_sharded_state_dict
+    from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
+
+    sharded = {}
+    for chunk in model_chunks:
+        inner = unwrap_model(chunk)
+        while isinstance(getattr(inner, "module", None), torch.nn.Module):  # Megatron-FSDP, Float16Module
+            inner = inner.module
+        for layer in inner.modules():
+            if isinstance(layer, FactorEngramTransformerLayer) and layer.memory is not None:
+                # the global layer number, as the model's sharded state dict names layers with memory
+                prefix = f"decoder.layers.{layer.layer_number - 1}.memory."
+                sharded.update(memory_sharded_state_dict(layer.memory, prefix,
+                                                         state={"tables.weight": layer.memory.tables.weight}))
+    return sharded
+
+
+def table_member(optimizer):
+    """The `TableOptimizer` in Megatron-LM's optimizer chain ``optimizer``."""
+    from fe_megatron.megatron import compat
+    from fe_megatron.megatron.table_optimizer import TableOptimizer
+
+    members = [m for m in compat.optimizer_members(optimizer) if isinstance(m, TableOptimizer)]
+    if len(members) != 1:
+        raise RuntimeError(f"expected the tables' member in the optimizer chain, found {len(members)}")
+    return members[0]
+
+
+def without_table_member(optimizer):
+    """The chain ``optimizer`` without the tables' member: what Megatron-LM's ``fsdp_dtensor`` writer
+    and reader see (they read one optimizer's state, not a chain's)."""
+    from fe_megatron.megatron import compat
+    from fe_megatron.megatron.table_optimizer import TableOptimizer
+
+    members = [m for m in compat.optimizer_members(optimizer) if not isinstance(m, TableOptimizer)]
+    return compat.chained_optimizer_class()(members)
+
+
+def save_tables(folder: str, model_chunks: list, optimizer) -> None:
+    """The tables and their optimizer state into ``folder/fe_tables`` (every rank takes part)."""
+    from megatron.core import dist_checkpointing
+
+    target = os.path.join(folder, TABLES_FOLDER)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(target, exist_ok=True)
+    torch.distributed.barrier()
+    model = table_sharded_state_dict(model_chunks)
+    member = table_member(optimizer)
+    dist_checkpointing.save({"model": model, "optimizer": member.sharded_state_dict(model)}, target)
+
+
+def load_tables(folder: str, model_chunks: list, optimizer, with_optimizer: bool = True) -> None:
+    """The tables (and with ``with_optimizer`` their optimizer state) from ``folder/fe_tables``."""
+    from megatron.core import dist_checkpointing
+
+    source = os.path.join(folder, TABLES_FOLDER)
+    if not os.path.isfile(os.path.join(source, "metadata.json")):
+        raise CheckpointError(f"{folder}: no {TABLES_FOLDER}/ with the memory tables beside the Megatron-FSDP "
+                              "checkpoint (a run without memory wrote it, or its save was interrupted); resume "
+                              "from a checkpoint of this run (--ckpt-step), or start without --load")
+    model = table_sharded_state_dict(model_chunks)
+    member = table_member(optimizer)
+    state = {"model": model}
+    if with_optimizer:
+        state["optimizer"] = member.sharded_state_dict(model, is_loading=True)
+    weights = {name: sharded.data for name, sharded in model.items()}  # the stores' rows, before the load
+    loaded = dist_checkpointing.load(state, source)
+    with torch.no_grad():
+        for name, tensor in loaded["model"].items():
+            weights[name].copy_(tensor)
+    if with_optimizer:
+        member.load_state_dict(loaded["optimizer"])
+
+
+def checkpoint_iteration(args):
+    """The iteration ``--load`` (with ``--ckpt-step``) resumes from, or None (nothing to load)."""
+    if args.load is None or not os.path.isdir(args.load):
+        return None
+    if getattr(args, "ckpt_step", None) is not None:
+        return args.ckpt_step
+    try:
+        return read_tracker(args.load)
+    except CheckpointError:  # a "release" tracker
+        return None
+
+
+def give_empty_shards_a_state(optimizer) -> None:
+    """On torch's Adam (no Apex or Transformer Engine), a parameter whose Megatron-FSDP shard is empty
+    on a rank never gets a state there, or keeps the one a checkpoint loaded. Megatron-LM's
+    ``fsdp_dtensor`` writer then runs its per-parameter collectives (splitting SwiGLU's ``linear_fc1``,
+    the uneven DTensors' metadata) on the other ranks only, and waits forever; and it keeps one rank's
+    copy of a parameter's step count, which may be that rank's. Give each such parameter zero moments
+    (empty, as its shard) and the step count of the parameters that train."""
+    from fe_megatron.megatron import compat
+
+    if not compat.distributed_optimizer_runs_torch_adam():
+        return
+    for member in compat.optimizer_members(optimizer):
+        if not isinstance(member, compat.distributed_optimizer_class()):
+            continue
+        state = member.optimizer.state
+        params = [param for group in member.optimizer.param_groups for param in group["params"]]
+        empty = [param for param in params if getattr(param, "_local_tensor", param).numel() == 0]
+        empty_ids = {id(param) for param in empty}  # (``in`` would compare tensors by value)
+        steps = [float(state[param]["step"]) for param in params
+                 if id(param) not in empty_ids and "step" in state.get(param, {})]
+        step = max(steps, default=0.0)
+        for param in empty:
+            state[param] = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param),
+                            "step": torch.tensor(step)}
+
+
+def fsdp_checkpointing(args, tables_beside: bool):
+    """``(save, load)`` wrappers of Megatron-LM's ``save_checkpoint`` and ``load_checkpoint``
+    (`compat.wrap_trainer_checkpointing`) for ``--ckpt-format fsdp_dtensor``: with ``tables_beside``
+    the tables in stores go beside Megatron-FSDP's checkpoint (see the module docstring).
+
+    In every such run, each parameter of the optimizer has a state before Megatron-LM's writer reads
+    it (`give_empty_shards_a_state`), and a ``--load`` with no checkpoint to load does not reach
+    megatron-core 0.19's ``fsdp_dtensor`` loader, which would build the state dict it loads into anyway,
+    and with it step the fresh optimizer once on zero gradients: Adam's step count would then start at
+    1, and the run leave the curve of one started without ``--load`` at its second update (as the
+    recipes are launched: ``--save`` and ``--load`` the same folder)."""
+
+    def save(save_checkpoint):
+        def save_fsdp_dtensor(iteration, model, optimizer, *rest, **kwargs):
+            if optimizer is not None:
+                give_empty_shards_a_state(optimizer)
+                if tables_beside and not kwargs.get("non_persistent_ckpt", False):
+                    save_tables(iteration_dir(args.save, iteration), model, optimizer)
+                    optimizer = without_table_member(optimizer)
+            return save_checkpoint(iteration, model, optimizer, *rest, **kwargs)
+
+        return save_fsdp_dtensor
+
+    def load(load_checkpoint):
+        def load_fsdp_dtensor(ddp_model, optimizer, *rest, **kwargs):
+            if kwargs.get("load_arg", "load") == "load" and not any(
+                    os.path.isfile(os.path.join(folder, TRACKER)) for folder in (args.load, args.pretrained_checkpoint)
+                    if folder):
+                return 0, 0  # nothing to load (see the docstring), as Megatron-LM's loader then returns
+            if not tables_beside or optimizer is None:
+                return load_checkpoint(ddp_model, optimizer, *rest, **kwargs)
+            iteration = checkpoint_iteration(args)  # (Megatron-LM's loader builds its state dict even without one)
+            result = load_checkpoint(ddp_model, without_table_member(optimizer), *rest, **kwargs)
+            if iteration is not None:
+                with_optimizer = not (args.no_load_optim or args.finetune)
+                load_tables(iteration_dir(args.load, iteration), ddp_model, optimizer, with_optimizer)
+            return result
+
+        return load_fsdp_dtensor
+
+    return save, load
