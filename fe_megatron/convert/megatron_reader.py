@@ -88,7 +88,6 @@ class DistCheckpoint:
         return tensor
 
 
-
 # a Megatron-FSDP checkpoint's model tensors: "model." and its wrappers' "module." before each name
 _FSDP_MODEL_TENSOR = re.compile(r"^model\.(module\.)+")
 # SwiGLU's fc1, which Megatron-FSDP's checkpoint keeps as two halves (gate "_w", up "_v") so that each

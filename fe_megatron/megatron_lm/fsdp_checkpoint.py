@@ -25,7 +25,7 @@ import os
 import torch
 
 from fe_megatron.checkpoint.files import TABLES_BESIDE as TABLES_FOLDER
-from fe_megatron.checkpoint.files import TRACKER, CheckpointError, iteration_dir, read_tracker
+from fe_megatron.checkpoint.files import TRACKER, CheckpointError, iteration_dir
 
 
 def table_sharded_state_dict(model_chunks: list) -> dict:
@@ -107,16 +107,20 @@ def load_tables(folder: str, model_chunks: list, optimizer, with_optimizer: bool
         member.load_state_dict(loaded["optimizer"])
 
 
-def checkpoint_iteration(args):
-    """The iteration ``--load`` (with ``--ckpt-step``) resumes from, or None (nothing to load)."""
-    if args.load is None or not os.path.isdir(args.load):
-        return None
-    if getattr(args, "ckpt_step", None) is not None:
-        return args.ckpt_step
-    try:
-        return read_tracker(args.load)
-    except CheckpointError:  # a "release" tracker
-        return None
+def checkpoint_to_load(args):
+    """The iteration folder Megatron-LM's loader reads: ``--load``'s checkpoint, else
+    ``--pretrained-checkpoint``'s, at ``--ckpt-step`` or the tracker's iteration (``release`` for a
+    release checkpoint); None: nothing to load."""
+    for directory in (args.load, getattr(args, "pretrained_checkpoint", None)):
+        tracker = os.path.join(directory, TRACKER) if directory is not None else None
+        if tracker is None or not os.path.isfile(tracker):
+            continue
+        if getattr(args, "ckpt_step", None) is not None:
+            return iteration_dir(directory, args.ckpt_step)
+        with open(tracker) as fh:
+            text = fh.read().strip()
+        return os.path.join(directory, "release") if text == "release" else iteration_dir(directory, int(text))
+    return None
 
 
 def give_empty_shards_a_state(optimizer) -> None:
@@ -170,17 +174,16 @@ def fsdp_checkpointing(args, tables_beside: bool):
 
     def load(load_checkpoint):
         def load_fsdp_dtensor(ddp_model, optimizer, *rest, **kwargs):
-            if kwargs.get("load_arg", "load") == "load" and not any(
-                    os.path.isfile(os.path.join(folder, TRACKER)) for folder in (args.load, args.pretrained_checkpoint)
-                    if folder):
+            if kwargs.get("load_arg", "load") != "load":
+                return load_checkpoint(ddp_model, optimizer, *rest, **kwargs)
+            folder = checkpoint_to_load(args)
+            if folder is None:
                 return 0, 0  # nothing to load (see the docstring), as Megatron-LM's loader then returns
             if not tables_beside or optimizer is None:
                 return load_checkpoint(ddp_model, optimizer, *rest, **kwargs)
-            iteration = checkpoint_iteration(args)  # (Megatron-LM's loader builds its state dict even without one)
             result = load_checkpoint(ddp_model, without_table_member(optimizer), *rest, **kwargs)
-            if iteration is not None:
-                with_optimizer = not (args.no_load_optim or args.finetune)
-                load_tables(iteration_dir(args.load, iteration), ddp_model, optimizer, with_optimizer)
+            # (--pretrained-checkpoint sets args.finetune in the loader: the tables' values, not their state)
+            load_tables(folder, ddp_model, optimizer, with_optimizer=not (args.no_load_optim or args.finetune))
             return result
 
         return load_fsdp_dtensor
