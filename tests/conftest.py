@@ -24,7 +24,8 @@ if not torch.cuda.is_available():
 # it, clipped by one norm), conversion
 # to Hugging Face with equal logits, cached generation, torch.compile through the memory branch and the
 # kernels' torch.library operators, checkpoints across megatron-core releases, and Megatron-LM's own
-# trainer (megatron.training ships from 0.19 on), and a shutdown that leaves other libraries' caches alone.
+# trainer (megatron.training ships from 0.19 on), the hybrid stack of local layers (HybridModel, 0.19 on), and
+# a shutdown that leaves other libraries' caches alone.
 NEWEST_STACK_SUBSET = (
     "tests/unit/megatron/test_compat.py",
     "tests/unit/megatron/test_sparsity.py",
@@ -33,6 +34,8 @@ NEWEST_STACK_SUBSET = (
     "tests/unit/megatron/test_layer_specs.py",
     "tests/unit/megatron/test_cpu_backend.py",
     "tests/unit/megatron/test_megatron_lm_spec.py",
+    "tests/unit/megatron/test_hybrid_specs.py",
+    "tests/unit/megatron/test_hybrid_model.py",
     "tests/integration/test_checkpoint_versions.py",
     "tests/unit/test_install.py",
     "tests/integration/test_train.py::test_resume_reproduces_the_uninterrupted_curve_exactly",

@@ -432,6 +432,18 @@ def has_megatron_lm_trainer() -> bool:
         importlib.util.find_spec("megatron.training") is not None
 
 
+HYBRID_MINIMUM = "0.19"
+
+
+def has_hybrid_model() -> bool:
+    """Whether the installed megatron-core builds ``HybridModel`` (``megatron.core.models.hybrid``, 0.19 on;
+    `fe_megatron.megatron.hybrid_specs` needs it)."""
+    from packaging.version import Version
+
+    return Version(megatron_core_version()) >= Version(HYBRID_MINIMUM) and \
+        importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
 @contextlib.contextmanager
 def building_gpt_model_as(model_class: Callable):
     """Inside the block, Megatron-LM's `GPTModelBuilder.build_model` constructs ``model_class``

@@ -10,6 +10,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.branch import start_stage_lookups
 from fe_megatron.megatron.hasher import MicrobatchHasher
+from fe_megatron.megatron.sparsity import pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
 
 
@@ -108,12 +109,7 @@ class FactorEngramGPTModel(GPTModel):
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the
         last call, for this rank's TP share; sum over TP and PP ranks for the model's value."""
-        total = torch.zeros(())
-        for layer in self.stage_memory_layers:
-            value = layer.pop_tracked_sparsity_loss()
-            if value is not None:
-                total = total + value.float().cpu()
-        return total
+        return pop_stage_sparsity_loss(self.stage_memory_layers)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         # The memory branch lives on some layers only: store layers one by one.

@@ -65,3 +65,15 @@ def attach_sparsity_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.
     if not aux_loss.requires_grad:
         return output
     return SparsityLossAutoScaler.apply(output, aux_loss)
+
+
+def pop_stage_sparsity_loss(layers) -> torch.Tensor:
+    """lambda * L_sparsity summed over a pipeline stage's memory ``layers`` (each a
+    `fe_megatron.megatron.transformer_layer.TracksSparsity`) and the microbatches run since the last call,
+    for this rank's TP share; sum over TP and PP ranks for the model's value."""
+    total = torch.zeros(())
+    for layer in layers:
+        value = layer.pop_tracked_sparsity_loss()
+        if value is not None:
+            total = total + value.float().cpu()
+    return total

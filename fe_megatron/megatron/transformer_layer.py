@@ -86,7 +86,32 @@ def swiglu_with_up_addend(mlp: MLP, hidden_states: torch.Tensor, up_addend: torc
     return mlp.linear_fc2(intermediate)
 
 
-class FactorEngramTransformerLayer(TransformerLayer):
+class TracksSparsity:
+    """A layer hosting a memory branch (``self.memory``, ``self.memory_config``): runs it and tracks its
+    sparsity term (Eq. 12-13) per microbatch, for logging (`pop_tracked_sparsity_loss`)."""
+
+    tracked_sparsity_loss: list
+
+    def _memory(self, residual_stream: torch.Tensor, indices: torch.Tensor):
+        memory_out, l1_share = self.memory(residual_stream, indices=indices)
+        mc = self.memory_config
+        aux_loss = weighted_sparsity(layer_sparsity(l1_share, len(mc.layers)), mc.sparsity_lambda)  # Eq. 12-13
+        # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad
+        # disabled), then again in backward with grad enabled. Record the value once.
+        if torch.is_grad_enabled() or not self.training:
+            self.tracked_sparsity_loss.append(aux_loss.detach())
+        return memory_out, aux_loss
+
+    def pop_tracked_sparsity_loss(self) -> Optional[torch.Tensor]:
+        """Sum of this layer's tracked aux-loss values since the last call (this rank's TP share)."""
+        if not self.tracked_sparsity_loss:
+            return None
+        total = torch.stack(self.tracked_sparsity_loss).sum()
+        self.tracked_sparsity_loss = []
+        return total
+
+
+class FactorEngramTransformerLayer(TracksSparsity, TransformerLayer):
     """A TransformerLayer with a memory branch (``self.memory``, a `fe_megatron.memory.FactorEngram`
     or `Engram`) when its 0-based ``layer_index`` is in ``memory_config.layers``."""
 
@@ -118,16 +143,6 @@ class FactorEngramTransformerLayer(TransformerLayer):
         return context[..., start:stop]
 
     # ----------------------------------------------------------------- memory
-    def _memory(self, residual_stream: torch.Tensor, indices: torch.Tensor):
-        memory_out, l1_share = self.memory(residual_stream, indices=indices)
-        mc = self.memory_config
-        aux_loss = weighted_sparsity(layer_sparsity(l1_share, len(mc.layers)), mc.sparsity_lambda)  # Eq. 12-13
-        # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad
-        # disabled), then again in backward with grad enabled. Record the value once.
-        if torch.is_grad_enabled() or not self.training:
-            self.tracked_sparsity_loss.append(aux_loss.detach())
-        return memory_out, aux_loss
-
     def forward(self, hidden_states: torch.Tensor, *args, context=None, **kwargs):
         """TransformerLayer.forward plus the memory branch, whose indices come in ``context`` (see the
         module's docstring); returns ``(output, context)`` with ``context`` unchanged."""
@@ -172,14 +187,6 @@ class FactorEngramTransformerLayer(TransformerLayer):
         else:
             mlp_out = swiglu_with_up_addend(self.mlp, normed, memory_out)
         return compat.post_mlp(self, mlp_out, residual)
-
-    def pop_tracked_sparsity_loss(self) -> Optional[torch.Tensor]:
-        """Sum of this layer's tracked aux-loss values since the last call (this rank's TP share)."""
-        if not self.tracked_sparsity_loss:
-            return None
-        total = torch.stack(self.tracked_sparsity_loss).sum()
-        self.tracked_sparsity_loss = []
-        return total
 
     # ----------------------------------------------------------------- checkpointing
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

@@ -1,0 +1,168 @@
+"""`FactorEngramHybridModel`: megatron-core's ``HybridModel`` (0.19 on) with the memory branch before the
+attention of chosen attention (``*``) layers.
+
+Layer numbers. `MemoryConfig.layers` counts transformer blocks, as in the paper ("layers 10 and 12 of
+24") and in the GPT model: the memory of block ``i`` sits before the attention of the pattern's
+``i``-th ``*`` layer (`memory_positions`), and hashes as block ``i`` does in the GPT model, so a
+pattern of ``*-`` pairs is the GPT model with memory, parameter for parameter (`hybrid_specs.gpt_name_of`).
+
+The memory's inputs. ``HybridStack.forward`` takes no ``context`` (the argument through which the GPT
+model's block hands the memory its token ids), and its full-recompute path passes None for it. So the
+model owns the inputs: once per microbatch its forward hashes the token ids, starts the stage's lookups
+(`fe_megatron.memory.branch.start_stage_lookups`: one row exchange for every row-sharded layer of the
+stage) and hands the result, a `StageMemoryInputs`, to this stage's memory layers for the length of
+that forward. A layer reads it in its own forward, so microbatches of an interleaved pipeline schedule
+never share one. Full recompute would run a layer again in backward, after later microbatches' forwards:
+it is refused with memory until the inputs travel with the recomputation.
+
+A memory layer (`MemoryBeforeAttentionLayer`) is megatron-core's attention layer plus the branch: it
+adds the branch's output to its input (Eq. 11) and calls ``TransformerLayer``'s public ``forward``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron.hasher import MicrobatchHasher
+from fe_megatron.megatron.hybrid_specs import ATTENTION
+from fe_megatron.megatron.memory_layer import build_memory_branch
+from fe_megatron.megatron.sparsity import attach_sparsity_loss, pop_stage_sparsity_loss
+from fe_megatron.megatron.transformer_layer import TracksSparsity
+from fe_megatron.memory.branch import start_stage_lookups
+
+
+@dataclasses.dataclass
+class StageMemoryInputs:
+    """One microbatch's memory inputs on one pipeline stage: ``{memory layer index: its row indices
+    ([s, b, branches]) or the lookup started for them}``."""
+
+    lookups: dict
+
+    def of(self, layer_index: int):
+        if layer_index not in self.lookups:
+            raise RuntimeError(f"no memory inputs for memory layer {layer_index} in this microbatch (it has "
+                               f"{sorted(self.lookups)})")
+        return self.lookups[layer_index]
+
+
+def memory_positions(pattern: str, memory_layers) -> dict:
+    """``{0-based position in pattern: memory layer index}``: block ``i`` of ``memory_layers`` before the
+    ``i``-th attention (``*``) layer of ``pattern`` (a ``hybrid_layer_pattern``; ``|`` marks pipeline
+    splits and counts no layer)."""
+    layers = pattern.replace("|", "")
+    attention = [position for position, symbol in enumerate(layers) if symbol == ATTENTION]
+    beyond = [index for index in memory_layers if index >= len(attention)]
+    if beyond:
+        raise ValueError(f"memory layers {beyond} (transformer blocks, 0-based): hybrid_layer_pattern {pattern!r} has "
+                         f"{len(attention)} attention ('*') layers, so blocks 0 to {len(attention) - 1}")
+    return {attention[index]: index for index in memory_layers}
+
+
+class MemoryBeforeAttentionLayer(TracksSparsity, TransformerLayer):
+    """A hybrid stack's attention layer with the memory branch before its attention where
+    ``memory_positions`` (``{0-based layer: memory layer index}``) names it (see the module docstring)."""
+
+    def __init__(self, config, submodules, *args, memory_config: MemoryConfig, memory_positions: dict,
+                 table_sharding: str = "replicated", **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.memory_config = memory_config
+        self.memory_index = memory_positions.get(self.layer_number - 1)
+        self.memory = None
+        if self.memory_index is not None:
+            self.memory = build_memory_branch(config, memory_config, self.memory_index, self.tp_group, table_sharding)
+        self.tracked_sparsity_loss: list = []
+        self.memory_inputs: Optional[StageMemoryInputs] = None  # this microbatch's, set by the model's forward
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if self.memory is None:
+            return super().forward(hidden_states, *args, **kwargs)
+        if self.memory_inputs is None:
+            raise RuntimeError(f"the memory layer before attention layer {self.layer_number - 1} (0-based) got no "
+                               "memory inputs: run it inside FactorEngramHybridModel.forward, with input_ids (or "
+                               "memory_indices) on every pipeline stage")
+        memory_out, aux_loss = self._memory(hidden_states, self.memory_inputs.of(self.memory_index))
+        output, context = super().forward(hidden_states + memory_out, *args, **kwargs)  # Eq. 11
+        return attach_sparsity_loss(output, aux_loss), context
+
+
+def with_memory_before_attention(stack_spec: ModuleSpec, memory_config: MemoryConfig, pattern: str,
+                                 table_sharding: str = "replicated") -> ModuleSpec:
+    """``stack_spec`` (a ``HybridStack`` spec) whose attention layers are `MemoryBeforeAttentionLayer`s."""
+    if memory_config.placement != "before_attn":
+        raise ValueError(f"MemoryConfig.placement={memory_config.placement!r}: the hybrid model places the memory "
+                         "before the attention of its attention layers ('before_attn'); the FFN placements are not "
+                         "in it yet")
+    attention = stack_spec.submodules.attention_layer
+    if attention.module is not TransformerLayer:
+        raise ValueError(f"the hybrid stack's attention layer is {attention.module.__name__}; the memory wraps "
+                         "megatron-core's TransformerLayer")
+    params = dict(attention.params or {}, memory_config=memory_config, table_sharding=table_sharding,
+                  memory_positions=memory_positions(pattern, memory_config.layers))
+    layer = dataclasses.replace(attention, module=MemoryBeforeAttentionLayer, params=params)
+    return dataclasses.replace(stack_spec, submodules=dataclasses.replace(stack_spec.submodules,
+                                                                          attention_layer=layer))
+
+
+class FactorEngramHybridModel(HybridModel):
+    """``HybridModel`` with the memory branch (see the module docstring): the same constructor plus
+    ``memory_config`` and ``table_sharding``, and the same forward plus an optional ``memory_indices``
+    (``{memory layer index: [s, b, branches]}``, e.g. hashed before a context-parallel split)."""
+
+    def __init__(self, config, hybrid_stack_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
+                 hybrid_layer_pattern: str, memory_config: MemoryConfig, table_sharding: str = "replicated",
+                 **kwargs):
+        if memory_config.vocab_size > vocab_size:
+            raise ValueError(f"MemoryConfig.vocab_size={memory_config.vocab_size} exceeds the model's "
+                             f"vocab_size={vocab_size}")
+        if memory_config.hidden_size != config.hidden_size:
+            raise ValueError(f"MemoryConfig.backbone.hidden_size={memory_config.hidden_size} does not match "
+                             f"TransformerConfig.hidden_size={config.hidden_size}")
+        if "/" in hybrid_layer_pattern:
+            raise ValueError(f"hybrid_layer_pattern {hybrid_layer_pattern!r}: multi-token prediction layers ('/') "
+                             "are not supported with memory layers")
+        spec = with_memory_before_attention(hybrid_stack_spec, memory_config, hybrid_layer_pattern, table_sharding)
+        super().__init__(config, spec, vocab_size, max_sequence_length, hybrid_layer_pattern=hybrid_layer_pattern,
+                         **kwargs)
+        self.memory_config = memory_config
+        self.stage_memory_layers = [layer for layer in self.decoder.layers
+                                    if isinstance(layer, MemoryBeforeAttentionLayer) and layer.memory is not None]
+        self.hasher = MicrobatchHasher(memory_config, [layer.memory_index for layer in self.stage_memory_layers]) \
+            if self.stage_memory_layers else None
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, memory_indices: Optional[dict] = None,
+                **kwargs):
+        if not self.stage_memory_layers:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        if self.config.recompute_granularity == "full" and self.training:
+            raise ValueError("full activation recompute with memory layers in the hybrid model: the recomputation "
+                             "would run after later microbatches' forwards, without this microbatch's memory "
+                             "inputs; use selective recompute (recompute_granularity='selective')")
+        if memory_indices is None:
+            if self.config.context_parallel_size > 1:
+                raise ValueError("with context parallelism the n-grams must be hashed on the full sequence before "
+                                 "the split: pass memory_indices=hash_then_split_for_context_parallel(...)")
+            if input_ids is None:
+                raise ValueError("this pipeline stage holds memory layers "
+                                 f"{[layer.memory_index for layer in self.stage_memory_layers]} and needs "
+                                 "input_ids (or memory_indices); give token ids to every pipeline stage")
+            memory_indices = self.hasher(input_ids)
+        branches = {layer.memory_index: layer.memory for layer in self.stage_memory_layers}
+        inputs = StageMemoryInputs(start_stage_lookups(branches, {index: memory_indices[index] for index in branches}))
+        for layer in self.stage_memory_layers:
+            layer.memory_inputs = inputs
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+        finally:
+            for layer in self.stage_memory_layers:
+                layer.memory_inputs = None
+
+    def pop_sparsity_loss(self) -> torch.Tensor:
+        """As `FactorEngramGPTModel.pop_sparsity_loss`."""
+        return pop_stage_sparsity_loss(self.stage_memory_layers)

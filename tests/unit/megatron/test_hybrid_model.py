@@ -1,0 +1,88 @@
+"""`fe_megatron.megatron.hybrid_model`: the memory in megatron-core's HybridModel. A pattern of ``*-``
+pairs with the memory before the attention of the chosen blocks is the GPT model with memory: with the
+same weights, the same logits, sparsity term and gradients, and the same losses over a few optimizer
+steps. The memory's inputs are the model's, per forward; what it cannot run beside is refused by name."""
+
+import pytest
+import torch
+
+from fe_megatron.megatron import compat
+
+pytestmark = pytest.mark.skipif(not compat.has_hybrid_model(), reason=(
+    f"megatron-core {compat.megatron_core_version()} has no HybridModel ({compat.HYBRID_MINIMUM} on); "
+    "`make test-newest` runs these tests"))
+
+PATTERN = "*-*-*-"
+
+
+def hybrid_with_memory(memory_config, pattern=PATTERN, **overrides):
+    from fe_megatron.megatron.hybrid_model import FactorEngramHybridModel
+    from fe_megatron.megatron.hybrid_specs import local_hybrid_stack_spec
+    from tests.helpers.configs import tiny_transformer_config
+
+    return FactorEngramHybridModel(tiny_transformer_config(num_layers=len(pattern.replace("|", "")), **overrides),
+                                   local_hybrid_stack_spec(), 128, 32, pattern, memory_config,
+                                   position_embedding_type="rope", share_embeddings_and_output_weights=True)
+
+
+def test_a_pattern_of_pairs_with_memory_is_the_gpt_model_with_memory(megatron_world):
+    from fe_megatron.megatron.hybrid_specs import gpt_name_of
+    from tests.helpers.configs import tiny_memory_config
+    from tests.helpers.megatron import batches, build
+
+    torch.manual_seed(5)
+    memory = tiny_memory_config(num_layers=3, layers=[0, 2])
+    gpt, hybrid = build(memory, num_layers=3), hybrid_with_memory(memory)
+    assert [layer.layer_number - 1 for layer in hybrid.stage_memory_layers] == [0, 4]  # blocks 0, 2: layers 0, 4
+    gpt_params = dict(gpt.named_parameters())
+    names = {name: gpt_name_of(name, PATTERN) for name, _ in hybrid.named_parameters()}
+    assert sorted(names.values()) == sorted(gpt_params)
+    with torch.no_grad():
+        for name, param in hybrid.named_parameters():
+            param.copy_(gpt_params[names[name]] + 0.01 * torch.randn_like(param))  # off the initialization
+            gpt_params[names[name]].copy_(param)
+
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.5) for model in (gpt, hybrid)]
+    for step, batch in enumerate(batches(3)):
+        losses, logits = [], []
+        for model, optimizer in zip((gpt, hybrid), optimizers):
+            optimizer.zero_grad()
+            out = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+            loss = (out * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+            loss.backward()
+            losses.append(loss.item())
+            logits.append(model.pop_sparsity_loss())
+        assert abs(losses[0] - losses[1]) < 1e-6, (step, losses)
+        assert abs(float(logits[0]) - float(logits[1])) < 1e-7 and float(logits[0]) > 0, (step, logits)
+        if step == 0:
+            for name, param in hybrid.named_parameters():
+                assert (param.grad - gpt_params[names[name]].grad).abs().max() < 1e-6, name
+        for optimizer in optimizers:
+            optimizer.step()
+
+
+def test_the_memory_inputs_are_the_forward_s_and_what_it_cannot_run_beside_is_refused(megatron_world):
+    from fe_megatron.megatron.hybrid_model import memory_positions
+    from tests.helpers.configs import tiny_memory_config
+    from tests.helpers.megatron import batches
+
+    memory = tiny_memory_config(num_layers=3, layers=[1])
+    assert memory_positions("*-|*-*-", [1, 2]) == {2: 1, 4: 2}  # '|' (a pipeline split) is no layer
+    with pytest.raises(ValueError, match=r"memory layers \[3\] .* has 3 attention \('\*'\) layers"):
+        memory_positions(PATTERN, [0, 3])
+    with pytest.raises(ValueError, match="placement='before_ffn'.*before the attention of its attention layers"):
+        hybrid_with_memory(tiny_memory_config(num_layers=3, layers=[1], placement="before_ffn"))
+
+    model = hybrid_with_memory(memory)
+    batch = batches(1)[0]
+    layer = model.stage_memory_layers[0]
+    with pytest.raises(RuntimeError, match="got no memory inputs: run it inside FactorEngramHybridModel.forward"):
+        layer(torch.randn(32, 2, 32), attention_mask=batch["attention_mask"])
+    model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+    assert layer.memory_inputs is None  # handed to the layers for the length of one forward only
+    with pytest.raises(ValueError, match="needs input_ids"):
+        model(None, batch["position_ids"], batch["attention_mask"], decoder_input=torch.randn(32, 2, 32))
+    recomputing = hybrid_with_memory(memory, recompute_granularity="full", recompute_method="uniform",
+                                     recompute_num_layers=1)
+    with pytest.raises(ValueError, match="full activation recompute with memory layers in the hybrid model"):
+        recomputing(batch["tokens"], batch["position_ids"], batch["attention_mask"])
