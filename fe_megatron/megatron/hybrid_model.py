@@ -16,7 +16,9 @@ never share one. Full recompute would run a layer again in backward, after later
 it is refused with memory until the inputs travel with the recomputation.
 
 A memory layer (`MemoryBeforeAttentionLayer`) is megatron-core's attention layer plus the branch: it
-adds the branch's output to its input (Eq. 11) and calls ``TransformerLayer``'s public ``forward``.
+adds the branch's output to its input (Eq. 11) and calls ``TransformerLayer``'s public ``forward``. Its
+checkpoint is the GPT layer's (`HostsMemory`): the branch's tensors split along the sharding plan's axes,
+under ``decoder.layers.<position in the pattern>.memory.``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fe_megatron.megatron.hasher import MicrobatchHasher
 from fe_megatron.megatron.hybrid_specs import ATTENTION
 from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.sparsity import attach_sparsity_loss, pop_stage_sparsity_loss
-from fe_megatron.megatron.transformer_layer import TracksSparsity
+from fe_megatron.megatron.transformer_layer import HostsMemory
 from fe_megatron.memory.branch import start_stage_lookups
 
 
@@ -65,7 +67,7 @@ def memory_positions(pattern: str, memory_layers) -> dict:
     return {attention[index]: index for index in memory_layers}
 
 
-class MemoryBeforeAttentionLayer(TracksSparsity, TransformerLayer):
+class MemoryBeforeAttentionLayer(HostsMemory, TransformerLayer):
     """A hybrid stack's attention layer with the memory branch before its attention where
     ``memory_positions`` (``{0-based layer: memory layer index}``) names it (see the module docstring)."""
 

@@ -69,7 +69,7 @@ def attach_sparsity_loss(output: torch.Tensor, aux_loss: torch.Tensor) -> torch.
 
 def pop_stage_sparsity_loss(layers) -> torch.Tensor:
     """lambda * L_sparsity summed over a pipeline stage's memory ``layers`` (each a
-    `fe_megatron.megatron.transformer_layer.TracksSparsity`) and the microbatches run since the last call,
+    `fe_megatron.megatron.transformer_layer.HostsMemory`) and the microbatches run since the last call,
     for this rank's TP share; sum over TP and PP ranks for the model's value."""
     total = torch.zeros(())
     for layer in layers:

@@ -86,9 +86,10 @@ def swiglu_with_up_addend(mlp: MLP, hidden_states: torch.Tensor, up_addend: torc
     return mlp.linear_fc2(intermediate)
 
 
-class TracksSparsity:
-    """A layer hosting a memory branch (``self.memory``, ``self.memory_config``): runs it and tracks its
-    sparsity term (Eq. 12-13) per microbatch, for logging (`pop_tracked_sparsity_loss`)."""
+class HostsMemory:
+    """A megatron-core layer hosting a memory branch (``self.memory``, ``self.memory_config``; None on a
+    layer without one): runs it, tracks its sparsity term (Eq. 12-13) per microbatch for logging
+    (`pop_tracked_sparsity_loss`), and checkpoints it along the sharding plan's axes."""
 
     tracked_sparsity_loss: list
 
@@ -110,8 +111,18 @@ class TracksSparsity:
         self.tracked_sparsity_loss = []
         return total
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's, with the memory branch's tensors split along the sharding plan's axes."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.memory is not None:
+            memory_prefix = f"{prefix}memory."
+            for key in [key for key in state if key.startswith(memory_prefix)]:
+                del state[key]
+            state.update(memory_sharded_state_dict(self.memory, memory_prefix, sharded_offsets, metadata))
+        return state
 
-class FactorEngramTransformerLayer(TracksSparsity, TransformerLayer):
+
+class FactorEngramTransformerLayer(HostsMemory, TransformerLayer):
     """A TransformerLayer with a memory branch (``self.memory``, a `fe_megatron.memory.FactorEngram`
     or `Engram`) when its 0-based ``layer_index`` is in ``memory_config.layers``."""
 
@@ -187,17 +198,6 @@ class FactorEngramTransformerLayer(TracksSparsity, TransformerLayer):
         else:
             mlp_out = swiglu_with_up_addend(self.mlp, normed, memory_out)
         return compat.post_mlp(self, mlp_out, residual)
-
-    # ----------------------------------------------------------------- checkpointing
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """Megatron's, with the memory branch's tensors split along the sharding plan's axes."""
-        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.memory is not None:
-            memory_prefix = f"{prefix}memory."
-            for key in [key for key in state if key.startswith(memory_prefix)]:
-                del state[key]
-            state.update(memory_sharded_state_dict(self.memory, memory_prefix, sharded_offsets, metadata))
-        return state
 
 
 def memory_layer_spec(base_layer_spec: ModuleSpec, memory_config: MemoryConfig,

@@ -86,3 +86,27 @@ def test_the_memory_inputs_are_the_forward_s_and_what_it_cannot_run_beside_is_re
                                      recompute_num_layers=1)
     with pytest.raises(ValueError, match="full activation recompute with memory layers in the hybrid model"):
         recomputing(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+
+def test_a_hybrid_model_with_memory_checkpoints_and_loads_its_memory(megatron_world, tmp_path):
+    """A torch_dist checkpoint holds the memory under the pattern's layer numbers and loads back exactly
+    into a model built from another seed."""
+    from megatron.core import dist_checkpointing
+
+    from tests.helpers.configs import tiny_memory_config
+
+    memory = tiny_memory_config(num_layers=3, layers=[0, 2])
+    torch.manual_seed(1)
+    saved = hybrid_with_memory(memory)
+    torch.manual_seed(2)
+    loaded = hybrid_with_memory(memory)
+    assert not torch.equal(saved.stage_memory_layers[1].memory.tables.weight,
+                           loaded.stage_memory_layers[1].memory.tables.weight)
+    sharded = saved.sharded_state_dict()
+    assert {"decoder.layers.0.memory.tables.weight", "decoder.layers.4.memory.tables.weight",
+            "decoder.layers.4.memory.dictionary"} <= set(sharded)
+    dist_checkpointing.save(sharded, str(tmp_path))
+    loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(), str(tmp_path)))
+    for (name, a), (_, b) in zip(saved.state_dict().items(), loaded.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
