@@ -2,6 +2,9 @@
 
 Run: torchrun --nproc_per_node 2 tests/distributed/check_gpt_parallel.py --a TP,PP,SP --b TP,PP,SP --ckpt DIR
 
+``--model hybrid`` runs the same checks on the hybrid model with memory (`fe_megatron.megatron.
+hybrid_model`): a pattern of ``*-`` pairs, one per GPT layer, of the local hybrid stack.
+
 Phase A builds the model in layout A, checks a torch_dist save/load round trip bit for
 bit, saves the initial weights, trains 3 SGD steps and saves after steps 1 and 3.
 Phase B builds layout B, loads A's initial checkpoint (resharding), trains on the same
@@ -18,7 +21,7 @@ import torch
 import yaml
 import torch.distributed as dist
 
-from common import Checker, tiny_memory_config, tiny_transformer_config
+from common import Checker, build_hybrid_model, tiny_memory_config, tiny_transformer_config
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.optimizer import OptimizerConfig
 from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
@@ -39,12 +42,12 @@ def make_batches(vocab, seed):
     return batches
 
 
-def build(layout, memory_overrides, transformer_overrides, seed):
+def build(layout, memory_overrides, transformer_overrides, seed, model_kind="gpt"):
     tp, pp, sp = layout
     initialize(tensor_parallel_size=tp, pipeline_parallel_size=pp, seed=seed)
     mc = tiny_memory_config(**memory_overrides)
     cfg = tiny_transformer_config(tp=tp, pp=pp, sp=sp, **transformer_overrides)
-    inner = build_gpt_model(cfg, 128, SEQ, mc)
+    inner = build_hybrid_model(cfg, mc, SEQ) if model_kind == "hybrid" else build_gpt_model(cfg, 128, SEQ, mc)
     with torch.no_grad():  # V and the conv start at zero: perturb them so step 1 reaches every parameter
         for layer in inner.stage_memory_layers:
             layer.memory.value_proj.weight.normal_(std=0.05)
@@ -105,6 +108,7 @@ def main():
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--memory", default="", help="MemoryConfig overrides, e.g. placement=before_ffn")
     parser.add_argument("--recompute", default="", help="'full': phase A uses full activation recompute, B none")
+    parser.add_argument("--model", default="gpt", choices=["gpt", "hybrid"])
     args = parser.parse_args()
     layout = lambda text: tuple(int(x) for x in text.split(","))
     memory = {key: yaml.safe_load(value) for key, value in (item.split("=") for item in args.memory.split(";") if item)}
@@ -114,15 +118,15 @@ def main():
     batches = [make_batches(128, 100 + step) for step in range(STEPS)]
 
     # ---- phase A
-    model, opt = build(layout(args.a), memory, recompute, seed=1)
+    model, opt = build(layout(args.a), memory, recompute, seed=1, model_kind=args.model)
     save(model, f"{args.ckpt}/init")
     teardown()
-    other, _ = build(layout(args.a), memory, recompute, seed=2)  # different initial weights
+    other, _ = build(layout(args.a), memory, recompute, seed=2, model_kind=args.model)  # different initial weights
     before = params(other)
     load(other, f"{args.ckpt}/init")
     loaded = params(other)
     teardown()
-    model, opt = build(layout(args.a), memory, recompute, seed=1)
+    model, opt = build(layout(args.a), memory, recompute, seed=1, model_kind=args.model)
     for name, value in params(model).items():
         check.equal(f"round trip {name}", loaded[name], value)
     check.true("round trip changed the weights", any(not torch.equal(before[n], loaded[n]) for n in before))
@@ -136,7 +140,7 @@ def main():
     teardown()
 
     # ---- phase B
-    model, opt = build(layout(args.b), memory, {}, seed=3)
+    model, opt = build(layout(args.b), memory, {}, seed=3, model_kind=args.model)
     load(model, f"{args.ckpt}/init")
     for index in range(STEPS):
         lm, sparsity, grads = step(model, opt, batches[index])
@@ -147,7 +151,7 @@ def main():
             grads_b = grads
     final = params(model)
     teardown()
-    reference, _ = build(layout(args.b), memory, {}, seed=4)
+    reference, _ = build(layout(args.b), memory, {}, seed=4, model_kind=args.model)
     load(reference, f"{args.ckpt}/grads1")
     grads_a = params(reference)
     load(reference, f"{args.ckpt}/step3")

@@ -28,7 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from common import Checker, tiny_memory_config, tiny_transformer_config
+from common import Checker, build_hybrid_model, tiny_memory_config, tiny_transformer_config
 from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
 from fe_megatron.checkpoint.commit import find_checkpoint  # noqa: E402
 from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
@@ -83,7 +83,7 @@ def my_batches(step: int):
 
 
 def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtype: str = "fp32",
-          update: str = "adamw"):
+          update: str = "adamw", model_kind: str = "gpt"):
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -95,7 +95,8 @@ def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtyp
     mc = memory_config()
     cfg = tiny_transformer_config(tp=tp, pp=pp, **(dict(recompute_granularity="full", recompute_method="uniform",
                                                          recompute_num_layers=1) if recompute else {}))
-    model = build_gpt_model(cfg, 128, SEQ, mc, table_sharding=tables)
+    model = build_hybrid_model(cfg, mc, SEQ, tables) if model_kind == "hybrid" else \
+        build_gpt_model(cfg, 128, SEQ, mc, table_sharding=tables)
     with torch.no_grad():  # V and the conv start at zero: perturb them so every parameter learns at once
         for layer in model.stage_memory_layers:
             layer.memory.value_proj.weight.normal_(std=0.05)
@@ -189,12 +190,14 @@ def main():
     parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--table-update", choices=["adamw", "rowwise_adagrad", "lazy_adam"], default="adamw")
     parser.add_argument("--tol", type=float, default=1e-5, help="relative tolerance of every comparison")
+    parser.add_argument("--model", default="gpt", choices=["gpt", "hybrid"],
+                        help="hybrid: the hybrid model with memory, a '*-' pair per GPT layer")
     args = parser.parse_args()
     STORAGE.update(table_dtype=args.table_dtype, table_placement=args.placement)
     first, last = (int(x) for x in args.steps.split(":"))
     check = Checker()
     model, ddp, opt, sched = build(args.tables, args.tp, args.pp, args.recompute, args.state_dtype,
-                                   args.table_update)
+                                   args.table_update, args.model)
     if args.save_init:
         save_model(model, args.save_init)
     if args.init:

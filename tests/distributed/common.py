@@ -62,3 +62,20 @@ class Checker:
         dist.barrier()
         shutdown()
         sys.exit(1 if int(flag) else 0)
+
+
+def build_hybrid_model(cfg, mc, seq: int, table_sharding: str = "replicated"):
+    """The hybrid model whose ``*-`` pairs are the tiny GPT's layers, with its memory."""
+    import dataclasses
+
+    from megatron.core import parallel_state
+
+    from fe_megatron.megatron.hybrid_model import FactorEngramHybridModel
+    from fe_megatron.megatron.hybrid_specs import local_hybrid_stack_spec
+
+    pattern = "*-" * cfg.num_layers
+    cfg = dataclasses.replace(cfg, num_layers=len(pattern))
+    return FactorEngramHybridModel(cfg, local_hybrid_stack_spec(), 128, seq, pattern, mc, table_sharding=table_sharding,
+                                   pre_process=parallel_state.is_pipeline_first_stage(),
+                                   post_process=parallel_state.is_pipeline_last_stage(),
+                                   position_embedding_type="rope", share_embeddings_and_output_weights=True)

@@ -33,3 +33,15 @@ def test_memory_branch_context_parallel_matches_plain_module(tables):
 def test_gpt_layouts_match_through_resharded_checkpoints(tmp_path, a, b, extra):
     out = torchrun("check_gpt_parallel.py", "--a", a, "--b", b, "--ckpt", str(tmp_path), *extra)
     assert "0 failures" in out
+
+
+@pytest.mark.skipif(not __import__("fe_megatron.megatron.compat", fromlist=["compat"]).has_hybrid_model(),
+                    reason="megatron-core has no HybridModel here (0.19 on); `make test-newest` runs this test")
+@pytest.mark.parametrize("a, b", [("2,1,0", "1,1,0"), ("2,1,1", "1,1,0"), ("1,2,0", "1,1,0")],
+                         ids=["tp2-tp1", "tp2-sp", "pp2-pp1"])
+def test_hybrid_layouts_with_memory_match_through_resharded_checkpoints(tmp_path, a, b):
+    """The hybrid model with memory (a '*-' pair per GPT layer, memory before the attention of blocks 1 and
+    2): the same losses, sparsity term, gradients and parameters at TP=2 (with and without SP) and PP=2
+    (the memory on both stages) as at one process, within 1e-5."""
+    out = torchrun("check_gpt_parallel.py", "--a", a, "--b", b, "--ckpt", str(tmp_path), "--model", "hybrid")
+    assert "0 failures" in out

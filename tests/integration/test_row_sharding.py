@@ -124,3 +124,19 @@ def test_an_expert_parallel_moe_backbone_trains_beside_row_sharded_tables(small_
     assert fe_eval(["ppl", "--load", runs["rows"], "--data", small_data["subset"]]) != 0
     assert capsys.readouterr().err.count("4 experts per layer (model.num_experts)") == 2
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not __import__("fe_megatron.megatron.compat", fromlist=["compat"]).has_hybrid_model(),
+                    reason="megatron-core has no HybridModel here (0.19 on); `make test-newest` runs this test")
+def test_the_hybrid_model_s_rows_at_dp2_match_its_whole_tables_at_dp1(tmp_path):
+    """The hybrid model with memory (a '*-' pair per GPT layer) at DP=2 with tables row-sharded in stores
+    against DP=1 with whole fp32 tables as parameters: the same losses, gradient norms and parameters
+    after 3 Adam steps, within 1e-5."""
+    torchrun("check_row_sharding.py", "--model", "hybrid", "--tables", "replicated", "--save-init",
+             str(tmp_path / "init"), "--steps", "0:3", "--record", str(tmp_path / "ref.json"), "--save-final",
+             str(tmp_path / "final"), nproc=1)
+    out = torchrun("check_row_sharding.py", "--model", "hybrid", "--tables", "rows", "--init", str(tmp_path / "init"),
+                   "--steps", "0:3", "--compare", str(tmp_path / "ref.json"), "--compare-final",
+                   str(tmp_path / "final"))
+    assert "0 failures" in out
