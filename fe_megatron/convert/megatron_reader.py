@@ -35,6 +35,20 @@ def split_checkpoint_tensor(name: str, tensor: torch.Tensor, backbone: BackboneC
             for part in weights.split(f"decoder.layers.{layer}.{match.group(1)}", tensor[layer], backbone)]
 
 
+def model_weights(folder: str, names: list, writer: str) -> list:
+    """The model weights among a checkpoint's tensor ``names`` (no extra state); a tensor that is no
+    weight of fe_megatron's GPT model is refused (``writer``: the tool whose checkpoints these are)."""
+    kept = []
+    for name in names:
+        if not weights.is_weight(name):
+            continue
+        if weights.hf_names(_one_layer_name(name)) is None:
+            raise ConversionError(f"{folder}: tensor {name!r} is not a weight of fe_megatron's GPT model; "
+                                  f"this checkpoint was not written by {writer}")
+        kept.append(name)
+    return kept
+
+
 # An optimizer's state: "optimizer.", or "chained_<i>.optimizer." where Megatron prefixes each member of
 # its chain (megatron-core 0.19 does for the distributed optimizer's dp_reshardable format)
 OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
@@ -62,15 +76,9 @@ class DistCheckpoint:
 
     def weight_names(self) -> list:
         """The model's weights in the checkpoint (no optimizer state, no extra state)."""
-        names = []
-        for name, meta in self.metadata.items():
-            if OPTIMIZER_STATE.match(name) or not hasattr(meta, "size") or not weights.is_weight(name):
-                continue
-            if weights.hf_names(_one_layer_name(name)) is None:
-                raise ConversionError(f"{self.folder}: tensor {name!r} is not a weight of fe_megatron's GPT model; "
-                                      "this checkpoint was not written by fe-pretrain")
-            names.append(name)
-        return names
+        return model_weights(self.folder, [name for name, meta in self.metadata.items()
+                                           if not OPTIMIZER_STATE.match(name) and hasattr(meta, "size")],
+                             "fe-pretrain")
 
     def shape(self, name: str) -> tuple:
         return tuple(self.metadata[name].size)
@@ -134,15 +142,7 @@ class FsdpDtensorCheckpoint:
         return checkpoint, [parts[key] for key in ("", "w", "v") if key in parts]
 
     def weight_names(self) -> list:
-        names = []
-        for name in self.sources:
-            if not weights.is_weight(name):
-                continue
-            if weights.hf_names(_one_layer_name(name)) is None:
-                raise ConversionError(f"{self.folder}: tensor {name!r} is not a weight of fe_megatron's GPT model; "
-                                      "this checkpoint was not written by fe_megatron")
-            names.append(name)
-        return names
+        return model_weights(self.folder, list(self.sources), "fe_megatron")
 
     def shape(self, name: str) -> tuple:
         checkpoint, stored = self._stored(name)

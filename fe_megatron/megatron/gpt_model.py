@@ -54,15 +54,7 @@ class FactorEngramGPTModel(GPTModel):
                 runtime_gather_output=None, *, memory_indices: Optional[dict] = None, **kwargs):
         extra_block_kwargs = dict(extra_block_kwargs or {})
         if self.stage_memory_layers:
-            if memory_indices is None:
-                if self.config.context_parallel_size > 1:
-                    raise ValueError("with context parallelism the n-grams must be hashed on the full sequence before "
-                                     "the split: pass memory_indices=hash_then_split_for_context_parallel(...)")
-                if input_ids is None:
-                    raise ValueError("this pipeline stage holds memory layers "
-                                     f"{[layer.layer_index for layer in self.stage_memory_layers]} and needs "
-                                     "input_ids (or memory_indices); give token ids to every pipeline stage")
-                memory_indices = self.hasher(input_ids)
+            memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
             if extra_block_kwargs.get("context") is not None:
                 raise ValueError("FactorEngramGPTModel carries the memory indices in the decoder's context argument; "
                                  "extra_block_kwargs['context'] must not be set")

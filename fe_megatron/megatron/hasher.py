@@ -9,6 +9,8 @@ hash before the sequence is split across CP ranks (`hash_then_split_for_context_
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fe_megatron.config import MemoryConfig
@@ -25,6 +27,20 @@ class MicrobatchHasher:
         """``[b, s]`` ids -> ``{layer_index: [s, b, branches]}`` for this stage's memory layers."""
         per_layer = self.hasher.indices_per_layer(input_ids)
         return {layer: indices.transpose(0, 1).contiguous() for layer, indices in per_layer.items()}
+
+    def for_forward(self, input_ids: Optional[torch.Tensor], memory_indices: Optional[dict],
+                    context_parallel_size: int) -> dict:
+        """A model forward's indices: ``memory_indices`` where given, else ``input_ids`` hashed here;
+        refused where that cannot be (a context-parallel split, a stage without token ids)."""
+        if memory_indices is not None:
+            return memory_indices
+        if context_parallel_size > 1:
+            raise ValueError("with context parallelism the n-grams must be hashed on the full sequence before "
+                             "the split: pass memory_indices=hash_then_split_for_context_parallel(...)")
+        if input_ids is None:
+            raise ValueError(f"this pipeline stage holds memory layers {self.layers} and needs input_ids (or "
+                             "memory_indices); give token ids to every pipeline stage")
+        return self(input_ids)
 
 
 def hash_then_split_for_context_parallel(hasher: MicrobatchHasher, input_ids: torch.Tensor, cp_size: int,

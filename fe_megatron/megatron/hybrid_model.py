@@ -146,15 +146,7 @@ class FactorEngramHybridModel(HybridModel):
             raise ValueError("full activation recompute with memory layers in the hybrid model: the recomputation "
                              "would run after later microbatches' forwards, without this microbatch's memory "
                              "inputs; use selective recompute (recompute_granularity='selective')")
-        if memory_indices is None:
-            if self.config.context_parallel_size > 1:
-                raise ValueError("with context parallelism the n-grams must be hashed on the full sequence before "
-                                 "the split: pass memory_indices=hash_then_split_for_context_parallel(...)")
-            if input_ids is None:
-                raise ValueError("this pipeline stage holds memory layers "
-                                 f"{[layer.memory_index for layer in self.stage_memory_layers]} and needs "
-                                 "input_ids (or memory_indices); give token ids to every pipeline stage")
-            memory_indices = self.hasher(input_ids)
+        memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
         branches = {layer.memory_index: layer.memory for layer in self.stage_memory_layers}
         inputs = StageMemoryInputs(start_stage_lookups(branches, {index: memory_indices[index] for index in branches}))
         for layer in self.stage_memory_layers:
