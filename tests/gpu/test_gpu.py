@@ -26,10 +26,10 @@ def test_kernels_build(built):
     require(built)
 
 
-def test_whole_340m_preset_in_bf16_against_its_backbone(checker, target, kernels):
-    """The factorengram-340m preset (Table 8) against the same backbone without memory: step time,
-    tokens/s, and their ratio beside the matmul bound."""
-    require(outcome(checker, "train-bench-340m", lambda: check.train_bench(checker, target, "340m")))
+def test_hybrid_model_with_memory_matches_the_gpt_model(checker, target, kernels):
+    """bench_hybrid.py: HybridModel with a ``*-`` pattern and memory against the GPT model with memory, the
+    same weights: LM losses within 1e-5 in fp32 (5e-3 in bf16), and the tokens/s of each."""
+    require(outcome(checker, "hybrid", lambda: check.hybrid_vs_gpt(checker, target)))
 
 
 def test_pretraining_curves_on_the_gpu_follow_the_cpu_reference(pretrain_runs):
@@ -42,6 +42,12 @@ def test_pretraining_curves_on_the_gpu_follow_the_cpu_reference(pretrain_runs):
 def test_llama3_recipe_trains_in_bf16_and_resumes(checker, target, data, kernels):
     """Megatron-LM's Llama-3 8B recipe with FactorEngram: 2 layers at full width, 2 steps, resumed for a third."""
     require(outcome(checker, "llama3-recipe", lambda: check.llama3_recipe(checker, target, *data)))
+
+
+def test_whole_340m_preset_in_bf16_against_its_backbone(checker, target, kernels):
+    """The factorengram-340m preset (Table 8) against the same backbone without memory: step time,
+    tokens/s, and their ratio beside the matmul bound."""
+    require(outcome(checker, "train-bench-340m", lambda: check.train_bench(checker, target, "340m")))
 
 
 def test_every_table_storage_trains_and_bf16_state_halves_the_bytes(checker, target, kernels):
