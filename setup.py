@@ -126,5 +126,6 @@ setup(
         "fe-eval=fe_megatron.evaluation.cli:main",
         "fe-inspect=fe_megatron.evaluation.inspect:main",
         "fe-megatron-lm-pretrain-gpt=fe_megatron.megatron_lm.pretrain_gpt:main",
+        "fe-megatron-lm-pretrain-hybrid=fe_megatron.megatron_lm.pretrain_hybrid:main",
     ]},
 )

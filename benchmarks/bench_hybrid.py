@@ -2,7 +2,7 @@
 same weights, and the tokens/s of each, in one run.
 
 A pattern of ``*-`` pairs (attention, then MLP) is the GPT layer structure, so with the weights copied
-across (`hybrid_specs.gpt_name_of`) the two models compute the same function. Both go through
+across (`hybrid_pattern.gpt_name_of`) the two models compute the same function. Both go through
 fe-pretrain's Megatron path (DDP, Megatron's optimizer, the pipeline schedule) on the same batches,
 one step of each in turn.
 
@@ -52,7 +52,8 @@ def main():
         raise SystemExit(f"bench_hybrid.py: megatron-core {compat.megatron_core_version()} has no HybridModel; "
                          f"install megatron-core>={compat.HYBRID_MINIMUM} (make setup-newest)")
     from fe_megatron.megatron.hybrid_model import FactorEngramHybridModel
-    from fe_megatron.megatron.hybrid_specs import gpt_name_of, local_hybrid_stack_spec
+    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
+    from fe_megatron.megatron.hybrid_specs import local_hybrid_stack_spec
 
     s = SIZES[args.size]
     backbone = BackboneConfig.from_dict(s["backbone"])

@@ -158,9 +158,52 @@ class FsdpDtensorCheckpoint:
         return torch.cat([checkpoint.load(part) for part in stored]) if len(stored) > 1 else checkpoint.load(stored[0])
 
 
+class HybridAsGpt:
+    """A HybridModel checkpoint (torch_dist) whose ``hybrid_layer_pattern`` is made of ``*-`` pairs, read
+    with `DistCheckpoint`'s methods under the GPT model's names (`fe_megatron.megatron.hybrid_pattern`):
+    layers ``2i`` and ``2i+1`` are GPT layer ``i``. Other patterns have no GPT (Hugging Face) form and are
+    refused by name."""
+
+    def __init__(self, folder: str, pattern: str):
+        from fe_megatron.megatron.hybrid_pattern import gpt_name_of, is_gpt_shaped
+
+        if not is_gpt_shaped(pattern.split("/")[0]):
+            raise ConversionError(f"{folder}: a hybrid model with --hybrid-layer-pattern {pattern!r}; only patterns "
+                                  "of '*-' pairs (attention then MLP: the Llama layer) have a Hugging Face form")
+        self.folder = folder
+        self.checkpoint = DistCheckpoint(folder)
+        self.stored = {}  # {GPT name: stored name}
+        for name, meta in self.checkpoint.metadata.items():
+            if OPTIMIZER_STATE.match(name) or not hasattr(meta, "size") or not weights.is_weight(name):
+                continue
+            try:
+                self.stored[gpt_name_of(name, pattern)] = name
+            except ValueError as error:
+                raise ConversionError(f"{folder}: {error}; this checkpoint is not the hybrid model its run info "
+                                      f"names (pattern {pattern!r})") from None
+
+    def weight_names(self) -> list:
+        return model_weights(self.folder, list(self.stored), "fe_megatron.megatron_lm.pretrain_hybrid")
+
+    def shape(self, name: str) -> tuple:
+        return self.checkpoint.shape(self.stored[name])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.checkpoint.dtype(self.stored[name])
+
+    def load(self, name: str) -> torch.Tensor:
+        return self.checkpoint.load(self.stored[name])
+
+
 def open_checkpoint(folder: str):
     """The reader of a Megatron-engine checkpoint folder: `FsdpDtensorCheckpoint` for Megatron-FSDP's
-    format, else `DistCheckpoint` (torch_dist)."""
+    format, `HybridAsGpt` for a HybridModel's (its run info names a ``hybrid_layer_pattern``), else
+    `DistCheckpoint` (torch_dist)."""
+    from fe_megatron.checkpoint.files import read_run_info
+
+    pattern = (read_run_info(folder) or {}).get("hybrid_layer_pattern")
+    if pattern:
+        return HybridAsGpt(folder, pattern)
     checkpoint = DistCheckpoint(folder)
     if any(_FSDP_MODEL_TENSOR.match(name) for name in checkpoint.metadata):
         return FsdpDtensorCheckpoint(folder)

@@ -458,6 +458,20 @@ def building_gpt_model_as(model_class: Callable):
         gpt.GPTModel = original
 
 
+@contextlib.contextmanager
+def building_hybrid_model_as(model_class: Callable):
+    """Inside the block, Megatron-LM's `HybridModelBuilder.build_model` constructs ``model_class``
+    (called with HybridModel's keyword arguments) where it constructs ``HybridModel``."""
+    from megatron.training.models import hybrid
+
+    original = hybrid.HybridModel
+    hybrid.HybridModel = model_class
+    try:
+        yield
+    finally:
+        hybrid.HybridModel = original
+
+
 def add_trainer_param_group_overrides(overrides: dict) -> None:
     """Megatron-LM's trainer builds its optimizer with ``overrides`` (``{ParamKey:
     ParamGroupOverride}``) added to the standard ones it derives from the arguments
@@ -585,6 +599,46 @@ def repair_fsdp_dtensor_swiglu_lookup() -> None:
 
     handle_below_wrappers.looks_up_below_wrappers = True
     checkpointing.handle_swiglu_in_state_dict = handle_below_wrappers
+
+
+def repair_gpt_to_hybrid_memory_load() -> None:
+    """megatron-core 0.19 loads a GPT checkpoint into a HybridModel run by pointing the hybrid model's
+    sharded state dict at the GPT checkpoint's keys (``gpt_checkpoint_interop``): ``decoder.layers.<i>.X``
+    becomes ``decoder.layers.X`` with GPT layer ``g`` as a prepended axis, the format of a GPT model whose
+    layers are all alike. A GPT model with memory has unlike layers (the memory is on some), so its
+    checkpoints store every layer under its own index, ``decoder.layers.<g>.X``, and upstream's keys miss
+    them all. For a hybrid model with memory the retargeting maps each layer to its GPT layer's own keys
+    instead, the model and the optimizer state alike (``decoder.final_norm`` to ``decoder.final_layernorm``
+    and the local-only ``output_layer._extra_state`` as upstream does)."""
+    from megatron.core.dist_checkpointing import gpt_checkpoint_interop as interop
+
+    if getattr(interop.retarget_sharded_state_dict_to_gpt_checkpoint, "per_layer", False):
+        return
+
+    def retarget_per_layer(sharded_state_dict, layer_maps):
+        def retarget(entry):
+            if not isinstance(entry, interop.ShardedBase):
+                return entry
+            if entry.key.endswith(interop._GPT_OMITTED_LOCAL_KEYS):
+                return interop.LocalNonpersistentObject(entry.data)
+            match = interop._DECODER_LAYER_KEY_RE.search(entry.key)
+            if match is not None:
+                hybrid_layer = int(match.group(1))
+                gpt_layer = layer_maps.attention_to_gpt.get(hybrid_layer, layer_maps.mlp_to_gpt.get(hybrid_layer))
+                if gpt_layer is None:
+                    raise ValueError(f"{entry.key}: hybrid layer {hybrid_layer} has no GPT layer to load from (a "
+                                     "GPT checkpoint with memory loads into '*' and '-' layers only)")
+                entry.key = f"{entry.key[:match.start()]}decoder.layers.{gpt_layer}.{entry.key[match.end():]}"
+                return entry
+            for hybrid_prefix, gpt_prefix in interop._GPT_FINAL_NORM_KEY_MAP.items():
+                if hybrid_prefix in entry.key:
+                    entry.key = entry.key.replace(hybrid_prefix, gpt_prefix, 1)
+            return entry
+
+        interop.dict_list_map_inplace(retarget, sharded_state_dict)
+
+    retarget_per_layer.per_layer = True
+    interop.retarget_sharded_state_dict_to_gpt_checkpoint = retarget_per_layer
 
 
 @contextlib.contextmanager
@@ -774,6 +828,27 @@ def _check_trainer():
 
     _require(inspect.getsource(gpt.GPTModelBuilder.build_model).count("GPTModel(") == 1,
              "megatron.training.models.gpt.GPTModelBuilder.build_model no longer constructs GPTModel by that name")
+    if has_hybrid_model():
+        from megatron.training.models import hybrid
+
+        _require(inspect.getsource(hybrid.HybridModelBuilder.build_model).count("HybridModel(") == 1,
+                 "megatron.training.models.hybrid.HybridModelBuilder.build_model no longer constructs HybridModel by "
+                 "that name")
+        from megatron.core.dist_checkpointing import gpt_checkpoint_interop as interop
+
+        _has_parameters(interop.retarget_sharded_state_dict_to_gpt_checkpoint, ("sharded_state_dict", "layer_maps"),
+                        "gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint")
+        for name in ("_DECODER_LAYER_KEY_RE", "_GPT_FINAL_NORM_KEY_MAP", "_GPT_OMITTED_LOCAL_KEYS", "ShardedBase",
+                     "LocalNonpersistentObject", "dict_list_map_inplace"):
+            _require(hasattr(interop, name), f"gpt_checkpoint_interop.{name} is gone")
+        from megatron.training import checkpointing
+
+        # imported where it is called, so that the repaired function is the one called
+        _require(re.search(r"^\s+from megatron\.core\.dist_checkpointing\.gpt_checkpoint_interop import \(\s*"
+                           r"retarget_sharded_state_dict_to_gpt_checkpoint", inspect.getsource(checkpointing),
+                           re.MULTILINE) is not None,
+                 "megatron.training.checkpointing no longer retargets a hybrid run's state dict at a GPT checkpoint "
+                 "through gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint")
     _require(callable(getattr(training, "get_megatron_optimizer_config", None)),
              "megatron.training.training.get_megatron_optimizer_config is gone")
     _require("get_megatron_optimizer_config(args)" in inspect.getsource(training.setup_model_and_optimizer),

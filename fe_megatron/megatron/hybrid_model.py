@@ -3,8 +3,9 @@ attention of chosen attention (``*``) layers.
 
 Layer numbers. `MemoryConfig.layers` counts transformer blocks, as in the paper ("layers 10 and 12 of
 24") and in the GPT model: the memory of block ``i`` sits before the attention of the pattern's
-``i``-th ``*`` layer (`memory_positions`), and hashes as block ``i`` does in the GPT model, so a
-pattern of ``*-`` pairs is the GPT model with memory, parameter for parameter (`hybrid_specs.gpt_name_of`).
+``i``-th ``*`` layer (`fe_megatron.megatron.hybrid_pattern`: the layer numbers, pipeline stages and
+names of a pattern), and hashes as block ``i`` does in the GPT model, so a pattern of ``*-`` pairs is the
+GPT model with memory, parameter for parameter (`hybrid_pattern.gpt_name_of`).
 
 The memory's inputs. ``HybridStack.forward`` takes no ``context`` (the argument through which the GPT
 model's block hands the memory its token ids), and its full-recompute path passes None for it. So the
@@ -33,7 +34,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.hasher import MicrobatchHasher
-from fe_megatron.megatron.hybrid_specs import ATTENTION
+from fe_megatron.megatron.hybrid_pattern import memory_positions
 from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.sparsity import attach_sparsity_loss, pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import HostsMemory
@@ -52,19 +53,6 @@ class StageMemoryInputs:
             raise RuntimeError(f"no memory inputs for memory layer {layer_index} in this microbatch (it has "
                                f"{sorted(self.lookups)})")
         return self.lookups[layer_index]
-
-
-def memory_positions(pattern: str, memory_layers) -> dict:
-    """``{0-based position in pattern: memory layer index}``: block ``i`` of ``memory_layers`` before the
-    ``i``-th attention (``*``) layer of ``pattern`` (a ``hybrid_layer_pattern``; ``|`` marks pipeline
-    splits and counts no layer)."""
-    layers = pattern.replace("|", "")
-    attention = [position for position, symbol in enumerate(layers) if symbol == ATTENTION]
-    beyond = [index for index in memory_layers if index >= len(attention)]
-    if beyond:
-        raise ValueError(f"memory layers {beyond} (transformer blocks, 0-based): hybrid_layer_pattern {pattern!r} has "
-                         f"{len(attention)} attention ('*') layers, so blocks 0 to {len(attention) - 1}")
-    return {attention[index]: index for index in memory_layers}
 
 
 class MemoryBeforeAttentionLayer(HostsMemory, TransformerLayer):

@@ -8,15 +8,15 @@ same layers from megatron-core's local ones (`fe_megatron.megatron.layer_specs.g
 the project's norm as a module of its own): ``*`` attention, ``-`` MLP, ``E`` MoE. The other kinds
 (Mamba, Gated DeltaNet, MLA, DSA) are not in it yet; `local_pattern_problems` names them.
 
-A ``*-`` pair holds the parameters of one GPT layer under other names (`gpt_name_of`): the
-attention layer the input norm and the attention, the MLP layer the pre-MLP norm and the MLP.
+A ``*-`` pair holds the parameters of one GPT layer under other names
+(`fe_megatron.megatron.hybrid_pattern.gpt_name_of`): the attention layer the input norm and the
+attention, the MLP layer the pre-MLP norm and the MLP.
 
 megatron-core 0.19 and newer (`fe_megatron.megatron.compat.has_hybrid_model`).
 """
 
 from __future__ import annotations
 
-import re
 from typing import Optional
 
 from megatron.core.models.hybrid.hybrid_block import HybridStack
@@ -24,10 +24,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from fe_megatron.megatron.norm import TorchNorm
 
-# hybrid_layer_pattern symbols (megatron.core.models.hybrid.hybrid_layer_allocation.Symbols)
-ATTENTION, MLP, MOE = "*", "-", "E"
-LOCAL_SYMBOLS = {ATTENTION: "attention", MLP: "MLP", MOE: "MoE"}
-NOT_LOCAL = {"M": "Mamba", "G": "Gated DeltaNet", "+": "MLA", "D": "DSA"}
+from fe_megatron.megatron.hybrid_pattern import ATTENTION, KINDS, MLP, MOE
+
+# the layer kinds the local stack builds, and those it does not
+LOCAL_SYMBOLS = {symbol: KINDS[symbol] for symbol in (ATTENTION, MLP, MOE)}
+NOT_LOCAL = {symbol: kind for symbol, kind in KINDS.items() if symbol not in LOCAL_SYMBOLS}
 
 
 class LocalHybridStack(HybridStack):
@@ -53,15 +54,22 @@ def local_hybrid_stack_spec(num_experts: Optional[int] = None, moe_grouped_gemm:
     from fe_megatron.megatron.layer_specs import get_local_layer_spec
 
     gpt = get_local_layer_spec().submodules
+    # the checkpoint names of Transformer Engine's fused norms, as megatron-core's local GPT layer keeps them:
+    # checkpoints then load across the local and Transformer Engine stacks, and from GPT checkpoints
+    norm_names = gpt.sharded_state_dict_keys_map
+    attention_names = {k: v for k, v in norm_names.items() if k.startswith("input_layernorm")}
+    mlp_names = {k: v for k, v in norm_names.items() if k.startswith("pre_mlp_layernorm")}
     layers = dict(
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda)),
+            input_layernorm=gpt.input_layernorm, self_attention=gpt.self_attention, self_attn_bda=gpt.self_attn_bda,
+            sharded_state_dict_keys_map=attention_names)),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda)))
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp, mlp_bda=gpt.mlp_bda,
+            sharded_state_dict_keys_map=mlp_names)))
     if num_experts:
         moe = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=moe, mlp_bda=gpt.mlp_bda))
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=moe, mlp_bda=gpt.mlp_bda))  # no fused norm in TE's MoE
     return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(**layers))
 
 
@@ -71,26 +79,3 @@ def local_pattern_problems(pattern: str) -> list:
     return [f"--hybrid-layer-pattern {pattern!r}: {symbol!r} layers ({kind}) are not in the local hybrid stack, "
             f"which builds {', '.join(repr(s) for s in LOCAL_SYMBOLS)} ({', '.join(LOCAL_SYMBOLS.values())}) "
             "layers without Transformer Engine" for symbol, kind in NOT_LOCAL.items() if symbol in pattern]
-
-
-_HYBRID_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-# what each layer of a '*-' pair holds of a GPT layer (the memory: `fe_megatron.megatron.hybrid_model`)
-_GPT_PARTS = {ATTENTION: ("input_layernorm.", "self_attention.", "memory."), MLP: ("pre_mlp_layernorm.", "mlp.")}
-
-
-def gpt_name_of(name: str, pattern: str) -> str:
-    """The GPT model's name of the hybrid model's parameter ``name`` when ``pattern`` is made of ``*-``
-    pairs (layer ``2i`` and ``2i+1`` are GPT layer ``i``; ``decoder.final_norm`` is
-    ``decoder.final_layernorm``)."""
-    if not re.fullmatch(r"(\*-)+", pattern):
-        raise ValueError(f"hybrid_layer_pattern {pattern!r} is not made of '*-' pairs, the GPT layer structure")
-    if name.startswith("decoder.final_norm."):
-        return "decoder.final_layernorm." + name[len("decoder.final_norm."):]
-    match = _HYBRID_LAYER.match(name)
-    if not match:
-        return name
-    layer, rest = int(match.group(1)), match.group(2)
-    if not rest.startswith(_GPT_PARTS[pattern[layer]]):
-        raise ValueError(f"{name}: layer {layer} is an {LOCAL_SYMBOLS[pattern[layer]]} layer ({pattern[layer]!r}), "
-                         f"which holds no {rest}")
-    return f"decoder.layers.{layer // 2}.{rest}"

@@ -5,6 +5,10 @@ memory configuration comes from a file (``--fe-memory-config``) or a preset (``-
 with neither, the command line trains the stock GPT model. The backbone is the command line's: the
 memory configuration's own ``model:``/``backbone`` section is replaced by the one the Megatron
 arguments describe (`backbone_from_megatron_args`), so a preset fits any model size.
+
+With ``--hybrid-layer-pattern`` (``pretrain_hybrid``) the backbone's layers are the pattern's attention
+layers, the GPT model's blocks, and ``--fe-memory-layers`` takes the pattern's layer numbers, each an
+attention (``*``) layer (`fe_megatron.megatron.hybrid_pattern`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ def add_factorengram_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                        help="the memory branch from a preset (e.g. factorengram-340m, engram-340m)")
     group.add_argument("--fe-memory-layers", default=None, type=int, nargs="+", metavar="INDEX",
                        help="0-based layers that carry the memory branch (overrides the config's layers; the "
-                            "paper's layers 10 and 12 of 24 are 10 12)")
+                            "paper's layers 10 and 12 of 24 are 10 12). With --hybrid-layer-pattern: the pattern's "
+                            "layer numbers (0-based, '|' not counted), each an attention ('*') layer")
     group.add_argument("--fe-table-sharding", default=ParallelArgs.table_sharding, choices=TABLE_SHARDINGS,
                        help="replicated: whole tables on every data-parallel rank; rows: the rows sharded over the "
                             "data-parallel (x context-parallel) ranks, looked up with an all-to-all")
@@ -89,11 +94,21 @@ def uses_memory(args) -> bool:
     return args.fe_memory_config is not None or args.fe_memory_preset is not None
 
 
+def hybrid_pattern_of(args) -> Optional[str]:
+    """The command line's ``--hybrid-layer-pattern`` (None: a GPT model)."""
+    return getattr(args, "hybrid_layer_pattern", None)
+
+
 def backbone_from_megatron_args(args) -> BackboneConfig:
     """The backbone a Megatron-LM command line describes, in fe_megatron's terms (``args`` after
-    megatron.training's validation, which fills ``padded_vocab_size`` and ``ffn_hidden_size``)."""
+    megatron.training's validation, which fills ``padded_vocab_size`` and ``ffn_hidden_size``). A hybrid
+    model's layers are its pattern's attention layers (the GPT model's blocks)."""
+    from fe_megatron.megatron.hybrid_pattern import attention_layers
+
+    pattern = hybrid_pattern_of(args)
+    num_layers = len(attention_layers(pattern)) if pattern else args.num_layers
     return BackboneConfig(
-        vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        vocab_size=args.padded_vocab_size, hidden_size=args.hidden_size, num_layers=num_layers,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
         ffn_hidden_size=args.ffn_hidden_size, seq_length=args.seq_length, init_std=args.init_method_std,
@@ -102,13 +117,19 @@ def backbone_from_megatron_args(args) -> BackboneConfig:
 
 
 def memory_config_from_args(args) -> Optional[MemoryConfig]:
-    """The memory configuration of the command line, on its backbone (None: the stock GPT model)."""
+    """The memory configuration of the command line, on its backbone (None: the stock model). Its
+    ``layers`` are blocks: with ``--hybrid-layer-pattern``, the attention layers ``--fe-memory-layers`` names."""
     if not uses_memory(args):
         return None
     if args.fe_memory_config is not None and args.fe_memory_preset is not None:
         raise ValueError("give --fe-memory-config or --fe-memory-preset, not both")
     overrides = {}
-    if args.fe_memory_layers is not None:
+    pattern = hybrid_pattern_of(args)
+    if args.fe_memory_layers is not None and pattern:
+        from fe_megatron.megatron.hybrid_pattern import memory_blocks_of_layers
+
+        overrides["layers"] = memory_blocks_of_layers(pattern, args.fe_memory_layers)
+    elif args.fe_memory_layers is not None:
         overrides["layers"] = list(args.fe_memory_layers)
     if args.fe_table_dtype is not None:
         overrides["table_dtype"] = args.fe_table_dtype

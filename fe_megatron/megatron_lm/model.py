@@ -1,4 +1,4 @@
-"""The model Megatron-LM's trainer builds: its own GPT builder, with the memory branch added.
+"""The model Megatron-LM's trainer builds: its own GPT or hybrid builder, with the memory branch added.
 
 megatron.training (0.19) builds models from a ``GPTModelConfig`` through the builder class its
 ``builder`` field names. `FactorEngramGPTModelConfig` names `FactorEngramGPTModelBuilder`, which
@@ -9,6 +9,10 @@ virtual stages). Three things change: the layer spec gets the memory branch on t
 layers (`with_memory`); the model is a `FactorEngramGPTModel`, which hashes the token ids once
 per microbatch for those layers; and where the table plan keeps the tables in stores, the built
 model is handed to ``tables_into_stores`` before the trainer wraps it in DDP.
+
+`FactorEngramHybridModelConfig` does the same for ``pretrain_hybrid``: Megatron-LM's `HybridModelBuilder`
+unchanged, but the model is a `FactorEngramHybridModel` (the memory before the attention of the chosen
+attention layers), and where Transformer Engine is missing, the stack is megatron-core's local layers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Callable, Optional
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig, default_layer_spec
+from megatron.training.models.hybrid import HybridModelBuilder, HybridModelConfig
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron import compat
@@ -122,4 +127,63 @@ class FactorEngramGPTModelBuilder(GPTModelBuilder):
                              "FactorEngramGPTModelConfig.tables_into_stores and add the table optimizer to the "
                              "chain, as fe_megatron.megatron_lm.run does (TrainerState.take_tables, "
                              "add_table_member)")
+        return model
+
+
+def hybrid_stack_spec_for(config):
+    """The hybrid stack spec Megatron-LM's builder would use, or, where Transformer Engine is not installed or
+    ``--transformer-impl local`` asks for megatron-core's own layers, the local stack
+    (`fe_megatron.megatron.hybrid_specs.local_hybrid_stack_spec`): megatron-core 0.19's default stack is
+    built from Transformer Engine modules only."""
+    import importlib.util
+
+    from fe_megatron.megatron.hybrid_specs import local_hybrid_stack_spec
+
+    if config.hybrid_stack_spec is not None:
+        return config.hybrid_stack_spec
+    if config.transformer.transformer_impl == "local" or importlib.util.find_spec("transformer_engine") is None:
+        return local_hybrid_stack_spec(num_experts=config.transformer.num_moe_experts,
+                                       moe_grouped_gemm=config.transformer.moe_grouped_gemm)
+    return None  # Megatron-LM's default
+
+
+@dataclasses.dataclass(kw_only=True)
+class FactorEngramHybridModelConfig(HybridModelConfig):
+    """Megatron-LM's hybrid model configuration plus the memory branch (``memory_config``, whose layers are
+    blocks: the pattern's attention layers; None: the stock hybrid model) and where its tables live, as
+    `FactorEngramGPTModelConfig` for the GPT model."""
+
+    builder = "fe_megatron.megatron_lm.model.FactorEngramHybridModelBuilder"
+    memory_config: Optional[MemoryConfig] = None
+    table_sharding: str = "replicated"
+    tables_into_stores: Optional[Callable] = None
+
+
+class FactorEngramHybridModelBuilder(HybridModelBuilder):
+    """`HybridModelBuilder` whose model is `FactorEngramHybridModel` (the memory before the attention of the
+    chosen attention layers; `compat.building_hybrid_model_as`), on megatron-core's local layers where
+    Transformer Engine is missing (`hybrid_stack_spec_for`); without a memory configuration, the stock
+    HybridModel on that stack."""
+
+    def __init__(self, model_config: FactorEngramHybridModelConfig):
+        spec = hybrid_stack_spec_for(model_config)
+        if spec is not None:
+            model_config = dataclasses.replace(model_config, hybrid_stack_spec=spec)
+        super().__init__(model_config)
+
+    def build_model(self, pg_collection, pre_process=None, post_process=None, vp_stage=None):
+        from fe_megatron.megatron.hybrid_model import FactorEngramHybridModel
+
+        config = self._model_config
+        if config.memory_config is None:
+            return super().build_model(pg_collection, pre_process, post_process, vp_stage)
+        model_class = functools.partial(FactorEngramHybridModel, memory_config=config.memory_config,
+                                        table_sharding=config.table_sharding)
+        with compat.building_hybrid_model_as(model_class):
+            model = super().build_model(pg_collection, pre_process, post_process, vp_stage)
+        if config.tables_into_stores is not None:
+            config.tables_into_stores(model)
+        elif config.table_sharding == "rows":
+            raise ValueError("table_sharding='rows' needs the tables in stores before DDP wraps the model: set "
+                             "FactorEngramHybridModelConfig.tables_into_stores, as fe_megatron.megatron_lm.run does")
         return model

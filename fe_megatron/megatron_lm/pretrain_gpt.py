@@ -33,14 +33,19 @@ import sys
 from typing import Optional
 
 
-def _needs_trainer() -> Optional[str]:
-    """Why Megatron-LM's trainer cannot run here (None: it can)."""
+def _needs_trainer(family: str = "gpt") -> Optional[str]:
+    """Why Megatron-LM's trainer (and, for ``family`` ``hybrid``, megatron-core's HybridModel) cannot run
+    here (None: it can)."""
     try:
         from fe_megatron.megatron import compat
     except ImportError as error:
         return f"megatron-core is not installed ({error}); pip install 'megatron-core>=0.19,<0.20'"
-    if compat.has_megatron_lm_trainer():
+    if compat.has_megatron_lm_trainer() and (family != "hybrid" or compat.has_hybrid_model()):
         return None
+    if family == "hybrid" and compat.has_megatron_lm_trainer():
+        return (f"fe_megatron.megatron_lm.pretrain_hybrid builds megatron-core's HybridModel, which megatron-core "
+                f"{compat.HYBRID_MINIMUM} and newer ship; megatron-core {compat.megatron_core_version()} is "
+                f"installed here. Install megatron-core>={compat.HYBRID_MINIMUM},<0.20")
     return (f"fe_megatron.megatron_lm runs Megatron-LM's trainer (megatron.training) as megatron-core "
             f"{compat.TRAINER_MINIMUM} and newer ship it; megatron-core {compat.megatron_core_version()} is "
             f"installed here. Install megatron-core>={compat.TRAINER_MINIMUM},<0.20 (Python 3.12; `make "
@@ -49,6 +54,11 @@ def _needs_trainer() -> Optional[str]:
 
 
 def main(argv: Optional[list] = None) -> int:
+    return start(argv, "gpt")
+
+
+def start(argv: Optional[list], family: str) -> int:
+    """The drop-in of Megatron-LM's ``pretrain_<family>.py`` (``gpt`` or ``hybrid``) on ``argv``."""
     # as fe-pretrain and Megatron-LM's launch scripts set it (ordered tensor-parallel communication); a
     # value the user set is kept. Not for Megatron-FSDP, which refuses 1 (its recipe unsets it)
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -56,13 +66,13 @@ def main(argv: Optional[list] = None) -> int:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if not faulthandler.is_enabled():  # a crash in native code prints every thread's Python stack
         faulthandler.enable()
-    problem = _needs_trainer()
+    problem = _needs_trainer(family)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     from fe_megatron.megatron_lm.run import run
 
-    return run(argv)
+    return run(argv, family)
 
 
 if __name__ == "__main__":

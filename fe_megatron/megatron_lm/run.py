@@ -1,5 +1,6 @@
-"""``megatron.training.pretrain`` with the memory branch: what ``pretrain_gpt.py``'s main does, plus
-the FactorEngram pieces (see `fe_megatron.megatron_lm.pretrain_gpt`)."""
+"""``megatron.training.pretrain`` with the memory branch: what ``pretrain_gpt.py``'s and
+``pretrain_hybrid.py``'s mains do, plus the FactorEngram pieces (see `fe_megatron.megatron_lm.pretrain_gpt`
+and `fe_megatron.megatron_lm.pretrain_hybrid`). ``family`` names the model: ``gpt`` or ``hybrid``."""
 
 from __future__ import annotations
 
@@ -19,7 +20,13 @@ NOT_CARRIED = {"sft": "--sft", "fim_data": "--fim-data", "hybrid_context_paralle
                "dataloader_inter_document_masking": "--dataloader-inter-document-masking"}
 
 
-def run(argv: list) -> int:
+FAMILIES = {"gpt": "pretrain_gpt", "hybrid": "pretrain_hybrid"}
+MISSING_PATTERN = ("--hybrid-layer-pattern is missing: fe_megatron.megatron_lm.pretrain_hybrid builds megatron-core's "
+                   "HybridModel from a layer pattern (e.g. '*-*-*-*-' for four GPT layers; the deprecated "
+                   "--hybrid-attention-ratio/--hybrid-mlp-ratio are not taken)")
+
+
+def run(argv: list, family: str = "gpt") -> int:
     on_host = set_up_host()
     from megatron.training.arguments import parse_and_validate_args
 
@@ -27,6 +34,9 @@ def run(argv: list) -> int:
     from fe_megatron.megatron_lm.arguments import add_factorengram_arguments
 
     unknown = unknown_options(argv)
+    if family == "hybrid" and not any(token.split("=", 1)[0] in ("--hybrid-layer-pattern", "--hybrid-override-pattern")
+                                      for token in argv):  # before megatron.training's validation asks for layers
+        unknown.append(MISSING_PATTERN)
     if unknown:
         return refuse_arguments(unknown, rank=int(os.environ.get("RANK", "0")))
     sys.argv = [sys.argv[0]] + list(argv)  # megatron.training's parser reads sys.argv
@@ -35,7 +45,7 @@ def run(argv: list) -> int:
         args = parse_and_validate_args(extra_args_provider=add_factorengram_arguments,
                                        args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     try:
-        model_config, state = prepare_trainer(args, on_host)
+        model_config, state = prepare_trainer(args, on_host, family)
     except ArgumentsRefused as refused:
         return refuse_arguments(refused.problems, args.rank)
     compat.print_argument_dump(held_dump)
@@ -64,9 +74,10 @@ class ArgumentsRefused(ValueError):
         self.problems = problems
 
 
-def prepare_trainer(args, on_host: bool):
-    """``(model_config, state)``: Megatron-LM's GPT model configuration for ``args`` (validated
-    arguments, with the ``--fe-*`` ones), with the memory branch where they ask for it, and the
+def prepare_trainer(args, on_host: bool, family: str = "gpt"):
+    """``(model_config, state)``: Megatron-LM's model configuration of ``family`` (``gpt`` or ``hybrid``)
+    for ``args`` (validated arguments, with the ``--fe-*`` ones), with the memory branch where they ask
+    for it, and the
     `TrainerState` the trainer's callbacks share; megatron.training's hooks (the table member of the
     optimizer chain, the log entries, the checkpoint seal, the loader on torch's Adam) are installed.
     Raises `ArgumentsRefused` with everything the run cannot honor (`start_up_check`)."""
@@ -74,7 +85,7 @@ def prepare_trainer(args, on_host: bool):
 
     from fe_megatron.megatron import compat
 
-    checked = start_up_check(args, on_host)
+    checked = start_up_check(args, on_host, family)
     if checked.problems:
         raise ArgumentsRefused(checked.problems)
     memory, config, plan = checked.memory, checked.config, checked.plan
@@ -82,7 +93,20 @@ def prepare_trainer(args, on_host: bool):
         if plan is not None:
             print(f"fe_megatron: {plan.describe()}", flush=True)
         print(f"fe_megatron: {conversion_notice(args)}", flush=True)
-    if memory is None:
+    if family == "hybrid":
+        from megatron.training.argument_utils import hybrid_config_from_args
+
+        from fe_megatron.megatron_lm.model import FactorEngramHybridModelConfig
+
+        # always the project's class: its builder takes megatron-core's local layers where Transformer Engine
+        # is missing, which the stock builder cannot
+        model_config = hybrid_config_from_args(args, model_config_cls=FactorEngramHybridModelConfig)
+        if memory is not None:
+            compat.add_trainer_param_group_overrides(_table_group_overrides(args))
+            compat.repair_gpt_to_hybrid_memory_load()  # a GPT checkpoint with memory loads into this model
+            model_config.memory_config = memory
+            model_config.table_sharding = args.fe_table_sharding
+    elif memory is None:
         model_config = gpt_config_from_args(args)
         if on_host and args.sequence_parallel:  # megatron's torch norm refuses SP: the project's norm takes it
             from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
@@ -95,7 +119,7 @@ def prepare_trainer(args, on_host: bool):
         model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
         model_config.memory_config = memory
         model_config.table_sharding = args.fe_table_sharding
-    state = TrainerState(args, memory, config, plan)
+    state = TrainerState(args, memory, config, plan, family)
     if memory is not None and state.plan.in_stores:
         # as fe-pretrain's Megatron engine: the tables move into stores before the trainer wraps the model in
         # DDP, and the table optimizer joins the chain the trainer builds
@@ -144,7 +168,7 @@ class StartUpCheck:
     plan: object = None
 
 
-def start_up_check(args, on_host: bool) -> StartUpCheck:
+def start_up_check(args, on_host: bool, family: str = "gpt") -> StartUpCheck:
     """The one check before training: all of what `StartUpCheck` lists, gathered in one pass, so that
     a command line is corrected once rather than one failure at a time."""
     from fe_megatron.megatron_lm.arguments import memory_config_from_args, refused_on_this_host
@@ -152,7 +176,8 @@ def start_up_check(args, on_host: bool) -> StartUpCheck:
     checked = StartUpCheck()
     problems = checked.problems
     problems += refused_on_this_host(args, has_cuda=not on_host)
-    problems += [f"{flag}: not carried over from Megatron-LM's pretrain_gpt.py; use that script for it"
+    problems += family_problems(args, family)
+    problems += [f"{flag}: not carried over from Megatron-LM's {FAMILIES[family]}.py; use that script for it"
                  for name, flag in NOT_CARRIED.items() if getattr(args, name, False)]
     problems += data_problems(args)
     try:
@@ -166,19 +191,78 @@ def start_up_check(args, on_host: bool) -> StartUpCheck:
     from fe_megatron.megatron_lm.run_info import train_config_of
 
     memory_problems = refused_combinations(args, checked.memory)
+    if family == "hybrid":
+        memory_problems += refused_in_hybrid(args, checked.memory)
     if not memory_problems:
         try:
             checked.config = train_config_of(args, checked.memory)
         except ValueError as error:  # the run in fe-pretrain's terms fails its checks (ConfigError)
             memory_problems.append(str(error))
         else:
-            checked.plan = table_plan_of(checked.config, fsdp=getattr(args, "use_megatron_fsdp", False))
+            checked.plan = table_plan_of(checked.config, fsdp=getattr(args, "use_megatron_fsdp", False),
+                                         stage_without_memory=bool(stages_without_memory_of(args, checked.memory)))
     if checked.plan is not None and checked.plan.in_stores:
         memory_problems += refused_with_stores(args)
     if not memory_problems and args.load is not None:
         memory_problems += refused_resume(args, checked.plan)
     problems += memory_problems
     return checked
+
+
+def family_problems(args, family: str) -> list:
+    """A GPT command line with a hybrid pattern, or a hybrid one without one, or with layers the stack it
+    will be built on cannot build."""
+    from fe_megatron.megatron_lm.arguments import hybrid_pattern_of
+
+    pattern = hybrid_pattern_of(args)
+    if family == "gpt":
+        return ["--hybrid-layer-pattern: a hybrid model; train it with fe_megatron.megatron_lm.pretrain_hybrid"] \
+            if pattern else []
+    if not pattern:
+        return [MISSING_PATTERN]
+    import importlib.util
+
+    from fe_megatron.megatron.hybrid_specs import local_pattern_problems
+
+    if args.transformer_impl == "local" or importlib.util.find_spec("transformer_engine") is None:
+        return [problem + " (--transformer-impl local, or no Transformer Engine here)"
+                for problem in local_pattern_problems(pattern.split("/")[0])]
+    return []
+
+
+def refused_in_hybrid(args, memory) -> list:
+    """What the memory cannot do in the hybrid model yet: each entry names the argument and what to do."""
+    from fe_megatron.megatron_lm.arguments import hybrid_pattern_of
+
+    refused = []
+    if "/" in hybrid_pattern_of(args):
+        refused.append(f"--hybrid-layer-pattern {hybrid_pattern_of(args)!r}: multi-token prediction layers ('/') "
+                       "are not supported with memory layers; drop the '/' part")
+    if args.recompute_granularity == "full":
+        refused.append("--recompute-granularity full with memory layers in the hybrid model: the recomputation "
+                       "would run after later microbatches' forwards, without this microbatch's memory inputs; use "
+                       "--recompute-granularity selective, or fe_megatron.megatron_lm.pretrain_gpt")
+    if memory.placement != "before_attn":
+        refused.append(f"placement={memory.placement!r} (--fe-memory-config): the hybrid model places the memory "
+                       "before the attention of its attention layers ('before_attn'); the FFN placements are "
+                       "in the GPT model (pretrain_gpt)")
+    return refused
+
+
+def stages_without_memory_of(args, memory) -> set:
+    """The pipeline stages that hold no memory layer: the GPT model's even split of its blocks, or the hybrid
+    pattern's segments."""
+    from fe_megatron.megatron_lm.arguments import hybrid_pattern_of
+    from fe_megatron.memory.sharding import stages_without_memory
+
+    pattern = hybrid_pattern_of(args)
+    if pattern:
+        from fe_megatron.megatron import hybrid_pattern
+
+        return hybrid_pattern.stages_without_memory(
+            pattern.split("/")[0], memory.layers, args.pipeline_model_parallel_size,
+            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    return stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size)
 
 
 def data_problems(args) -> list:
@@ -275,14 +359,18 @@ def refuse_arguments(problems: list, rank: int) -> int:
     return 2
 
 
-def table_plan_of(config, fsdp: bool = False):
+def table_plan_of(config, fsdp: bool = False, stage_without_memory: bool = None):
     """The `TablePlan` of ``config`` (the run in fe-pretrain's terms), by the rules of fe-pretrain's
-    Megatron engine; ``fsdp``: the backbone is under Megatron-FSDP (``--use-megatron-fsdp``)."""
+    Megatron engine; ``fsdp``: the backbone is under Megatron-FSDP (``--use-megatron-fsdp``);
+    ``stage_without_memory``: whether a pipeline stage holds no memory layer (None: as the GPT model splits
+    ``config``'s blocks)."""
     from fe_megatron.memory.sharding import stages_without_memory
     from fe_megatron.tables.plan import TablePlan
 
-    stage_without = bool(stages_without_memory(config.memory.layers, config.model.num_layers,
-                                               config.parallel.pipeline))
+    stage_without = stage_without_memory
+    if stage_without is None:
+        stage_without = bool(stages_without_memory(config.memory.layers, config.model.num_layers,
+                                                   config.parallel.pipeline))
     return TablePlan.for_run(config, bf16_run=config.training.precision == "bf16",
                              stage_without_memory=stage_without, sharded_backbone=fsdp)
 
@@ -321,8 +409,9 @@ class TrainerState:
     """What the trainer's callbacks share: the arguments, the memory configuration, this rank's
     model chunks (known once Megatron-LM has built them), and the run info its checkpoints carry."""
 
-    def __init__(self, args, memory, config=None, plan=None):
+    def __init__(self, args, memory, config=None, plan=None, family: str = "gpt"):
         self.args = args
+        self.family = family  # the model: "gpt" or "hybrid" (`FAMILIES`)
         self.memory = memory
         self.config = config  # the run in fe-pretrain's terms (`train_config_of`); None without memory
         self.plan = plan  # who trains the tables (`table_plan_of`); None without memory
@@ -338,11 +427,7 @@ class TrainerState:
     def stage_holds_memory(self) -> bool:
         from megatron.core import mpu
 
-        from fe_megatron.memory.sharding import stages_without_memory
-
-        without = stages_without_memory(self.memory.layers, self.args.num_layers,
-                                        self.args.pipeline_model_parallel_size)
-        return mpu.get_pipeline_model_parallel_rank() not in without
+        return mpu.get_pipeline_model_parallel_rank() not in stages_without_memory_of(self.args, self.memory)
 
     def take_tables(self, model) -> None:
         """Move this stage's tables into stores, as the plan says (before the trainer wraps ``model``)."""

@@ -20,6 +20,11 @@ def hf_conversion_problems(args) -> list:
         "no --multi-latent-attention": not args.multi_latent_attention,
         "no --use-rope-scaling": not args.use_rope_scaling,
     }
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern:
+        from fe_megatron.megatron.hybrid_pattern import is_gpt_shaped
+
+        checks["a --hybrid-layer-pattern of '*-' pairs (the Llama layer)"] = is_gpt_shaped(pattern.split("/")[0])
     return [flag for flag, holds in checks.items() if not holds]
 
 
@@ -62,6 +67,9 @@ def run_info_of(args, config: TrainConfig, plan=None, world_size: int = None) ->
 
     info = run_info(config, args.data_parallel_size, world_size=world_size)
     info["trainer"] = "megatron-lm"
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern:  # a HybridModel's checkpoint: its tensors are named by the pattern's layers
+        info["hybrid_layer_pattern"] = pattern
     if plan is not None:
         info["tables"] = plan.mode
     problems = hf_conversion_problems(args)

@@ -304,8 +304,8 @@ def table_storage(c: Checker, t: Target) -> dict:
 
 
 # HybridModel against the GPT model, both with memory and the same weights: fp32 is the same function in
-# other module wrappers (the same kernels in the same order, identical on an H200); bf16 rounds the residual
-# adds of its two layers per GPT layer otherwise: 2.1e-3 apart after 11 Adam steps on an H200 (RESULTS.md)
+# other module wrappers (the same kernels in the same order, identical on an H200); bf16 parts by rounding
+# (which operation rounds otherwise is not established): 2.1e-3 apart after 11 Adam steps on an H200
 HYBRID_FP32_ATOL = 1e-5
 HYBRID_BF16_ATOL = 5e-3
 

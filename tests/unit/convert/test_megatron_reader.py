@@ -47,3 +47,28 @@ def test_a_torch_dist_checkpoint_keeps_its_reader_and_a_lone_swiglu_half_is_refu
     save(half, {"model.module.decoder.layers.0.mlp.linear_fc1.weight_w": torch.randn(6, 4)})
     with pytest.raises(ConversionError, match=r"linear_fc1.weight is stored as \['w'\]"):
         open_checkpoint(half)
+
+
+def test_a_hybrid_checkpoint_of_pairs_reads_under_the_gpt_names_and_other_patterns_are_refused(tmp_path):
+    """A HybridModel checkpoint whose run info names a pattern of '*-' pairs reads as the GPT model: layers 2i
+    and 2i+1 are GPT layer i (`fe_megatron.megatron.hybrid_pattern`)."""
+    import json
+
+    from fe_megatron.checkpoint.files import RUN_INFO
+    from fe_megatron.convert.megatron_reader import HybridAsGpt
+
+    qkv, fc2, norm = torch.randn(12, 4), torch.randn(4, 8), torch.randn(4)
+    folder = str(tmp_path / "iter_0000001")
+    save(folder, {"decoder.layers.2.self_attention.linear_qkv.weight": qkv, "decoder.layers.3.mlp.linear_fc2.weight": fc2,
+                  "decoder.final_norm.weight": norm, "optimizer.state.exp_avg.decoder.final_norm.weight": norm})
+    with open(os.path.join(folder, RUN_INFO), "w") as fh:
+        json.dump({"hybrid_layer_pattern": "*-|*-"}, fh)
+    checkpoint = open_checkpoint(folder)
+    assert isinstance(checkpoint, HybridAsGpt)
+    assert sorted(checkpoint.weight_names()) == ["decoder.final_layernorm.weight",
+                                                 "decoder.layers.1.mlp.linear_fc2.weight",
+                                                 "decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert torch.equal(checkpoint.load("decoder.layers.1.mlp.linear_fc2.weight"), fc2)
+    assert checkpoint.shape("decoder.layers.1.self_attention.linear_qkv.weight") == (12, 4)
+    with pytest.raises(ConversionError, match=r"--hybrid-layer-pattern '\*E\*E'; only patterns of '\*-' pairs"):
+        HybridAsGpt(folder, "*E*E")

@@ -26,7 +26,7 @@ def hybrid_with_memory(memory_config, pattern=PATTERN, **overrides):
 
 
 def test_a_pattern_of_pairs_with_memory_is_the_gpt_model_with_memory(megatron_world):
-    from fe_megatron.megatron.hybrid_specs import gpt_name_of
+    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
     from tests.helpers.configs import tiny_memory_config
     from tests.helpers.megatron import batches, build
 
@@ -62,7 +62,7 @@ def test_a_pattern_of_pairs_with_memory_is_the_gpt_model_with_memory(megatron_wo
 
 
 def test_the_memory_inputs_are_the_forward_s_and_what_it_cannot_run_beside_is_refused(megatron_world):
-    from fe_megatron.megatron.hybrid_model import memory_positions
+    from fe_megatron.megatron.hybrid_pattern import memory_positions
     from tests.helpers.configs import tiny_memory_config
     from tests.helpers.megatron import batches
 

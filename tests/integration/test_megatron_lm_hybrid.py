@@ -1,0 +1,119 @@
+"""Megatron-LM's ``pretrain_hybrid.py`` with FactorEngram (`fe_megatron.megatron_lm.pretrain_hybrid`):
+megatron-core's HybridModel, the memory before the attention of chosen attention layers.
+
+A pattern of ``*-`` pairs is the GPT layer structure. A GPT+memory checkpoint of `pretrain_gpt` resumes
+as hybrid+memory (megatron-core's GPT checkpoint interop, with the memory's layers kept layer by layer):
+at one process the next losses are the GPT run's within 1e-6, at PP=2 with memory on the second stage only
+they follow it, and the hybrid checkpoint converts to the same Hugging Face model as the GPT one. What
+the hybrid model cannot do with memory is refused at start-up, by name. Runs on the newest stack.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from fe_megatron.megatron import compat
+from tests.helpers.megatron_lm import STEPS, launch, losses, megatron_lm_arguments, memory_yaml
+
+pytestmark = pytest.mark.skipif(not (compat.has_megatron_lm_trainer() and compat.has_hybrid_model()), reason=(
+    f"megatron-core {compat.megatron_core_version()} has no Megatron-LM trainer with HybridModel "
+    f"({compat.HYBRID_MINIMUM} on); `make test-newest` runs these tests"))
+
+PATTERN = "*-*-*-*-"  # the four GPT layers of megatron_lm_arguments
+
+
+def hybrid_arguments(data, save, memory, *extra):
+    """`megatron_lm_arguments`' command line as pretrain_hybrid.py takes it: the pattern instead of
+    --num-layers."""
+    arguments = megatron_lm_arguments(data, save, memory)
+    at = arguments.index("--num-layers")
+    return arguments[:at] + arguments[at + 2:] + list(extra)
+
+
+def resumable_copy(save: str, step: int, folder: str) -> str:
+    """A run directory holding only ``save``'s step-``step`` checkpoint."""
+    name = f"iter_{step:07d}"
+    shutil.copytree(os.path.join(save, name), os.path.join(folder, name))
+    with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(step))
+    return folder
+
+
+def hf_logits(save: str, out: str, tokens) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    from fe_megatron.convert.to_hf import mcore_to_hf
+
+    model = AutoModelForCausalLM.from_pretrained(mcore_to_hf(save, out), trust_remote_code=True).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_a_gpt_checkpoint_with_memory_resumes_as_the_hybrid_model_and_converts_alike(small_data, tmp_path):
+    memory = memory_yaml(tmp_path, layers=[2, 3])  # blocks 2 and 3: both on the second of two stages
+    gpt = str(tmp_path / "gpt")
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, gpt, memory)], nproc=1)
+    curve = losses(gpt)
+
+    # one process: the same next losses (bit for bit at most steps; 5e-7 was seen at one)
+    hybrid = resumable_copy(gpt, 6, str(tmp_path / "hybrid"))
+    launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
+        small_data, hybrid, memory, "--hybrid-layer-pattern", PATTERN, "--load", hybrid)], nproc=1)
+    after = losses(hybrid)
+    assert sorted(after) == list(range(7, STEPS + 1)), sorted(after)
+    assert max(abs(after[step][i] - curve[step][i]) for step in after for i in (0, 1)) < 1e-6, (after, curve)
+
+    # PP=2, the memory by the pattern's layer numbers (4 and 6: blocks 2 and 3), on the second stage only
+    staged = resumable_copy(gpt, 6, str(tmp_path / "staged"))
+    launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
+        small_data, staged, memory, "--hybrid-layer-pattern", "*-*-|*-*-", "--pipeline-model-parallel-size", "2",
+        "--fe-memory-layers", "4", "6", "--load", staged)], nproc=2)
+    piped = losses(staged)
+    assert sorted(piped) == list(range(7, STEPS + 1)), sorted(piped)
+    assert max(abs(piped[step][0] - curve[step][0]) for step in piped) < 1e-5, (piped, curve)
+    assert max(abs(piped[step][1] - curve[step][1]) for step in piped) < 1e-6, (piped, curve)
+
+    # the hybrid run's step-12 checkpoint converts to the Hugging Face model the GPT run's does (the six steps
+    # since the GPT checkpoint moved the logits apart by 3.6e-7)
+    tokens = torch.randint(0, 512, (2, 48))
+    difference = (hf_logits(hybrid, str(tmp_path / "hybrid_hf"), tokens) -
+                  hf_logits(gpt, str(tmp_path / "gpt_hf"), tokens)).abs().max()
+    assert difference < 1e-5, difference
+
+
+def test_what_the_hybrid_model_cannot_do_with_memory_is_refused_at_start_up(small_data, tmp_path):
+    memory = memory_yaml(tmp_path)
+    save = str(tmp_path / "run")
+    proc = launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
+        small_data, save, memory, "--hybrid-layer-pattern", "*-M*-", "--fe-memory-layers", "1", "3")],
+        nproc=1, expect_ok=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    for problem in ("'M' layers (Mamba) are not in the local hybrid stack",
+                    "--fe-memory-layers 1 3 with --hybrid-layer-pattern '*-M*-': layer 1 is '-' (MLP): the memory goes "
+                    "before the attention of an attention layer. Its attention ('*') layers are [0, 3]"):
+        assert problem in proc.stderr, (problem, proc.stderr[-3000:])
+    # MLA (megatron-core refuses '*' beside it): no local layers, and no memory before it yet
+    proc = launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
+        small_data, save, memory, "--hybrid-layer-pattern", "+-+-", "--fe-memory-layers", "2")],
+        nproc=1, expect_ok=False)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    for problem in ("'+' layers (MLA) are not in the local hybrid stack",
+                    "layer 2 is '+' (MLA): memory before MLA attention is not supported yet"):
+        assert problem in proc.stderr, (problem, proc.stderr[-3000:])
+
+    proc = launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
+        small_data, save, memory, "--hybrid-layer-pattern", PATTERN, "--recompute-granularity", "full",
+        "--recompute-method", "uniform", "--recompute-num-layers", "1")], nproc=1, expect_ok=False)
+    assert proc.returncode != 0 and "  - --recompute-granularity full with memory layers in the hybrid model" in \
+        proc.stderr, proc.stderr[-3000:]
+
+    proc = launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(small_data, save, memory)], nproc=1,
+                  expect_ok=False)
+    assert proc.returncode != 0 and "  - --hybrid-layer-pattern is missing" in proc.stderr, proc.stderr[-3000:]
+    proc = launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, save, memory),
+                   "--hybrid-layer-pattern", PATTERN], nproc=1, expect_ok=False)
+    assert proc.returncode != 0 and "  - --hybrid-layer-pattern: a hybrid model; train it with " \
+        "fe_megatron.megatron_lm.pretrain_hybrid" in proc.stderr, proc.stderr[-3000:]
+    assert not os.path.exists(os.path.join(save, "iter_0000001"))
