@@ -13,8 +13,15 @@ model owns the inputs: once per microbatch its forward hashes the token ids, sta
 (`fe_megatron.memory.branch.start_stage_lookups`: one row exchange for every row-sharded layer of the
 stage) and hands the result, a `StageMemoryInputs`, to this stage's memory layers for the length of
 that forward. A layer reads it in its own forward, so microbatches of an interleaved pipeline schedule
-never share one. Full recompute would run a layer again in backward, after later microbatches' forwards:
-it is refused with memory until the inputs travel with the recomputation.
+never share one.
+
+Full recompute runs a layer twice: inside the checkpoint's forward (grad disabled), and again in backward,
+after later microbatches' forwards may have run. There the model hands the layers the hashed addresses
+rather than started lookups (a started lookup is read once), and each memory layer queues the addresses of
+every checkpointed forward and takes the oldest in each recomputation: Megatron's schedules run the
+backwards of a stage's microbatches in the order of their forwards (one model chunk per stage, as the
+memory requires), so the queue hands each recomputation its own microbatch's addresses. The lookup, and
+with row-sharded tables its row exchange, runs again there, as in the GPT model.
 
 A memory layer (`MemoryBeforeAttentionLayer`) is megatron-core's attention layer plus the branch: it
 adds the branch's output to its input (Eq. 11) and calls ``TransformerLayer``'s public ``forward``. Its
@@ -24,6 +31,7 @@ under ``decoder.layers.<position in the pattern>.memory.``.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Optional
 
@@ -69,17 +77,30 @@ class MemoryBeforeAttentionLayer(HostsMemory, TransformerLayer):
             self.memory = build_memory_branch(config, memory_config, self.memory_index, self.tp_group, table_sharding)
         self.tracked_sparsity_loss: list = []
         self.memory_inputs: Optional[StageMemoryInputs] = None  # this microbatch's, set by the model's forward
+        # under full recompute: the addresses of checkpointed forwards whose recomputation is still to come
+        self.pending_recomputations: collections.deque = collections.deque()
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if self.memory is None:
             return super().forward(hidden_states, *args, **kwargs)
-        if self.memory_inputs is None:
-            raise RuntimeError(f"the memory layer before attention layer {self.layer_number - 1} (0-based) got no "
-                               "memory inputs: run it inside FactorEngramHybridModel.forward, with input_ids (or "
-                               "memory_indices) on every pipeline stage")
-        memory_out, aux_loss = self._memory(hidden_states, self.memory_inputs.of(self.memory_index))
+        memory_out, aux_loss = self._memory(hidden_states, self._this_call_s_lookup())
         output, context = super().forward(hidden_states + memory_out, *args, **kwargs)  # Eq. 11
         return attach_sparsity_loss(output, aux_loss), context
+
+    def _this_call_s_lookup(self):
+        """The memory inputs of this call: the model's for this forward, or, in a full recompute's
+        recomputation (in backward, no model forward running), those its checkpointed forward queued."""
+        recomputing_fully = self.config.recompute_granularity == "full" and self.training
+        if self.memory_inputs is not None:
+            lookup = self.memory_inputs.of(self.memory_index)
+            if recomputing_fully and not torch.is_grad_enabled():  # the checkpoint's forward: recomputed later
+                self.pending_recomputations.append(lookup)
+            return lookup
+        if recomputing_fully and torch.is_grad_enabled() and self.pending_recomputations:
+            return self.pending_recomputations.popleft()
+        raise RuntimeError(f"the memory layer before attention layer {self.layer_number - 1} (0-based) got no "
+                           "memory inputs: run it inside FactorEngramHybridModel.forward, with input_ids (or "
+                           "memory_indices) on every pipeline stage")
 
 
 def with_memory_before_attention(stack_spec: ModuleSpec, memory_config: MemoryConfig, pattern: str,
@@ -130,13 +151,13 @@ class FactorEngramHybridModel(HybridModel):
                 **kwargs):
         if not self.stage_memory_layers:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
-        if self.config.recompute_granularity == "full" and self.training:
-            raise ValueError("full activation recompute with memory layers in the hybrid model: the recomputation "
-                             "would run after later microbatches' forwards, without this microbatch's memory "
-                             "inputs; use selective recompute (recompute_granularity='selective')")
         memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
         branches = {layer.memory_index: layer.memory for layer in self.stage_memory_layers}
-        inputs = StageMemoryInputs(start_stage_lookups(branches, {index: memory_indices[index] for index in branches}))
+        addresses = {index: memory_indices[index] for index in branches}
+        if self.config.recompute_granularity == "full" and self.training:
+            inputs = StageMemoryInputs(addresses)  # looked up in each run of a layer (see the module docstring)
+        else:
+            inputs = StageMemoryInputs(start_stage_lookups(branches, addresses))
         for layer in self.stage_memory_layers:
             layer.memory_inputs = inputs
         try:

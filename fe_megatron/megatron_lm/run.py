@@ -238,10 +238,6 @@ def refused_in_hybrid(args, memory) -> list:
     if "/" in hybrid_pattern_of(args):
         refused.append(f"--hybrid-layer-pattern {hybrid_pattern_of(args)!r}: multi-token prediction layers ('/') "
                        "are not supported with memory layers; drop the '/' part")
-    if args.recompute_granularity == "full":
-        refused.append("--recompute-granularity full with memory layers in the hybrid model: the recomputation "
-                       "would run after later microbatches' forwards, without this microbatch's memory inputs; use "
-                       "--recompute-granularity selective, or fe_megatron.megatron_lm.pretrain_gpt")
     if memory.placement != "before_attn":
         refused.append(f"placement={memory.placement!r} (--fe-memory-config): the hybrid model places the memory "
                        "before the attention of its attention layers ('before_attn'); the FFN placements are "

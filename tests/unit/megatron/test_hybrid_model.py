@@ -82,10 +82,49 @@ def test_the_memory_inputs_are_the_forward_s_and_what_it_cannot_run_beside_is_re
     assert layer.memory_inputs is None  # handed to the layers for the length of one forward only
     with pytest.raises(ValueError, match="needs input_ids"):
         model(None, batch["position_ids"], batch["attention_mask"], decoder_input=torch.randn(32, 2, 32))
-    recomputing = hybrid_with_memory(memory, recompute_granularity="full", recompute_method="uniform",
-                                     recompute_num_layers=1)
-    with pytest.raises(ValueError, match="full activation recompute with memory layers in the hybrid model"):
-        recomputing(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+
+
+@pytest.mark.parametrize("method", ["uniform", "block"])
+def test_under_full_recompute_each_recomputation_takes_its_own_microbatch_s_memory_inputs(megatron_world, method):
+    """Full recompute runs every memory layer again in backward: with two microbatches' forwards before their
+    backwards (as a pipeline schedule runs them), the losses and gradients are those without recompute, and
+    those of the GPT model under full recompute."""
+    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
+    from tests.helpers.configs import tiny_memory_config
+    from tests.helpers.megatron import batches, build
+
+    torch.manual_seed(7)
+    memory = tiny_memory_config(num_layers=3, layers=[0, 2])
+    recompute = dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=2)
+    models = {"plain": hybrid_with_memory(memory), "recompute": hybrid_with_memory(memory, **recompute),
+              "gpt_recompute": build(memory, num_layers=3, **recompute)}
+    weights = dict(models["plain"].named_parameters())
+    gpt_names = {gpt_name_of(name, PATTERN): name for name in weights}
+    with torch.no_grad():
+        for kind, model in models.items():
+            for name, param in model.named_parameters():
+                param.copy_(weights[gpt_names[name] if kind == "gpt_recompute" else name])
+    microbatches = batches(2)
+    grads, losses = {}, {}
+    for kind, model in models.items():
+        outputs = [model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"]) for b in microbatches]
+        mean_losses = [(out * b["loss_mask"]).sum() / b["loss_mask"].sum() for out, b in zip(outputs, microbatches)]
+        losses[kind] = [loss.item() for loss in mean_losses]
+        memory_layers = getattr(model, "stage_memory_layers", [])
+        if kind == "recompute":  # both microbatches' checkpointed forwards wait for their recomputation; "block"
+            # checkpoints layers 0 and 1 only, so the memory of layer 4 runs once, as without recompute
+            assert [len(layer.pending_recomputations) for layer in memory_layers] == \
+                ([2, 2] if method == "uniform" else [2, 0])
+        for loss in mean_losses:  # the backwards after both forwards, oldest first
+            loss.backward()
+        assert all(not getattr(layer, "pending_recomputations", ()) for layer in memory_layers)
+        names = (lambda name: gpt_names[name]) if kind == "gpt_recompute" else (lambda name: name)
+        grads[kind] = {names(name): p.grad.clone() for name, p in model.named_parameters()}
+    assert losses["recompute"] == losses["plain"] and max(
+        abs(a - b) for a, b in zip(losses["gpt_recompute"], losses["plain"])) < 1e-6, losses
+    for name, grad in grads["plain"].items():
+        assert (grads["recompute"][name] - grad).abs().max() < 1e-6, name
+        assert (grads["gpt_recompute"][name] - grad).abs().max() < 1e-6, name
 
 
 def test_a_hybrid_model_with_memory_checkpoints_and_loads_its_memory(megatron_world, tmp_path):
