@@ -69,7 +69,8 @@ def local_hybrid_stack_spec(num_experts: Optional[int] = None, moe_grouped_gemm:
     if num_experts:
         moe = get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=moe_grouped_gemm)
         layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=moe, mlp_bda=gpt.mlp_bda))  # no fused norm in TE's MoE
+            pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=moe, mlp_bda=gpt.mlp_bda,
+            sharded_state_dict_keys_map=mlp_names))  # as megatron-core's local MoE GPT layer names it
     return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(**layers))
 
 

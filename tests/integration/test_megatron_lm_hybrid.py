@@ -5,10 +5,11 @@ A pattern of ``*-`` pairs is the GPT layer structure. A GPT+memory checkpoint of
 as hybrid+memory (megatron-core's GPT checkpoint interop, with the memory's layers kept layer by layer):
 at one process the next losses are the GPT run's within 1e-6; at PP=2 with memory on the second stage only,
 TP=2, DP=2 with row-sharded tables and under full recompute they follow it within 1e-5; and the hybrid
-checkpoint converts to the same Hugging Face model as the GPT one. What
+checkpoint converts to the same Hugging Face model as the GPT one, and fe-eval and fe-inspect read it. What
 the hybrid model cannot do with memory is refused at start-up, by name. Runs on the newest stack.
 """
 
+import json
 import os
 import shutil
 
@@ -80,6 +81,21 @@ def test_a_gpt_checkpoint_with_memory_resumes_as_the_hybrid_model_and_converts_a
                   hf_logits(gpt, str(tmp_path / "gpt_hf"), tokens)).abs().max()
     assert difference < 1e-5, difference
 
+    # fe-eval and fe-inspect read the hybrid run as they read the GPT one
+    from fe_megatron.evaluation.cli import main as fe_eval
+    from fe_megatron.evaluation.inspect import main as fe_inspect
+
+    text = tmp_path / "eval.jsonl"
+    text.write_text("\n".join(json.dumps({"text": " ".join(map(str, range(n, n + 300)))}) for n in range(3)))
+    perplexity = {}
+    for name, run in (("hybrid", hybrid), ("gpt", gpt)):
+        assert fe_eval(["ppl", "--load", run, "--data", str(text)]) == 0
+        with open(os.path.join(run, "eval", "ppl-eval.json")) as fh:
+            perplexity[name] = json.load(fh)["results"][0]["token_ppl"]
+    assert abs(perplexity["hybrid"] / perplexity["gpt"] - 1) < 1e-6, perplexity
+    assert fe_inspect(["--load", hybrid, "--data", str(text), "--output", str(tmp_path / "inspect")]) == 0
+    assert (tmp_path / "inspect" / "summary.json").is_file()
+
 
 LAYOUTS = {
     # the memory by the pattern's layer numbers (4 and 6: blocks 2 and 3), on the second stage only
@@ -105,6 +121,24 @@ def test_the_hybrid_model_resumed_in_other_layouts_follows_the_gpt_curve(small_d
     assert sorted(after) == list(range(7, STEPS + 1)), sorted(after)
     assert max(abs(after[step][0] - curve[step][0]) for step in after) < 1e-5, (after, curve)
     assert max(abs(after[step][1] - curve[step][1]) for step in after) < 1e-6, (after, curve)
+
+
+def test_an_moe_pattern_trains_at_ep2_beside_row_sharded_tables(small_data, tmp_path):
+    """'E' layers (megatron-core's local MoE, 4 experts over EP=2) beside row-sharded tables: a pretrain_gpt MoE
+    run's step-6 checkpoint resumed as the hybrid pattern '*E' x 4 follows the GPT curve within 1e-5."""
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "0.01",
+           "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]
+    memory = memory_yaml(tmp_path)
+    gpt = str(tmp_path / "gpt")
+    launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, gpt, memory), *moe], nproc=2)
+    curve = losses(gpt)
+    save = resumable_copy(gpt, 6, str(tmp_path / "hybrid"))
+    launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
+        small_data, save, memory, *moe, "--hybrid-layer-pattern", "*E" * 4, "--fe-table-sharding", "rows",
+        "--load", save)], nproc=2)
+    after = losses(save)
+    assert sorted(after) == list(range(7, STEPS + 1)), sorted(after)
+    assert max(abs(after[step][0] - curve[step][0]) for step in after) < 1e-5, (after, curve)
 
 
 def test_what_the_hybrid_model_cannot_do_with_memory_is_refused_at_start_up(small_data, tmp_path):
