@@ -88,6 +88,10 @@ class BackboneConfig:
     num_experts: int = 0
     moe_router_topk: int = 2
     moe_aux_loss_coeff: float = 0.01
+    # megatron-core's HybridModel instead of the GPT model (the Megatron engine, megatron-core 0.19 on): one
+    # symbol per layer, '*' attention, '-' MLP (dense SwiGLU), 'E' MoE (num_experts); num_layers counts its
+    # attention layers (the GPT model's blocks, which memory.layers index). None: the GPT model
+    hybrid_layer_pattern: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
@@ -115,11 +119,34 @@ class BackboneConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError("num_attention_heads", f"{self.num_attention_heads} does not divide hidden_size="
                                                      f"{self.hidden_size}", section="BackboneConfig")
+        if self.hybrid_layer_pattern is not None:
+            self._check_hybrid_layer_pattern()
         if self.num_query_groups is not None:
             _positive_int("num_query_groups", self.num_query_groups, "BackboneConfig")
             if self.num_attention_heads % self.num_query_groups:
                 raise ConfigError("num_query_groups", f"{self.num_query_groups} does not divide num_attention_heads="
                                                       f"{self.num_attention_heads}", section="BackboneConfig")
+
+    def _check_hybrid_layer_pattern(self) -> None:
+        from fe_megatron.hybrid_pattern import ATTENTION, KINDS, MLP, MOE, attention_layers, layers_of
+
+        pattern = self.hybrid_layer_pattern
+        if not isinstance(pattern, str) or not layers_of(pattern):
+            raise ConfigError("hybrid_layer_pattern", f"{pattern!r} must be a string of layer symbols, e.g. '*-*-*-*-'",
+                              section="BackboneConfig")
+        others = sorted(set(layers_of(pattern)) - {ATTENTION, MLP, MOE})
+        if others:
+            kinds = ", ".join(f"{symbol!r} ({KINDS.get(symbol, 'not a layer symbol')})" for symbol in others)
+            raise ConfigError("hybrid_layer_pattern", f"{pattern!r}: {kinds} not built by fe-pretrain, whose hybrid "
+                                                      "stack has '*' attention, '-' MLP and 'E' MoE layers "
+                                                      "(pipeline splits: parallel.pipeline)", section="BackboneConfig")
+        if MOE in pattern and not self.num_experts:
+            raise ConfigError("hybrid_layer_pattern", f"{pattern!r} has MoE ('E') layers; set num_experts",
+                              section="BackboneConfig")
+        attention = len(attention_layers(pattern))
+        if self.num_layers != attention:
+            raise ConfigError("num_layers", f"{self.num_layers} must count hybrid_layer_pattern {pattern!r}'s "
+                                            f"attention ('*') layers: {attention}", section="BackboneConfig")
 
     @classmethod
     def from_dict(cls, values: dict, where: Optional[dict] = None) -> "BackboneConfig":

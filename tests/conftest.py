@@ -36,7 +36,7 @@ NEWEST_STACK_SUBSET = (
     "tests/unit/megatron/test_megatron_lm_spec.py",
     "tests/unit/megatron/test_hybrid_specs.py",
     "tests/unit/megatron/test_hybrid_model.py",
-    "tests/unit/megatron/test_hybrid_pattern.py",
+    "tests/unit/test_hybrid_pattern.py",
     "tests/unit/convert/test_megatron_reader.py",
     "tests/integration/test_megatron_parallel.py::test_hybrid_layouts_with_memory_match_through_resharded_checkpoints",
     "tests/integration/test_row_sharding.py::test_the_hybrid_model_s_rows_at_dp2_match_its_whole_tables_at_dp1",
@@ -63,6 +63,7 @@ NEWEST_STACK_SUBSET = (
     "tests/integration/test_megatron_lm.py",
     "tests/integration/test_megatron_lm_recipes.py",
     "tests/integration/test_megatron_lm_hybrid.py",
+    "tests/integration/test_hybrid_train.py",
     "tests/unit/training/test_distributed.py::test_destroying_the_groups_keeps_other_libraries_caches",
 )
 

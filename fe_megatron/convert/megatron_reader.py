@@ -160,12 +160,12 @@ class FsdpDtensorCheckpoint:
 
 class HybridAsGpt:
     """A HybridModel checkpoint (torch_dist) whose ``hybrid_layer_pattern`` is made of ``*-`` pairs, read
-    with `DistCheckpoint`'s methods under the GPT model's names (`fe_megatron.megatron.hybrid_pattern`):
+    with `DistCheckpoint`'s methods under the GPT model's names (`fe_megatron.hybrid_pattern`):
     layers ``2i`` and ``2i+1`` are GPT layer ``i``. Other patterns have no GPT (Hugging Face) form and are
     refused by name."""
 
     def __init__(self, folder: str, pattern: str):
-        from fe_megatron.megatron.hybrid_pattern import gpt_name_of, is_gpt_shaped
+        from fe_megatron.hybrid_pattern import gpt_name_of, is_gpt_shaped
 
         if not is_gpt_shaped(pattern.split("/")[0]):
             raise ConversionError(f"{folder}: a hybrid model with --hybrid-layer-pattern {pattern!r}; only patterns "
@@ -201,7 +201,10 @@ def open_checkpoint(folder: str):
     `DistCheckpoint` (torch_dist)."""
     from fe_megatron.checkpoint.files import read_run_info
 
-    pattern = (read_run_info(folder) or {}).get("hybrid_layer_pattern")
+    info = read_run_info(folder) or {}
+    # a Megatron-LM run's pattern (pretrain_hybrid), or an fe-pretrain run's model section's
+    pattern = info.get("hybrid_layer_pattern") or ((info.get("config") or {}).get("model") or {}).get(
+        "hybrid_layer_pattern")
     if pattern:
         return HybridAsGpt(folder, pattern)
     checkpoint = DistCheckpoint(folder)

@@ -52,6 +52,32 @@ def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: in
                                 prefetch_table_rows=prefetch_table_rows, **kwargs)
 
 
+def build_hybrid_model(transformer_config, vocab_size: int, max_sequence_length: int, hybrid_layer_pattern: str,
+                       memory_config: Optional[MemoryConfig] = None, share_embeddings: bool = True,
+                       rotary_base: float = 10000.0, table_sharding: str = "replicated"):
+    """This pipeline stage's megatron-core ``HybridModel`` (0.19 on) of ``hybrid_layer_pattern`` on the local
+    hybrid stack (`fe_megatron.megatron.hybrid_specs`), with ``memory_config``'s branches before the attention
+    of its attention layers (`fe_megatron.megatron.hybrid_model`), or without memory. ``transformer_config``
+    has one layer per symbol of the pattern."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    from fe_megatron.megatron.hybrid_model import FactorEngramHybridModel
+    from fe_megatron.megatron.hybrid_specs import local_hybrid_stack_spec
+
+    if transformer_config.num_moe_experts:
+        compat.repair_moe_router_without_te()
+    spec = local_hybrid_stack_spec(num_experts=transformer_config.num_moe_experts or None)
+    kwargs = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                  post_process=parallel_state.is_pipeline_last_stage(),
+                  share_embeddings_and_output_weights=share_embeddings, position_embedding_type="rope",
+                  rotary_base=rotary_base)
+    if memory_config is None:
+        return HybridModel(transformer_config, spec, vocab_size, max_sequence_length,
+                           hybrid_layer_pattern=hybrid_layer_pattern, **kwargs)
+    return FactorEngramHybridModel(transformer_config, spec, vocab_size, max_sequence_length, hybrid_layer_pattern,
+                                   memory_config, table_sharding=table_sharding, **kwargs)
+
+
 def wrap_ddp(model, transformer_config, use_distributed_optimizer: bool = False,
              overlap_grad_reduce: bool = False) -> DistributedDataParallel:
     """``model`` in Megatron's DDP.  Row-sharded tables must be in stores by then

@@ -148,6 +148,21 @@ def _read_row_states_as_saved(folder: str, optimizer) -> None:
         member.momentum_layout = "columns" if repeated else "rows"
 
 
+def _hybrid_model_from_gpt_checkpoint(folder: str, model):
+    """The hybrid model's pattern when ``model`` is a hybrid model and ``folder`` was written by the GPT model
+    (its run info names no pattern): its state is then pointed at the GPT model's keys. A hybrid checkpoint
+    loaded into the GPT model is refused by name; None otherwise."""
+    from fe_megatron.checkpoint.files import CheckpointError, read_run_info
+
+    model_section = (((read_run_info(folder) or {}).get("config") or {}).get("model") or {})
+    written = model_section.get("hybrid_layer_pattern")
+    pattern = getattr(model, "hybrid_layer_pattern", None)
+    if written and not pattern:
+        raise CheckpointError(f"{folder} was written by the hybrid model (model.hybrid_layer_pattern {written!r}); "
+                              "resume it with that pattern: the GPT model cannot read a hybrid checkpoint")
+    return pattern if pattern and not written else None
+
+
 def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed_optimizer: bool = False,
                     restore_rng: bool = True) -> int:
     """Load checkpoint ``folder`` (model, optimizer, schedule, and with ``restore_rng`` this rank's
@@ -156,9 +171,12 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
     model = getattr(model_chunks[0], "module", model_chunks[0])
     refuse_unreadable(folder)
     common = dist_checkpointing.load_common_state_dict(folder)
+    from_gpt = _hybrid_model_from_gpt_checkpoint(folder, model)
     if "scheduler" not in common:
-        model.load_state_dict(dist_checkpointing.load(_state(model_chunks, None, None, None, True, False),
-                                                      folder)["model"])
+        sharded = _state(model_chunks, None, None, None, True, False)
+        if from_gpt:
+            compat.point_hybrid_state_at_gpt_checkpoint(sharded, from_gpt)
+        model.load_state_dict(dist_checkpointing.load(sharded, folder)["model"])
         # a mixed-precision optimizer copied the parameters into its fp32 main parameters when it was
         # built; without this its first step would write the initial weights back over the loaded ones
         with torch.no_grad():
@@ -167,6 +185,8 @@ def load_checkpoint(folder: str, model_chunks, optimizer, scheduler, distributed
     give_fresh_adam_states_a_step(optimizer)
     _read_row_states_as_saved(folder, optimizer)
     sharded = _state(model_chunks, optimizer, scheduler, None, True, distributed_optimizer)
+    if from_gpt:
+        compat.point_hybrid_state_at_gpt_checkpoint(sharded, from_gpt)
     state = dist_checkpointing.load(sharded, folder)
     model.load_state_dict(state["model"])
     _adapt_single_optimizer_state(state["optimizer"], optimizer)

@@ -608,37 +608,51 @@ def repair_gpt_to_hybrid_memory_load() -> None:
     layers are all alike. A GPT model with memory has unlike layers (the memory is on some), so its
     checkpoints store every layer under its own index, ``decoder.layers.<g>.X``, and upstream's keys miss
     them all. For a hybrid model with memory the retargeting maps each layer to its GPT layer's own keys
-    instead, the model and the optimizer state alike (``decoder.final_norm`` to ``decoder.final_layernorm``
-    and the local-only ``output_layer._extra_state`` as upstream does)."""
+    instead (`_retarget_to_gpt_layers`), the model and the optimizer state alike."""
     from megatron.core.dist_checkpointing import gpt_checkpoint_interop as interop
 
     if getattr(interop.retarget_sharded_state_dict_to_gpt_checkpoint, "per_layer", False):
         return
+    _retarget_to_gpt_layers.per_layer = True
+    interop.retarget_sharded_state_dict_to_gpt_checkpoint = _retarget_to_gpt_layers
 
-    def retarget_per_layer(sharded_state_dict, layer_maps):
-        def retarget(entry):
-            if not isinstance(entry, interop.ShardedBase):
-                return entry
-            if entry.key.endswith(interop._GPT_OMITTED_LOCAL_KEYS):
-                return interop.LocalNonpersistentObject(entry.data)
-            match = interop._DECODER_LAYER_KEY_RE.search(entry.key)
-            if match is not None:
-                hybrid_layer = int(match.group(1))
-                gpt_layer = layer_maps.attention_to_gpt.get(hybrid_layer, layer_maps.mlp_to_gpt.get(hybrid_layer))
-                if gpt_layer is None:
-                    raise ValueError(f"{entry.key}: hybrid layer {hybrid_layer} has no GPT layer to load from (a "
-                                     "GPT checkpoint with memory loads into '*' and '-' layers only)")
-                entry.key = f"{entry.key[:match.start()]}decoder.layers.{gpt_layer}.{entry.key[match.end():]}"
-                return entry
-            for hybrid_prefix, gpt_prefix in interop._GPT_FINAL_NORM_KEY_MAP.items():
-                if hybrid_prefix in entry.key:
-                    entry.key = entry.key.replace(hybrid_prefix, gpt_prefix, 1)
+
+def point_hybrid_state_at_gpt_checkpoint(sharded_state_dict, hybrid_layer_pattern: str) -> None:
+    """``sharded_state_dict`` (a hybrid model's, or its optimizer's) pointed, in place, at the keys of a
+    checkpoint the GPT model with memory wrote (fe-pretrain's loader; `repair_gpt_to_hybrid_memory_load` says
+    why upstream's retargeting does not fit). The pattern must pair each attention layer with one MLP or MoE
+    layer (megatron-core's ``gpt_compatible_layer_maps`` says what it refuses)."""
+    from megatron.core.dist_checkpointing import gpt_checkpoint_interop as interop
+
+    _retarget_to_gpt_layers(sharded_state_dict, interop.gpt_compatible_layer_maps(hybrid_layer_pattern))
+
+
+def _retarget_to_gpt_layers(sharded_state_dict, layer_maps) -> None:
+    """Each hybrid layer's entries at its GPT layer's own keys (``decoder.layers.<g>.``), ``decoder.final_norm``
+    at ``decoder.final_layernorm``, and the local-only ``output_layer._extra_state`` kept local, as upstream's
+    ``retarget_sharded_state_dict_to_gpt_checkpoint`` does them."""
+    from megatron.core.dist_checkpointing import gpt_checkpoint_interop as interop
+
+    def retarget(entry):
+        if not isinstance(entry, interop.ShardedBase):
             return entry
+        if entry.key.endswith(interop._GPT_OMITTED_LOCAL_KEYS):
+            return interop.LocalNonpersistentObject(entry.data)
+        match = interop._DECODER_LAYER_KEY_RE.search(entry.key)
+        if match is not None:
+            hybrid_layer = int(match.group(1))
+            gpt_layer = layer_maps.attention_to_gpt.get(hybrid_layer, layer_maps.mlp_to_gpt.get(hybrid_layer))
+            if gpt_layer is None:
+                raise ValueError(f"{entry.key}: hybrid layer {hybrid_layer} has no GPT layer to load from (a GPT "
+                                 "checkpoint with memory loads into '*' and '-' or 'E' layers only)")
+            entry.key = f"{entry.key[:match.start()]}decoder.layers.{gpt_layer}.{entry.key[match.end():]}"
+            return entry
+        for hybrid_prefix, gpt_prefix in interop._GPT_FINAL_NORM_KEY_MAP.items():
+            if hybrid_prefix in entry.key:
+                entry.key = entry.key.replace(hybrid_prefix, gpt_prefix, 1)
+        return entry
 
-        interop.dict_list_map_inplace(retarget, sharded_state_dict)
-
-    retarget_per_layer.per_layer = True
-    interop.retarget_sharded_state_dict_to_gpt_checkpoint = retarget_per_layer
+    interop.dict_list_map_inplace(retarget, sharded_state_dict)
 
 
 @contextlib.contextmanager
@@ -839,7 +853,7 @@ def _check_trainer():
         _has_parameters(interop.retarget_sharded_state_dict_to_gpt_checkpoint, ("sharded_state_dict", "layer_maps"),
                         "gpt_checkpoint_interop.retarget_sharded_state_dict_to_gpt_checkpoint")
         for name in ("_DECODER_LAYER_KEY_RE", "_GPT_FINAL_NORM_KEY_MAP", "_GPT_OMITTED_LOCAL_KEYS", "ShardedBase",
-                     "LocalNonpersistentObject", "dict_list_map_inplace"):
+                     "LocalNonpersistentObject", "dict_list_map_inplace", "gpt_compatible_layer_maps"):
             _require(hasattr(interop, name), f"gpt_checkpoint_interop.{name} is gone")
         from megatron.training import checkpointing
 

@@ -30,6 +30,8 @@ def transformer_config_for(cfg, on_gpu: bool):
 
     from fe_megatron.megatron import compat
 
+    from fe_megatron.hybrid_pattern import layers_of
+
     m, p, t = cfg.model, cfg.parallel, cfg.training
     bf16 = use_bf16(t, on_gpu)
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
@@ -38,8 +40,10 @@ def transformer_config_for(cfg, on_gpu: bool):
     experts = dict(num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
                    moe_aux_loss_coeff=m.moe_aux_loss_coeff, expert_model_parallel_size=p.expert,
                    moe_token_dispatcher_type="alltoall" if on_gpu else "allgather") if m.num_experts else {}
+    # a hybrid backbone has one layer per symbol of its pattern (num_layers counts its attention layers)
+    num_layers = len(layers_of(m.hybrid_layer_pattern)) if m.hybrid_layer_pattern else m.num_layers
     return TransformerConfig(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
+        num_layers=num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups,
         ffn_hidden_size=m.ffn_hidden_size, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=m.norm_eps, init_method_std=m.init_std, add_bias_linear=False,
@@ -143,7 +147,6 @@ def set_up(cfg) -> MegatronRun:
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask
     from fe_megatron.megatron.table_optimizer import refuse_table_optimizer_change
-    from fe_megatron.memory.sharding import stages_without_memory
 
     m, t, p = cfg.model, cfg.training, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed, expert_parallel_size=p.expert,
@@ -155,8 +158,7 @@ def set_up(cfg) -> MegatronRun:
     log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
     dp = parallel_state.get_data_parallel_world_size()
-    plan = table_plan(cfg, use_bf16(t, on_gpu), bool(cfg.memory and stages_without_memory(
-        cfg.memory.layers, m.num_layers, p.pipeline)))
+    plan = table_plan(cfg, use_bf16(t, on_gpu), bool(cfg.memory and stages_without_memory_of(cfg)))
     start = start_run(cfg, "megatron", dp, plan, {"expert": p.expert} if p.expert > 1 else None,
                       find_checkpoint=find_megatron_checkpoint(cfg),
                       refuse_table_change=refuse_table_optimizer_change, holds_weights_only=holds_weights_only)
@@ -189,6 +191,19 @@ def set_up(cfg) -> MegatronRun:
     return run
 
 
+def stages_without_memory_of(cfg) -> list:
+    """The pipeline stages that hold no memory layer: the GPT model's even split of its blocks, or the hybrid
+    pattern's segments."""
+    from fe_megatron.memory.sharding import stages_without_memory
+
+    m, p = cfg.model, cfg.parallel
+    if m.hybrid_layer_pattern:
+        from fe_megatron import hybrid_pattern
+
+        return sorted(hybrid_pattern.stages_without_memory(m.hybrid_layer_pattern, cfg.memory.layers, p.pipeline))
+    return stages_without_memory(cfg.memory.layers, m.num_layers, p.pipeline)
+
+
 def build_stage_model(cfg, tconfig, plan):
     """This pipeline stage's model, on the device and in the run's precision, and its tables'
     stores when the plan keeps them there (`fe_megatron.megatron.table_optimizer`; None otherwise)."""
@@ -196,9 +211,21 @@ def build_stage_model(cfg, tconfig, plan):
     from fe_megatron.megatron.table_optimizer import manage_tables
 
     m, t, o, p = cfg.model, cfg.training, cfg.optimizer, cfg.parallel
-    model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory, backend=t.transformer_impl,
-                            share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
-                            table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
+    if m.hybrid_layer_pattern:
+        from fe_megatron.megatron import compat
+        from fe_megatron.megatron.builder import build_hybrid_model
+
+        if not compat.has_hybrid_model():
+            raise RuntimeError(f"model.hybrid_layer_pattern builds megatron-core's HybridModel, which megatron-core "
+                               f"{compat.HYBRID_MINIMUM} and newer ship; megatron-core "
+                               f"{compat.megatron_core_version()} is installed here (make setup-newest)")
+        model = build_hybrid_model(tconfig, m.vocab_size, m.seq_length, m.hybrid_layer_pattern, cfg.memory,
+                                   share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
+                                   table_sharding=p.table_sharding)
+    else:
+        model = build_gpt_model(tconfig, m.vocab_size, m.seq_length, cfg.memory, backend=t.transformer_impl,
+                                share_embeddings=m.tie_embeddings, rotary_base=m.rope_base,
+                                table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
     tables = None
     if plan is not None and plan.in_stores:  # before .cuda(): host tables never reach the GPU
         tables = manage_tables(model, o, o.table_state_dtype, p.table_sharding, current_device(), t.seed,

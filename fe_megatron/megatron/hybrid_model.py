@@ -3,7 +3,7 @@ attention of chosen attention (``*``) layers.
 
 Layer numbers. `MemoryConfig.layers` counts transformer blocks, as in the paper ("layers 10 and 12 of
 24") and in the GPT model: the memory of block ``i`` sits before the attention of the pattern's
-``i``-th ``*`` layer (`fe_megatron.megatron.hybrid_pattern`: the layer numbers, pipeline stages and
+``i``-th ``*`` layer (`fe_megatron.hybrid_pattern`: the layer numbers, pipeline stages and
 names of a pattern), and hashes as block ``i`` does in the GPT model, so a pattern of ``*-`` pairs is the
 GPT model with memory, parameter for parameter (`hybrid_pattern.gpt_name_of`).
 
@@ -42,7 +42,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron.hasher import MicrobatchHasher
-from fe_megatron.megatron.hybrid_pattern import memory_positions
+from fe_megatron.hybrid_pattern import memory_positions
 from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.sparsity import attach_sparsity_loss, pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import HostsMemory
@@ -155,6 +155,10 @@ class FactorEngramHybridModel(HybridModel):
         branches = {layer.memory_index: layer.memory for layer in self.stage_memory_layers}
         addresses = {index: memory_indices[index] for index in branches}
         if self.config.recompute_granularity == "full" and self.training:
+            started = [index for index, value in addresses.items() if not isinstance(value, torch.Tensor)]
+            if started:
+                raise ValueError(f"memory layers {started}: lookups started ahead cannot be read again in a full "
+                                 "recompute's recomputation; pass their row indices (or input_ids)")
             inputs = StageMemoryInputs(addresses)  # looked up in each run of a layer (see the module docstring)
         else:
             inputs = StageMemoryInputs(start_stage_lookups(branches, addresses))
@@ -165,6 +169,14 @@ class FactorEngramHybridModel(HybridModel):
         finally:
             for layer in self.stage_memory_layers:
                 layer.memory_inputs = None
+
+    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
+        """As `FactorEngramGPTModel.start_memory_lookups`: this stage's lookups for ``input_ids`` started now
+        (the host tier's lookahead, one microbatch ahead), to pass as ``memory_indices``."""
+        if self.hasher is None:
+            return {}
+        branches = {layer.memory_index: layer.memory for layer in self.stage_memory_layers}
+        return start_stage_lookups(branches, self.hasher(input_ids), device)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """As `FactorEngramGPTModel.pop_sparsity_loss`."""

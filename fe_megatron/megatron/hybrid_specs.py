@@ -9,7 +9,7 @@ the project's norm as a module of its own): ``*`` attention, ``-`` MLP, ``E`` Mo
 (Mamba, Gated DeltaNet, MLA, DSA) are not in it yet; `local_pattern_problems` names them.
 
 A ``*-`` pair holds the parameters of one GPT layer under other names
-(`fe_megatron.megatron.hybrid_pattern.gpt_name_of`): the attention layer the input norm and the
+(`fe_megatron.hybrid_pattern.gpt_name_of`): the attention layer the input norm and the
 attention, the MLP layer the pre-MLP norm and the MLP.
 
 megatron-core 0.19 and newer (`fe_megatron.megatron.compat.has_hybrid_model`).
@@ -24,7 +24,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from fe_megatron.megatron.norm import TorchNorm
 
-from fe_megatron.megatron.hybrid_pattern import ATTENTION, KINDS, MLP, MOE
+from fe_megatron.hybrid_pattern import ATTENTION, KINDS, MLP, MOE
 
 # the layer kinds the local stack builds, and those it does not
 LOCAL_SYMBOLS = {symbol: KINDS[symbol] for symbol in (ATTENTION, MLP, MOE)}

@@ -8,7 +8,7 @@ arguments describe (`backbone_from_megatron_args`), so a preset fits any model s
 
 With ``--hybrid-layer-pattern`` (``pretrain_hybrid``) the backbone's layers are the pattern's attention
 layers, the GPT model's blocks, and ``--fe-memory-layers`` takes the pattern's layer numbers, each an
-attention (``*``) layer (`fe_megatron.megatron.hybrid_pattern`).
+attention (``*``) layer (`fe_megatron.hybrid_pattern`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def backbone_from_megatron_args(args) -> BackboneConfig:
     """The backbone a Megatron-LM command line describes, in fe_megatron's terms (``args`` after
     megatron.training's validation, which fills ``padded_vocab_size`` and ``ffn_hidden_size``). A hybrid
     model's layers are its pattern's attention layers (the GPT model's blocks)."""
-    from fe_megatron.megatron.hybrid_pattern import attention_layers
+    from fe_megatron.hybrid_pattern import attention_layers
 
     pattern = hybrid_pattern_of(args)
     num_layers = len(attention_layers(pattern)) if pattern else args.num_layers
@@ -126,7 +126,7 @@ def memory_config_from_args(args) -> Optional[MemoryConfig]:
     overrides = {}
     pattern = hybrid_pattern_of(args)
     if args.fe_memory_layers is not None and pattern:
-        from fe_megatron.megatron.hybrid_pattern import memory_blocks_of_layers
+        from fe_megatron.hybrid_pattern import memory_blocks_of_layers
 
         overrides["layers"] = memory_blocks_of_layers(pattern, args.fe_memory_layers)
     elif args.fe_memory_layers is not None:

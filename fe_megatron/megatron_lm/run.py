@@ -253,7 +253,7 @@ def stages_without_memory_of(args, memory) -> set:
 
     pattern = hybrid_pattern_of(args)
     if pattern:
-        from fe_megatron.megatron import hybrid_pattern
+        from fe_megatron import hybrid_pattern
 
         return hybrid_pattern.stages_without_memory(
             pattern.split("/")[0], memory.layers, args.pipeline_model_parallel_size,

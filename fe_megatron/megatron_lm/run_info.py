@@ -22,7 +22,7 @@ def hf_conversion_problems(args) -> list:
     }
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern:
-        from fe_megatron.megatron.hybrid_pattern import is_gpt_shaped
+        from fe_megatron.hybrid_pattern import is_gpt_shaped
 
         checks["a --hybrid-layer-pattern of '*-' pairs (the Llama layer)"] = is_gpt_shaped(pattern.split("/")[0])
     return [flag for flag, holds in checks.items() if not holds]

@@ -163,6 +163,27 @@ class TrainConfig:
         if not self.data.train_data:
             fail("data", "train_data", "is empty; give an indexed-dataset prefix (PREFIX.bin/.idx)")
 
+    def _validate_hybrid(self, fail) -> None:
+        """What fe-pretrain builds of a hybrid backbone (megatron-core's HybridModel)."""
+        from fe_megatron.hybrid_pattern import pipeline_segments
+
+        pattern, t = self.model.hybrid_layer_pattern, self.training
+        if t.engine != "megatron":
+            fail("model", "hybrid_layer_pattern", "is built by the Megatron engine (training.engine=megatron); the "
+                                                  "DeepSpeed engine builds the GPT model")
+        if t.transformer_impl != "local":
+            fail("training", "transformer_impl", f"{t.transformer_impl!r} with model.hybrid_layer_pattern: fe-pretrain "
+                                                 "builds the hybrid stack from megatron-core's local layers; set "
+                                                 "local (Transformer Engine's hybrid stack: fe_megatron.megatron_lm."
+                                                 "pretrain_hybrid)")
+        try:
+            pipeline_segments(pattern, self.parallel.pipeline, pipeline_flag="parallel.pipeline")
+        except ValueError as error:
+            fail("model", "hybrid_layer_pattern", str(error))
+        if self.memory is not None and self.memory.placement != "before_attn":
+            fail("memory", "placement", f"{self.memory.placement!r}: the hybrid model places the memory before the "
+                                        "attention of its attention layers ('before_attn')")
+
     def _validate_table_storage(self, fail) -> None:
         """The tables' storage (docs/tables.md): what trains, and what each engine can hold."""
         o, memory = self.optimizer, self.memory
@@ -187,6 +208,8 @@ class TrainConfig:
         t, p = self.training, self.parallel
         if t.engine not in ENGINES:
             fail("training", "engine", f"{t.engine!r} is not one of {ENGINES}")
+        if self.model.hybrid_layer_pattern:
+            self._validate_hybrid(fail)
         if isinstance(p.expert, bool) or not isinstance(p.expert, int) or p.expert < 1:
             fail("parallel", "expert", f"{p.expert!r} must be an integer >= 1")
         if p.expert > 1 and (not self.model.num_experts or self.model.num_experts % p.expert):
@@ -271,7 +294,12 @@ def _set_dotted(tree: dict, where: dict, item: str) -> None:
         if not isinstance(node, dict):
             raise ConfigError(key, f"cannot set {key}: {part} is not a section", section=None)
         lines = lines.setdefault(part, {}) if isinstance(lines.get(part, {}), dict) else {}
-    node[parts[-1]] = load_yaml(text)
+    try:
+        node[parts[-1]] = load_yaml(text)
+    except Exception as error:  # yaml's errors (e.g. a leading '*' reads as an alias)
+        problem = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(key, f"the override '{item}' holds no YAML value ({problem}); quote a string in single "
+                               f"quotes inside the shell's: {key}=\"'{text}'\"", section=None) from None
     lines[parts[-1]] = f"override '{item}'"
 
 
@@ -317,6 +345,7 @@ def load_train_config(path: Optional[str], overrides: List[str] = ()) -> TrainCo
         if "backbone" in memory_tree:
             raise ConfigError("backbone", "the memory's backbone is the model section; remove memory.backbone",
                               memory_where.get("backbone"), "memory")
+        memory_tree = _pattern_layers_as_blocks(memory_tree, memory_where, model)
         try:
             memory = MemoryConfig.from_dict(memory_tree, memory_where, backbone=model)
         except ConfigError as err:
@@ -337,6 +366,32 @@ def load_train_config(path: Optional[str], overrides: List[str] = ()) -> TrainCo
     except ConfigError as err:
         raise _name_other_overrides(err, overrides) from None
     return config
+
+
+def _pattern_layers_as_blocks(memory_tree: dict, memory_where: dict, model: BackboneConfig) -> dict:
+    """``memory.pattern_layers`` (a hybrid backbone's layer numbers, each an attention layer) as the
+    ``memory.layers`` they are: blocks, the i-th attention layer (`fe_megatron.hybrid_pattern`)."""
+    if "pattern_layers" not in memory_tree:
+        return memory_tree
+    where = memory_where.get("pattern_layers")
+    if not model.hybrid_layer_pattern:
+        raise ConfigError("pattern_layers", "names layers of model.hybrid_layer_pattern, which is not set; give "
+                                            "memory.layers (0-based blocks) for the GPT model", where, "memory")
+    if "layers" in memory_tree:
+        raise ConfigError("pattern_layers", "and memory.layers are both set; give one (pattern_layers: the pattern's "
+                                            "layer numbers; layers: its attention layers, 0-based)", where, "memory")
+    numbers = memory_tree["pattern_layers"]
+    if not isinstance(numbers, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in numbers):
+        raise ConfigError("pattern_layers", f"{numbers!r} must be a list of layer numbers", where, "memory")
+    from fe_megatron.hybrid_pattern import memory_blocks_of_layers
+
+    try:
+        blocks = memory_blocks_of_layers(model.hybrid_layer_pattern, numbers, flag="memory.pattern_layers")
+    except ValueError as error:
+        raise ConfigError("pattern_layers", str(error).split(": ", 1)[-1], where, "memory") from None
+    tree = {key: value for key, value in memory_tree.items() if key != "pattern_layers"}
+    tree["layers"] = blocks
+    return tree
 
 
 def _name_other_overrides(err: ConfigError, overrides: List[str]) -> ConfigError:

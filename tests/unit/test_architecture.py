@@ -15,7 +15,7 @@ from tests.helpers.paths import PACKAGE
 # Each top-level part of the package and its layer: a module may import from its own layer and below.
 LAYERS = {
     # the core (suggest: the closest known name, for error messages)
-    "fe_megatron": 0, "config": 0, "presets": 0, "suggest": 0, "ngram": 0, "ops": 0, "tables": 0, "memory": 0,
+    "fe_megatron": 0, "config": 0, "presets": 0, "suggest": 0, "hybrid_pattern": 0, "ngram": 0, "ops": 0, "tables": 0, "memory": 0,
     "data": 1,
     "training": 2,
     "checkpoint": 3,
@@ -29,7 +29,7 @@ COMMAND_LINES = {"fe_megatron.data.cli", "fe_megatron.evaluation.cli", "fe_megat
 CORE = {name for name, layer in LAYERS.items() if layer == 0}
 # Inside the core, imports run one way too: the tables (where rows live, how they move and learn) sit
 # below the memory branches (the equations), which read rows through them.
-CORE_ORDER = {"suggest": 0, "config": 0, "presets": 0, "ngram": 1, "ops": 1, "tables": 2, "memory": 3, "fe_megatron": 4}
+CORE_ORDER = {"suggest": 0, "hybrid_pattern": 0, "config": 0, "presets": 0, "ngram": 1, "ops": 1, "tables": 2, "memory": 3, "fe_megatron": 4}
 FORBIDDEN_IN_CORE = ("megatron", "deepspeed", "transformers")
 
 

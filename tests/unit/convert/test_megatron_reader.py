@@ -51,7 +51,7 @@ def test_a_torch_dist_checkpoint_keeps_its_reader_and_a_lone_swiglu_half_is_refu
 
 def test_a_hybrid_checkpoint_of_pairs_reads_under_the_gpt_names_and_other_patterns_are_refused(tmp_path):
     """A HybridModel checkpoint whose run info names a pattern of '*-' pairs reads as the GPT model: layers 2i
-    and 2i+1 are GPT layer i (`fe_megatron.megatron.hybrid_pattern`)."""
+    and 2i+1 are GPT layer i (`fe_megatron.hybrid_pattern`)."""
     import json
 
     from fe_megatron.checkpoint.files import RUN_INFO

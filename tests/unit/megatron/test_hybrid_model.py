@@ -26,7 +26,7 @@ def hybrid_with_memory(memory_config, pattern=PATTERN, **overrides):
 
 
 def test_a_pattern_of_pairs_with_memory_is_the_gpt_model_with_memory(megatron_world):
-    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
+    from fe_megatron.hybrid_pattern import gpt_name_of
     from tests.helpers.configs import tiny_memory_config
     from tests.helpers.megatron import batches, build
 
@@ -62,7 +62,7 @@ def test_a_pattern_of_pairs_with_memory_is_the_gpt_model_with_memory(megatron_wo
 
 
 def test_the_memory_inputs_are_the_forward_s_and_what_it_cannot_run_beside_is_refused(megatron_world):
-    from fe_megatron.megatron.hybrid_pattern import memory_positions
+    from fe_megatron.hybrid_pattern import memory_positions
     from tests.helpers.configs import tiny_memory_config
     from tests.helpers.megatron import batches
 
@@ -89,7 +89,7 @@ def test_under_full_recompute_each_recomputation_takes_its_own_microbatch_s_memo
     """Full recompute runs every memory layer again in backward: with two microbatches' forwards before their
     backwards (as a pipeline schedule runs them), the losses and gradients are those without recompute, and
     those of the GPT model under full recompute."""
-    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
+    from fe_megatron.hybrid_pattern import gpt_name_of
     from tests.helpers.configs import tiny_memory_config
     from tests.helpers.megatron import batches, build
 

@@ -25,7 +25,7 @@ def hybrid_model(pattern: str, **overrides):
 
 
 def test_a_pattern_of_attention_mlp_pairs_is_the_gpt_model(megatron_world):
-    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
+    from fe_megatron.hybrid_pattern import gpt_name_of
     from fe_megatron.megatron.hybrid_specs import LocalHybridStack
     from tests.helpers.megatron import batches, build
 
@@ -52,7 +52,7 @@ def test_a_pattern_of_attention_mlp_pairs_is_the_gpt_model(megatron_world):
 
 
 def test_what_the_local_stack_cannot_build_is_named():
-    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
+    from fe_megatron.hybrid_pattern import gpt_name_of
     from fe_megatron.megatron.hybrid_specs import local_pattern_problems
 
     assert local_pattern_problems("*-E-") == []

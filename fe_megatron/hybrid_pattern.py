@@ -67,7 +67,8 @@ def memory_blocks_of_layers(pattern: str, layer_numbers, flag: str = "--fe-memor
     return sorted(attention.index(number) for number in layer_numbers)
 
 
-def pipeline_segments(pattern: str, pipeline: int, first: int = None, last: int = None) -> list:
+def pipeline_segments(pattern: str, pipeline: int, first: int = None, last: int = None,
+                      pipeline_flag: str = "--pipeline-model-parallel-size") -> list:
     """Each pipeline stage's layer numbers, as megatron-core's ``select_pipeline_segment`` splits the pattern:
     at its ``|`` (one segment per stage), else evenly, or with ``first``/``last`` layers on the first and last
     stages (``--decoder-first/last-pipeline-num-layers``)."""
@@ -78,7 +79,7 @@ def pipeline_segments(pattern: str, pipeline: int, first: int = None, last: int 
             start += len(segment)
         if len(segments) != pipeline:
             raise ValueError(f"hybrid_layer_pattern {pattern!r} has {len(segments)} pipeline segments for "
-                             f"--pipeline-model-parallel-size {pipeline}: give one segment per stage")
+                             f"{pipeline_flag} {pipeline}: give one segment per stage")
         return segments
     total = len(pattern)
     counts = [0] * pipeline

@@ -1,9 +1,9 @@
-"""`fe_megatron.megatron.hybrid_pattern`: a hybrid layer pattern's memory layers, pipeline stages and GPT
+"""`fe_megatron.hybrid_pattern`: a hybrid layer pattern's memory layers, pipeline stages and GPT
 names, on any stack (plain Python)."""
 
 import pytest
 
-from fe_megatron.megatron.hybrid_pattern import (gpt_name_of, hybrid_name_of, is_gpt_shaped, memory_blocks_of_layers,
+from fe_megatron.hybrid_pattern import (gpt_name_of, hybrid_name_of, is_gpt_shaped, memory_blocks_of_layers,
                                                  memory_positions, pipeline_segments, stages_without_memory)
 
 
