@@ -28,6 +28,7 @@ each end was tested with).  What changed inside that range and is answered here:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -760,6 +761,22 @@ def _check_layer_steps():
     # _forward_post_mlp may be missing: post_mlp then does its bias-dropout-add itself
 
 
+def _check_mlp_internals():
+    """``inside_ffn`` adds the memory to SwiGLU's up branch, inside megatron-core's MLP: it runs the MLP's
+    ``linear_fc1`` and ``linear_fc2`` itself, with the config's ``glu_linear_offset``, and recomputes it
+    where the layer does (``recompute_mlp``). No public MLP entry point takes an addend to the up branch."""
+    from megatron.core.transformer.mlp import MLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    _require("glu_linear_offset" in {f.name for f in dataclasses.fields(TransformerConfig)},
+             "TransformerConfig.glu_linear_offset is gone")
+    source = inspect.getsource(MLP.__init__)
+    _require("self.linear_fc1" in source and "self.linear_fc2" in source, "MLP no longer builds linear_fc1/linear_fc2")
+    _require("self.recompute_mlp" in inspect.getsource(TransformerLayer.__init__),
+             "TransformerLayer no longer sets recompute_mlp")
+
+
 def _check_layer_constructor():
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -772,7 +789,7 @@ def _check_block():
     from megatron.core.transformer.transformer_block import TransformerBlock, get_num_layers_to_build
 
     _has_parameters(get_num_layers_to_build, ("config", "vp_stage", "pp_rank"), "get_num_layers_to_build")
-    _has_parameters(TransformerBlock.forward, ("hidden_states", "attention_mask", "context"), "TransformerBlock.forward")
+    _has_parameters(TransformerBlock.forward, ("hidden_states", "attention_mask"), "TransformerBlock.forward")
     _has_parameters(GPTModel.forward, ("input_ids", "position_ids", "attention_mask", "extra_block_kwargs"),
                     "GPTModel.forward")
     _require(default_block_norm() is not None, "transformer_block.LayerNormImpl is gone")
@@ -901,7 +918,11 @@ def _check_trainer():
 
 
 CONTRACTS = (
-    Contract("TransformerLayer forward steps", "megatron/transformer_layer.py", _check_layer_steps),
+    # the FFN placements run between the attention and MLP steps (before the attention: the public forward)
+    Contract("TransformerLayer forward steps", "megatron/transformer_layer.py (before_ffn, inside_ffn)",
+             _check_layer_steps),
+    Contract("MLP internals for inside_ffn", "megatron/transformer_layer.py (swiglu_with_up_addend)",
+             _check_mlp_internals),
     Contract("TransformerLayer constructor", "megatron/transformer_layer.py", _check_layer_constructor),
     Contract("block and GPTModel forwards", "megatron/gpt_model.py, layer_specs.py", _check_block),
     Contract("sharded state dict helpers", "megatron/memory_layer.py", _check_sharded_state_dict_helpers),

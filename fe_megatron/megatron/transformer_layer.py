@@ -5,20 +5,11 @@ of 24", see `fe_megatron.config`); Megatron's ``layer_number`` is 1-based and gl
 pipeline stages, so the branch sits on the layer with ``layer_number == layer_index + 1``.
 `FactorEngramTransformerLayer.__init__` is the one place that converts.
 
-Memory indices travel as an argument, through megatron-core's own block: the model hashes once
-per microbatch and hands the indices to megatron-core's stock ``TransformerBlock`` as its
-``context`` argument (cross-attention's input, unused by GPT specs, whose cross-attention is
-an ``IdentityOp``).  The block passes ``context`` to every layer and each layer returns it for
-the next; a memory layer reads its own indices from it (`memory_indices_of`) and returns it
-unchanged.  Under full activation recompute ``context`` is one of the checkpointed function's
-tensor inputs, so the recomputation in backward uses the same microbatch's indices even when a
-pipeline schedule has run later microbatches' forwards in between.  Nothing is stored on a
-module, and no upstream function is copied.
-
-``context`` holds ``{layer_index: indices}`` (the indices may be row lookups already started,
-for prefetch), or under full recompute while training one ``[s, b, sum of branches]`` tensor
-(a checkpoint input must be a tensor) in which layer ``l`` owns the columns
-``memory_columns``.
+The memory's inputs come from the model, not through a megatron-core argument: once per microbatch the
+model's forward hands this stage's memory layers a `fe_megatron.megatron.memory_inputs.StageMemoryInputs`
+(hashed addresses, lookups started), which each layer reads in its own forward
+(`memory_inputs.lookup_of_this_call`, which also serves full recompute's recomputations). megatron-core's
+``TransformerBlock`` runs unchanged, and its ``context`` argument (cross-attention's input) stays unused.
 
 What the branch reads (h_t of Eq. 7): the residual stream at the insertion point, i.e. the
 layer input for ``before_attn`` and the post-attention residual for ``before_ffn`` and
@@ -28,6 +19,7 @@ local spec and under Transformer Engine's fused norm+QKV linear.
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Optional
 
@@ -41,6 +33,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron import compat
+from fe_megatron.megatron.memory_inputs import StageMemoryInputs, lookup_of_this_call
 from fe_megatron.megatron.memory_layer import build_memory_branch, memory_sharded_state_dict
 from fe_megatron.megatron.sparsity import attach_sparsity_loss
 from fe_megatron.memory.loss import layer_sparsity, weighted_sparsity
@@ -88,13 +81,23 @@ def swiglu_with_up_addend(mlp: MLP, hidden_states: torch.Tensor, up_addend: torc
 
 class HostsMemory:
     """A megatron-core layer hosting a memory branch (``self.memory``, ``self.memory_config``; None on a
-    layer without one): runs it, tracks its sparsity term (Eq. 12-13) per microbatch for logging
-    (`pop_tracked_sparsity_loss`), and checkpoints it along the sharding plan's axes."""
+    layer without one) of block ``self.memory_index``: reads this call's inputs from its model
+    (`fe_megatron.megatron.memory_inputs`), runs the branch, tracks its sparsity term (Eq. 12-13) per
+    microbatch for logging (`pop_tracked_sparsity_loss`), and checkpoints it along the sharding plan's axes."""
 
     tracked_sparsity_loss: list
+    memory_index: Optional[int]
+    memory_inputs: Optional[StageMemoryInputs]  # this microbatch's, handed over by the model for one forward
+    pending_recomputations: collections.deque  # under full recompute: inputs queued for their recomputation
 
-    def _memory(self, residual_stream: torch.Tensor, indices: torch.Tensor):
-        memory_out, l1_share = self.memory(residual_stream, indices=indices)
+    def _init_memory_inputs(self) -> None:
+        self.tracked_sparsity_loss = []
+        self.memory_inputs = None
+        self.pending_recomputations = collections.deque()
+
+    def _memory(self, residual_stream: torch.Tensor):
+        """The branch's output m_t (Eq. 10) on this call's inputs, and its sparsity term (Eq. 12-13)."""
+        memory_out, l1_share = self.memory(residual_stream, indices=lookup_of_this_call(self))
         mc = self.memory_config
         aux_loss = weighted_sparsity(layer_sparsity(l1_share, len(mc.layers)), mc.sparsity_lambda)  # Eq. 12-13
         # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad
@@ -135,50 +138,32 @@ class FactorEngramTransformerLayer(HostsMemory, TransformerLayer):
         self.memory_config = memory_config
         self.layer_index = self.layer_number - 1  # Megatron's 1-based number -> MemoryConfig.layers' index
         self.memory = None
-        if self.layer_index in memory_config.layers:
+        self.memory_index = self.layer_index if self.layer_index in memory_config.layers else None
+        if self.memory_index is not None:
             self.memory = build_memory_branch(config, memory_config, self.layer_index, self.tp_group, table_sharding)
             if memory_config.placement == "inside_ffn" and type(self.mlp) is not MLP:
                 raise ValueError("placement='inside_ffn' adds the memory to a dense SwiGLU MLP "
                                  f"(megatron.core MLP); this layer's MLP is {type(self.mlp).__name__}")
-        self.tracked_sparsity_loss: list = []  # detached per-microbatch values, for logging
-        self.memory_columns: Optional[tuple] = None  # (start, stop) in a stacked indices tensor; set by the model
-
-    def memory_indices_of(self, context):
-        """This memory layer's indices ([s, b, branches]) in the block's ``context`` (see the module's
-        docstring), or None."""
-        if context is None:
-            return None
-        if isinstance(context, dict):
-            return context.get(self.layer_index)
-        start, stop = self.memory_columns
-        return context[..., start:stop]
+        self._init_memory_inputs()
 
     # ----------------------------------------------------------------- memory
     def forward(self, hidden_states: torch.Tensor, *args, context=None, **kwargs):
-        """TransformerLayer.forward plus the memory branch, whose indices come in ``context`` (see the
-        module's docstring); returns ``(output, context)`` with ``context`` unchanged."""
+        """TransformerLayer.forward plus the memory branch on this forward's inputs (see the module's
+        docstring); returns ``(output, context)``. Before the attention, through the public ``forward``;
+        at the FFN placements, between ``TransformerLayer``'s attention and MLP steps (`compat`)."""
         if self.memory is None:
             return super().forward(hidden_states, *args, context=context, **kwargs)
-        memory_indices = self.memory_indices_of(context)
-        if memory_indices is None:
-            raise RuntimeError(f"layer {self.layer_index} (0-based) has a memory branch but received no "
-                               "memory indices; call FactorEngramGPTModel with input_ids (or memory_indices) on "
-                               "every pipeline stage")
         placement = self.memory_config.placement
-        aux_loss = None
         if placement == "before_attn":
-            memory_out, aux_loss = self._memory(hidden_states, memory_indices)
-            hidden_states = hidden_states + memory_out  # Eq. 11
+            memory_out, aux_loss = self._memory(hidden_states)
+            output, context = super().forward(hidden_states + memory_out, *args, context=context, **kwargs)  # Eq. 11
+            return attach_sparsity_loss(output, aux_loss), context
         hidden_states, _ = compat.forward_attention(self, hidden_states, args, kwargs)
+        memory_out, aux_loss = self._memory(hidden_states)
         if placement == "before_ffn":
-            memory_out, aux_loss = self._memory(hidden_states, memory_indices)
-            hidden_states = hidden_states + memory_out  # Eq. 11
-            output = compat.forward_mlp(self, hidden_states, kwargs)
-        elif placement == "inside_ffn":
-            memory_out, aux_loss = self._memory(hidden_states, memory_indices)
+            output = compat.forward_mlp(self, hidden_states + memory_out, kwargs)  # Eq. 11
+        else:  # inside_ffn
             output = self._forward_mlp_with_memory(hidden_states, memory_out)
-        else:
-            output = compat.forward_mlp(self, hidden_states, kwargs)
         return attach_sparsity_loss(output, aux_loss), context
 
     def _forward_mlp_with_memory(self, hidden_states: torch.Tensor, memory_out: torch.Tensor):

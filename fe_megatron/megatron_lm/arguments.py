@@ -149,8 +149,8 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
         refused.append("--fe-table-sharding rows with --context-parallel-size > 1: use fe-pretrain, or replicated "
                        "tables")
     if getattr(args, "mtp_num_layers", None):
-        refused.append(f"--mtp-num-layers {args.mtp_num_layers}: the multi-token prediction block refuses the "
-                       "decoder's context argument, which carries the memory indices")
+        refused.append(f"--mtp-num-layers {args.mtp_num_layers}: the multi-token prediction block's layers get no "
+                       "memory inputs; train without it")
     if args.virtual_pipeline_model_parallel_size is not None:
         refused.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
                        "the memory branch is built for one model chunk per pipeline stage")

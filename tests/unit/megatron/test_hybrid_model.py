@@ -76,7 +76,7 @@ def test_the_memory_inputs_are_the_forward_s_and_what_it_cannot_run_beside_is_re
     model = hybrid_with_memory(memory)
     batch = batches(1)[0]
     layer = model.stage_memory_layers[0]
-    with pytest.raises(RuntimeError, match="got no memory inputs: run it inside FactorEngramHybridModel.forward"):
+    with pytest.raises(RuntimeError, match=r"got no memory inputs: run it inside its model's forward"):
         layer(torch.randn(32, 2, 32), attention_mask=batch["attention_mask"])
     model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
     assert layer.memory_inputs is None  # handed to the layers for the length of one forward only
