@@ -46,6 +46,10 @@ def stage_memory_inputs(config, training: bool, branches: dict, addresses: dict,
     (``{layer index: [s, b, branches] row indices, or a lookup started earlier}``): the lookups started now
     (``start_lookups``; the host tier's started one microbatch ahead are kept), or, under full recompute
     while training, the addresses themselves (see the module docstring)."""
+    missing = sorted(index for index in branches if index not in addresses)
+    if missing:
+        raise ValueError(f"memory_indices has no entry for memory layers {missing} of this pipeline stage (it has "
+                         f"{sorted(addresses)}); give every memory layer of the stage its indices, or input_ids")
     if config.recompute_granularity == "full" and training:
         started = [index for index in branches if not isinstance(addresses[index], torch.Tensor)]
         if started:

@@ -77,9 +77,9 @@ class ArgumentsRefused(ValueError):
 def prepare_trainer(args, on_host: bool, family: str = "gpt"):
     """``(model_config, state)``: Megatron-LM's model configuration of ``family`` (``gpt`` or ``hybrid``)
     for ``args`` (validated arguments, with the ``--fe-*`` ones), with the memory branch where they ask
-    for it, and the
-    `TrainerState` the trainer's callbacks share; megatron.training's hooks (the table member of the
-    optimizer chain, the log entries, the checkpoint seal, the loader on torch's Adam) are installed.
+    for it, and the `TrainerState` the trainer's callbacks share; megatron.training's hooks (the table
+    member of the optimizer chain, the log entries, the checkpoint seal, the loader on torch's Adam) are
+    installed.
     Raises `ArgumentsRefused` with everything the run cannot honor (`start_up_check`)."""
     from megatron.training.argument_utils import gpt_config_from_args
 
