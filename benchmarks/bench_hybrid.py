@@ -52,7 +52,7 @@ def main():
         raise SystemExit(f"bench_hybrid.py: megatron-core {compat.megatron_core_version()} has no HybridModel; "
                          f"install megatron-core>={compat.HYBRID_MINIMUM} (make setup-newest)")
     from fe_megatron.megatron.hybrid_model import FactorEngramHybridModel
-    from fe_megatron.megatron.hybrid_pattern import gpt_name_of
+    from fe_megatron.hybrid_pattern import gpt_name_of
     from fe_megatron.megatron.hybrid_specs import local_hybrid_stack_spec
 
     s = SIZES[args.size]
