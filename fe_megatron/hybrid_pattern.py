@@ -115,22 +115,25 @@ def is_gpt_shaped(pattern: str) -> bool:
     return re.fullmatch(r"(\*-)+", layers_of(pattern)) is not None
 
 
-_HYBRID_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
-_GPT_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")  # a layer's tensor, in either model
 # what each layer of a '*-' pair holds of a GPT layer (the memory: `fe_megatron.megatron.hybrid_model`)
 _GPT_PARTS = {ATTENTION: ("input_layernorm.", "self_attention.", "memory."), MLP: ("pre_mlp_layernorm.", "mlp.")}
+
+
+def _require_gpt_shaped(pattern: str) -> None:
+    if not is_gpt_shaped(pattern):
+        raise ValueError(f"hybrid_layer_pattern {pattern!r} is not made of '*-' pairs, the GPT layer structure")
 
 
 def gpt_name_of(name: str, pattern: str) -> str:
     """The GPT model's name of the hybrid model's parameter or checkpoint tensor ``name`` when ``pattern`` is
     made of ``*-`` pairs (layers ``2i`` and ``2i+1`` are GPT layer ``i``; ``decoder.final_norm`` is
     ``decoder.final_layernorm``)."""
-    if not is_gpt_shaped(pattern):
-        raise ValueError(f"hybrid_layer_pattern {pattern!r} is not made of '*-' pairs, the GPT layer structure")
+    _require_gpt_shaped(pattern)
     layers = layers_of(pattern)
     if name.startswith("decoder.final_norm."):
         return "decoder.final_layernorm." + name[len("decoder.final_norm."):]
-    match = _HYBRID_LAYER.match(name)
+    match = _LAYER.match(name)
     if not match:
         return name
     layer, rest = int(match.group(1)), match.group(2)
@@ -142,11 +145,10 @@ def gpt_name_of(name: str, pattern: str) -> str:
 
 def hybrid_name_of(name: str, pattern: str) -> str:
     """The inverse of `gpt_name_of`: the hybrid model's name of the GPT model's ``name``."""
-    if not is_gpt_shaped(pattern):
-        raise ValueError(f"hybrid_layer_pattern {pattern!r} is not made of '*-' pairs, the GPT layer structure")
+    _require_gpt_shaped(pattern)
     if name.startswith("decoder.final_layernorm."):
         return "decoder.final_norm." + name[len("decoder.final_layernorm."):]
-    match = _GPT_LAYER.match(name)
+    match = _LAYER.match(name)
     if not match:
         return name
     block, rest = int(match.group(1)), match.group(2)

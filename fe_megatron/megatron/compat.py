@@ -445,32 +445,31 @@ def has_hybrid_model() -> bool:
         importlib.util.find_spec("megatron.core.models.hybrid") is not None
 
 
-@contextlib.contextmanager
 def building_gpt_model_as(model_class: Callable):
     """Inside the block, Megatron-LM's `GPTModelBuilder.build_model` constructs ``model_class``
     (called with GPTModel's keyword arguments) where it constructs ``GPTModel``."""
     from megatron.training.models import gpt
 
-    original = gpt.GPTModel
-    gpt.GPTModel = model_class
-    try:
-        yield
-    finally:
-        gpt.GPTModel = original
+    return _replaced(gpt, "GPTModel", model_class)
 
 
-@contextlib.contextmanager
 def building_hybrid_model_as(model_class: Callable):
     """Inside the block, Megatron-LM's `HybridModelBuilder.build_model` constructs ``model_class``
     (called with HybridModel's keyword arguments) where it constructs ``HybridModel``."""
     from megatron.training.models import hybrid
 
-    original = hybrid.HybridModel
-    hybrid.HybridModel = model_class
+    return _replaced(hybrid, "HybridModel", model_class)
+
+
+@contextlib.contextmanager
+def _replaced(module, name: str, value):
+    """``module.name`` is ``value`` inside the block, and what it was after it."""
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        hybrid.HybridModel = original
+        setattr(module, name, original)
 
 
 def add_trainer_param_group_overrides(overrides: dict) -> None:
