@@ -8,9 +8,9 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.memory.branch import start_stage_lookups
 from fe_megatron.megatron.hasher import MicrobatchHasher
-from fe_megatron.megatron.memory_inputs import handed_to, stage_memory_inputs
+from fe_megatron.megatron.memory_inputs import (handed_to, lookups_started_ahead, stage_branches,
+                                                stage_memory_inputs)
 from fe_megatron.megatron.sparsity import pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
 
@@ -58,7 +58,7 @@ class FactorEngramGPTModel(GPTModel):
         if not self.stage_memory_layers:
             return gpt_forward()
         memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
-        branches = {layer.layer_index: layer.memory for layer in self.stage_memory_layers}
+        branches = stage_branches(self.stage_memory_layers)
         inputs = stage_memory_inputs(self.config, self.training, branches, memory_indices,
                                      start_lookups=self.prefetch_table_rows)
         with handed_to(self.stage_memory_layers, inputs):
@@ -69,10 +69,7 @@ class FactorEngramGPTModel(GPTModel):
         hashed where the ids are (the host tier hashes on the host, so starting needs no device
         synchronization) with the rows bound for ``device``; pass the result to ``forward`` as
         ``memory_indices``."""
-        if self.hasher is None:
-            return {}
-        branches = {layer.layer_index: layer.memory for layer in self.stage_memory_layers}
-        return start_stage_lookups(branches, self.hasher(input_ids), device)
+        return lookups_started_ahead(self.stage_memory_layers, self.hasher, input_ids, device)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the

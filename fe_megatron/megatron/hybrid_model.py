@@ -30,11 +30,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from fe_megatron.config import MemoryConfig
 from fe_megatron.hybrid_pattern import memory_positions
 from fe_megatron.megatron.hasher import MicrobatchHasher
-from fe_megatron.megatron.memory_inputs import handed_to, stage_memory_inputs
+from fe_megatron.megatron.memory_inputs import (handed_to, lookups_started_ahead, stage_branches,
+                                                stage_memory_inputs)
 from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.sparsity import attach_sparsity_loss, pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import HostsMemory
-from fe_megatron.memory.branch import start_stage_lookups
 
 
 class MemoryBeforeAttentionLayer(HostsMemory, TransformerLayer):
@@ -108,18 +108,15 @@ class FactorEngramHybridModel(HybridModel):
         if not self.stage_memory_layers:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
         memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
-        branches = {layer.memory_index: layer.memory for layer in self.stage_memory_layers}
-        inputs = stage_memory_inputs(self.config, self.training, branches, memory_indices)
+        inputs = stage_memory_inputs(self.config, self.training, stage_branches(self.stage_memory_layers),
+                                     memory_indices)
         with handed_to(self.stage_memory_layers, inputs):
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
     def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
         """As `FactorEngramGPTModel.start_memory_lookups`: this stage's lookups for ``input_ids`` started now
         (the host tier's lookahead, one microbatch ahead), to pass as ``memory_indices``."""
-        if self.hasher is None:
-            return {}
-        branches = {layer.memory_index: layer.memory for layer in self.stage_memory_layers}
-        return start_stage_lookups(branches, self.hasher(input_ids), device)
+        return lookups_started_ahead(self.stage_memory_layers, self.hasher, input_ids, device)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """As `FactorEngramGPTModel.pop_sparsity_loss`."""

@@ -40,6 +40,20 @@ class StageMemoryInputs:
         return self.lookups[layer_index]
 
 
+def stage_branches(layers: list) -> dict:
+    """``{block: branch}`` of a stage's memory ``layers`` (`HostsMemory` layers with a branch)."""
+    return {layer.memory_index: layer.memory for layer in layers}
+
+
+def lookups_started_ahead(layers: list, hasher, input_ids: torch.Tensor, device) -> dict:
+    """``{block: started lookup}`` of a stage's memory ``layers`` for ``input_ids`` ([b, s]), hashed by
+    ``hasher`` where the ids are (the host tier hashes on the host, so starting needs no device
+    synchronization), the rows bound for ``device``: a model's ``memory_indices`` one microbatch ahead."""
+    if hasher is None:
+        return {}
+    return start_stage_lookups(stage_branches(layers), hasher(input_ids), device)
+
+
 def stage_memory_inputs(config, training: bool, branches: dict, addresses: dict,
                         start_lookups: bool = True) -> StageMemoryInputs:
     """This forward's `StageMemoryInputs` for ``branches`` (``{layer index: branch}``) from ``addresses``
