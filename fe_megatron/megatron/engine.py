@@ -147,6 +147,7 @@ def set_up(cfg) -> MegatronRun:
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask
     from fe_megatron.megatron.table_optimizer import refuse_table_optimizer_change
+    from fe_megatron.memory.sharding import stages_without_memory
 
     m, t, p = cfg.model, cfg.training, cfg.parallel
     initialize(p.tensor, p.pipeline, seed=t.seed, expert_parallel_size=p.expert,
@@ -158,7 +159,8 @@ def set_up(cfg) -> MegatronRun:
     log(f"kernels: {ops.current_backend(current_device())} (built: {', '.join(ops.available_backends())}); "
         f"table gradients {'deterministic' if t.deterministic_table_grads else 'atomic'}")
     dp = parallel_state.get_data_parallel_world_size()
-    plan = table_plan(cfg, use_bf16(t, on_gpu), bool(cfg.memory and stages_without_memory_of(cfg)))
+    plan = table_plan(cfg, use_bf16(t, on_gpu), bool(cfg.memory and stages_without_memory(
+        cfg.memory.layers, m.num_layers, p.pipeline, m.hybrid_layer_pattern)))
     start = start_run(cfg, "megatron", dp, plan, {"expert": p.expert} if p.expert > 1 else None,
                       find_checkpoint=find_megatron_checkpoint(cfg),
                       refuse_table_change=refuse_table_optimizer_change, holds_weights_only=holds_weights_only)
@@ -189,19 +191,6 @@ def set_up(cfg) -> MegatronRun:
           + (f", {plan.describe()}" if plan is not None else ""),
           world_size=torch.distributed.get_world_size(), dp=dp, tp=p.tensor, pp=p.pipeline)
     return run
-
-
-def stages_without_memory_of(cfg) -> list:
-    """The pipeline stages that hold no memory layer: the GPT model's even split of its blocks, or the hybrid
-    pattern's segments."""
-    from fe_megatron.memory.sharding import stages_without_memory
-
-    m, p = cfg.model, cfg.parallel
-    if m.hybrid_layer_pattern:
-        from fe_megatron import hybrid_pattern
-
-        return sorted(hybrid_pattern.stages_without_memory(m.hybrid_layer_pattern, cfg.memory.layers, p.pipeline))
-    return stages_without_memory(cfg.memory.layers, m.num_layers, p.pipeline)
 
 
 def build_stage_model(cfg, tconfig, plan):

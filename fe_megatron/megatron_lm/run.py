@@ -252,13 +252,9 @@ def stages_without_memory_of(args, memory) -> set:
     from fe_megatron.memory.sharding import stages_without_memory
 
     pattern = hybrid_pattern_of(args)
-    if pattern:
-        from fe_megatron import hybrid_pattern
-
-        return hybrid_pattern.stages_without_memory(
-            pattern.split("/")[0], memory.layers, args.pipeline_model_parallel_size,
-            args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
-    return stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size)
+    return set(stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size,
+                                     pattern.split("/")[0] if pattern else None,
+                                     args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers))
 
 
 def data_problems(args) -> list:

@@ -49,9 +49,17 @@ def pipeline_stage_layers(num_layers: int, pipeline_size: int, stage: int) -> ra
     return range(stage * per_stage, (stage + 1) * per_stage)
 
 
-def stages_without_memory(memory_layers, num_layers: int, pipeline_size: int) -> list:
+def stages_without_memory(memory_layers, num_layers: int, pipeline_size: int,
+                          hybrid_layer_pattern: str = None, first: int = None, last: int = None) -> list:
     """The pipeline stages that hold none of ``memory_layers`` (the paper's layers 10 and 12 of 24
-    leave stages 0 and 3 of four without memory)."""
+    leave stages 0 and 3 of four without memory): the GPT model's even split of its blocks, or a hybrid
+    model's split of ``hybrid_layer_pattern`` (`fe_megatron.hybrid_pattern`; ``first``/``last``: the layers
+    of its first and last stages, where the pattern has no ``|``)."""
+    if hybrid_layer_pattern:
+        from fe_megatron import hybrid_pattern
+
+        return sorted(hybrid_pattern.stages_without_memory(hybrid_layer_pattern, memory_layers, pipeline_size,
+                                                           first, last))
     return [stage for stage in range(pipeline_size)
             if not any(layer in pipeline_stage_layers(num_layers, pipeline_size, stage) for layer in memory_layers)]
 
