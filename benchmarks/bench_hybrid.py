@@ -21,15 +21,13 @@ import warnings
 
 import torch
 
+from bench_train import SIZES as TRAIN_SIZES
+from bench_train import random_batches
+
 warnings.filterwarnings("ignore")
 
-SIZES = {
-    "tiny": dict(backbone=dict(preset="tiny"), memory=dict(preset="factorengram-tiny"), mbs=4, micro=2),
-    "small": dict(backbone=dict(vocab_size=32000, hidden_size=512, num_layers=12, num_attention_heads=8,
-                                ffn_hidden_size=1408, seq_length=512),
-                  memory=dict(preset="factorengram-340m", table_capacity=[32000, 100_000, 100_000], coeff_width=1536,
-                              memory_dim=1536, layers=[5, 6]), mbs=4, micro=2),
-}
+# bench_train's sizes (the tiny one at half its micro-batch size, as this benchmark has always run it)
+SIZES = {"tiny": dict(TRAIN_SIZES["tiny"], mbs=4), "small": TRAIN_SIZES["small"]}
 
 
 def main():
@@ -40,7 +38,7 @@ def main():
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.engine import transformer_config_for
     from fe_megatron.megatron.parallel import initialize, shutdown
-    from fe_megatron.megatron.step import causal_mask, train_step
+    from fe_megatron.megatron.step import train_step
     from fe_megatron.training.config import TrainConfig
 
     parser = argparse.ArgumentParser()
@@ -86,14 +84,7 @@ def main():
             optimizer="adam", lr=1e-4, bf16=tconfig.bf16, params_dtype=tconfig.params_dtype))
         connect_schedule_hooks(tconfig, chunks[kind], optimizers[kind])
 
-    gen = torch.Generator().manual_seed(0)
-    mask = causal_mask(seq, device)
-    batches = []
-    for _ in range(s["micro"]):
-        tokens = torch.randint(0, vocab, (s["mbs"], seq + 1), generator=gen)
-        batches.append({k: v.to(device) for k, v in dict(
-            tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(s["mbs"], seq),
-            position_ids=torch.arange(seq).expand(s["mbs"], -1)).items()} | {"attention_mask": mask})
+    batches = random_batches(vocab, seq, s["mbs"], s["micro"], device)
     losses = {"gpt": [], "hybrid": []}
     seconds = {"gpt": 0.0, "hybrid": 0.0}
     for step in range(args.steps + 1):

@@ -68,12 +68,27 @@ def matmul_macs_per_token(backbone, memory=None) -> int:
     return macs
 
 
+def random_batches(vocab: int, seq: int, mbs: int, micro: int, device) -> list:
+    """``micro`` microbatches of ``mbs`` random sequences (seed 0) in fe-pretrain's batch layout, on ``device``."""
+    from fe_megatron.megatron.step import causal_mask
+
+    gen = torch.Generator().manual_seed(0)
+    mask = causal_mask(seq, device)
+    batches = []
+    for _ in range(micro):
+        tokens = torch.randint(0, vocab, (mbs, seq + 1), generator=gen)
+        batches.append({k: v.to(device) for k, v in dict(
+            tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(mbs, seq),
+            position_ids=torch.arange(seq).expand(mbs, -1)).items()} | {"attention_mask": mask})
+    return batches
+
+
 def main():
     from megatron.core.optimizer import OptimizerConfig
 
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.parallel import initialize, shutdown
-    from fe_megatron.megatron.step import causal_mask, train_step
+    from fe_megatron.megatron.step import train_step
     from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.megatron.engine import transformer_config_for
     from fe_megatron.megatron.table_optimizer import manage_tables
@@ -96,14 +111,7 @@ def main():
     device = torch.device("cuda") if on_gpu else torch.device("cpu")
     cfg = TrainConfig(model=backbone)
     cfg.training.precision = args.precision
-    gen = torch.Generator().manual_seed(0)
-    mask = causal_mask(seq, device)
-    batches = []
-    for _ in range(s["micro"]):
-        tokens = torch.randint(0, vocab, (s["mbs"], seq + 1), generator=gen)
-        batches.append({k: v.to(device) for k, v in dict(
-            tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(s["mbs"], seq),
-            position_ids=torch.arange(seq).expand(s["mbs"], -1)).items()} | {"attention_mask": mask})
+    batches = random_batches(vocab, seq, s["mbs"], s["micro"], device)
     tokens_per_step = s["micro"] * s["mbs"] * seq
     results, peak_gib = {}, {}
     memory = MemoryConfig.from_dict(s["memory"], backbone=backbone)
