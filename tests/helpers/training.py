@@ -3,6 +3,7 @@ own (under torchrun for several processes), and what a run leaves behind (its me
 
 import json
 import os
+import shutil
 import sys
 
 from tests.helpers.paths import CONFIG, ENDS_CLEANLY, ROOT  # noqa: F401 - re-exported for the tests
@@ -62,3 +63,12 @@ def final_curve(save):
     for step, *values in curve(metrics(save)):
         by_step.setdefault(step, {}).update({i: v for i, v in enumerate(values) if v is not None})
     return by_step
+
+
+def resume_at(source: str, step: int, target: str) -> str:
+    """A run directory holding only ``source``'s checkpoint of ``step`` (as if the run stopped there)."""
+    name = f"iter_{step:07d}"
+    shutil.copytree(os.path.join(source, name), os.path.join(target, name))
+    with open(os.path.join(target, "latest_checkpointed_iteration.txt"), "w") as fh:
+        fh.write(str(step))
+    return target

@@ -6,13 +6,10 @@ TP=2, PP=2 with memory on the second stage only, DP=2 with row-sharded tables, a
 The memory layers are given by the pattern's layer numbers (``memory.pattern_layers``) or by block.
 """
 
-import os
-import shutil
-
 import pytest
 
 from fe_megatron.megatron import compat
-from tests.helpers.training import CONFIG, final_curve, run_pretrain, small_overrides
+from tests.helpers.training import CONFIG, final_curve, resume_at, run_pretrain, small_overrides
 
 pytestmark = pytest.mark.skipif(not compat.has_hybrid_model(), reason=(
     f"megatron-core {compat.megatron_core_version()} has no HybridModel ({compat.HYBRID_MINIMUM} on); "
@@ -43,10 +40,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_a_gpt_checkpoint_resumes_as_the_hybrid_model_on_the_gpt_curve(small_data, gpt_run, tmp_path, layout):
     nproc, extra = LAYOUTS[layout]
-    save = str(tmp_path / "hybrid")
-    shutil.copytree(os.path.join(gpt_run, "iter_0000002"), os.path.join(save, "iter_0000002"))
-    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as fh:
-        fh.write("2")
+    save = resume_at(gpt_run, 2, str(tmp_path / "hybrid"))
     overrides = dict(GPT)
     del overrides["memory.layers"]
     overrides["memory.pattern_layers"] = "[4,6]"  # the pattern's layer numbers of blocks 2 and 3

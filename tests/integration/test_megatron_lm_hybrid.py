@@ -12,13 +12,13 @@ the hybrid model cannot do with memory is refused at start-up, by name. Runs on 
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 
 from fe_megatron.megatron import compat
 from tests.helpers.megatron_lm import STEPS, launch, losses, megatron_lm_arguments, memory_yaml
+from tests.helpers.training import resume_at
 
 pytestmark = pytest.mark.skipif(not (compat.has_megatron_lm_trainer() and compat.has_hybrid_model()), reason=(
     f"megatron-core {compat.megatron_core_version()} has no Megatron-LM trainer with HybridModel "
@@ -33,15 +33,6 @@ def hybrid_arguments(data, save, memory, *extra):
     arguments = megatron_lm_arguments(data, save, memory)
     at = arguments.index("--num-layers")
     return arguments[:at] + arguments[at + 2:] + list(extra)
-
-
-def resumable_copy(save: str, step: int, folder: str) -> str:
-    """A run directory holding only ``save``'s step-``step`` checkpoint."""
-    name = f"iter_{step:07d}"
-    shutil.copytree(os.path.join(save, name), os.path.join(folder, name))
-    with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as fh:
-        fh.write(str(step))
-    return folder
 
 
 def hf_logits(save: str, out: str, tokens) -> torch.Tensor:
@@ -67,7 +58,7 @@ def gpt_run(small_data, tmp_path_factory) -> tuple:
 
 def test_a_gpt_checkpoint_with_memory_resumes_as_the_hybrid_model_and_converts_alike(small_data, gpt_run, tmp_path):
     gpt, memory, curve = gpt_run
-    hybrid = resumable_copy(gpt, 6, str(tmp_path / "hybrid"))
+    hybrid = resume_at(gpt, 6, str(tmp_path / "hybrid"))
     launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
         small_data, hybrid, memory, "--hybrid-layer-pattern", PATTERN, "--load", hybrid)], nproc=1)
     after = losses(hybrid)
@@ -115,7 +106,7 @@ def test_the_hybrid_model_resumed_in_other_layouts_follows_the_gpt_curve(small_d
     stages that read data) and under full recompute: within 1e-5 of the GPT curve."""
     gpt, memory, curve = gpt_run
     nproc, extra = LAYOUTS[layout]
-    save = resumable_copy(gpt, 6, str(tmp_path / layout))
+    save = resume_at(gpt, 6, str(tmp_path / layout))
     launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(small_data, save, memory, *extra,
                                                                           "--load", save)], nproc=nproc)
     after = losses(save)
@@ -133,7 +124,7 @@ def test_an_moe_pattern_trains_at_ep2_beside_row_sharded_tables(small_data, tmp_
     gpt = str(tmp_path / "gpt")
     launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, gpt, memory), *moe], nproc=2)
     curve = losses(gpt)
-    save = resumable_copy(gpt, 6, str(tmp_path / "hybrid"))
+    save = resume_at(gpt, 6, str(tmp_path / "hybrid"))
     launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
         small_data, save, memory, *moe, "--hybrid-layer-pattern", "*E" * 4, "--fe-table-sharding", "rows",
         "--load", save)], nproc=2)

@@ -9,13 +9,12 @@ process is tests/unit/tables/test_managed.py's; the DeepSpeed engine's stores ar
 tests/integration/test_deepspeed.py."""
 
 import os
-import shutil
 
 import pytest
 import torch
 
 from tests.helpers.torchrun_util import torchrun
-from tests.helpers.training import CONFIG, metrics, run_pretrain, small_overrides
+from tests.helpers.training import CONFIG, metrics, resume_at, run_pretrain, small_overrides
 
 
 # ----------------------------------------------------------------------------- Megatron, library level
@@ -81,15 +80,6 @@ def test_bf16_tables_round_alike_at_every_layout(reference):
 # ----------------------------------------------------------------------------- fe-pretrain
 def losses(save):
     return [(r["step"], r["lm_loss"]) for r in metrics(save) if "lm_loss" in r]
-
-
-def resume_at(source: str, step: int, target: str) -> str:
-    """A run directory holding only ``source``'s checkpoint of ``step`` (as if the run stopped there)."""
-    name = f"iter_{step:07d}"
-    shutil.copytree(os.path.join(source, name), os.path.join(target, name))
-    with open(os.path.join(target, "latest_checkpointed_iteration.txt"), "w") as fh:
-        fh.write(str(step))
-    return target
 
 
 @pytest.fixture(scope="module")
