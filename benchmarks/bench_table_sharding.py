@@ -39,8 +39,9 @@ MODES = (("replicated", "replicated", True), ("rows", "rows", True), ("rows-per-
 
 def start_each_layer_alone(branches: dict, indices: dict, device=None) -> dict:
     """The lookups as they were started before the stage exchange: each layer its own exchange."""
-    return {index: branches[index].start_lookup(value, device) if isinstance(value, torch.Tensor) else value
-            for index, value in indices.items()}
+    from fe_megatron.memory.inputs import started
+
+    return {index: started(value, branches[index]) for index, value in indices.items()}
 
 
 class AllToAllCounter:
@@ -67,7 +68,7 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
     from megatron.core.optimizer import OptimizerConfig
 
     from fe_megatron.config import BackboneConfig, MemoryConfig
-    from fe_megatron.megatron import gpt_model
+    from fe_megatron.memory import inputs as memory_inputs
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.parallel import initialize
     from fe_megatron.megatron.step import causal_mask, train_step
@@ -99,9 +100,9 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
         tokens = torch.randint(0, backbone.vocab_size, (mbs, seq + 1), generator=gen)
         batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(mbs, seq),
                             position_ids=torch.arange(seq).expand(mbs, -1), attention_mask=causal_mask(seq)))
-    stage_lookups = gpt_model.start_stage_lookups
+    stage_lookups = memory_inputs.start_lookups
     if per_layer:
-        gpt_model.start_stage_lookups = start_each_layer_alone
+        memory_inputs.start_lookups = start_each_layer_alone
     for _ in range(2):
         train_step([ddp], opt, batches, seq, mbs)
     dist.barrier()
@@ -111,7 +112,7 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
             train_step([ddp], opt, batches, seq, mbs)
         dist.barrier()
         elapsed = time.perf_counter() - start
-    gpt_model.start_stage_lookups = stage_lookups
+    memory_inputs.start_lookups = stage_lookups
     tables = [layer.memory.tables.weight for layer in model.stage_memory_layers]
     state = [opt.chained_optimizers[-1].optimizer.state.get(t, {}) for t in tables]
     gradients = [layer.memory.tables.store.main_grad if stores is not None else t.main_grad

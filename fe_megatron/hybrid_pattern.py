@@ -58,7 +58,9 @@ def memory_blocks_of_layers(pattern: str, layer_numbers, flag: str = "--fe-memor
         elif layers[number] != ATTENTION:
             symbol = layers[number]
             kind = KINDS.get(symbol, "unknown")
-            why = ("memory before MLA attention is not supported yet" if symbol == "+" else
+            why = ("memory before MLA attention is not supported yet (megatron-core 0.19 builds MLA from Transformer "
+                   "Engine's attention only: its local DotProductAttention takes no k_channels or v_channels, so "
+                   "it could not be tested on a CPU); use a '*' layer" if symbol == "+" else
                    "the memory goes before the attention of an attention layer")
             problems.append(f"layer {number} is {symbol!r} ({kind}): {why}")
     if problems:

@@ -38,7 +38,7 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPr
                                                       LlamaRotaryEmbedding)
 
 from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memory, layer_sparsity, weighted_sparsity
-from fe_megatron.memory.branch import start_stage_lookups
+from fe_megatron.memory.inputs import MemoryInputs, schedule_lookups, start_lookups
 
 from .configuration_fe_megatron import FactorEngramConfig
 
@@ -107,28 +107,29 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         for module in self.memory.modules():
             module._fe_memory_part = True
 
-    def _memory(self, hidden_states, token_ids, decoding, sparsity_terms: list, lookup=None):
-        if lookup is not None:  # started ahead (the host tier): the lookup brings the rows
-            memory_out, l1 = self.memory(hidden_states, indices=lookup)
-        else:
-            memory_out, l1 = self.memory(hidden_states, token_ids, decoding=decoding)
+    def _memory(self, hidden_states, memory_inputs: MemoryInputs, sparsity_terms: list):
+        """The branch's output on this forward's inputs (its lookup, and token by token its `Decoding`)."""
+        decoding = memory_inputs.decoding_of(self.layer_index)
+        memory_out, l1 = self.memory(hidden_states, lookup=memory_inputs.lookup_of(self.layer_index, self.memory),
+                                     decoding=decoding)
         if decoding is not None and decoding.valid is not None:
             l1 = l1[decoding.valid]  # padding is not text
         sparsity_terms.append(layer_sparsity(l1, len(self.memory.config.layers)))  # Eq. 12
         return memory_out
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, *, cache=None, memory_token_ids=None, memory_decoding=None,
-                sparsity_terms=None, memory_lookup=None, **kwargs):
+                position_embeddings=None, *, cache=None, memory_inputs: Optional[MemoryInputs] = None,
+                sparsity_terms=None, **kwargs):
+        """Llama's layer with the memory branch at its placement; ``memory_inputs`` is this forward's
+        `fe_megatron.memory.inputs.MemoryInputs`, built by `FactorEngramModel.forward`."""
+        if memory_inputs is None:
+            raise ValueError("FactorEngramDecoderLayer reads its memory's inputs from memory_inputs, which "
+                             "FactorEngramModel.forward builds; run the layer inside the model")
         cache = _one_cache(cache, past_key_values)
         placement = self.memory.config.placement
         sparsity_terms = [] if sparsity_terms is None else sparsity_terms
-        if memory_lookup is not None and memory_decoding is not None:
-            raise ValueError("memory_lookups (lookups started ahead, for training) cannot be used with padding or a "
-                             "cache; generate without them")
         if placement == "before_attn":
-            hidden_states = hidden_states + self._memory(hidden_states, memory_token_ids, memory_decoding,
-                                                         sparsity_terms, memory_lookup)
+            hidden_states = hidden_states + self._memory(hidden_states, memory_inputs, sparsity_terms)
         residual = hidden_states
         attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                                           attention_mask=attention_mask, position_ids=position_ids,
@@ -136,12 +137,11 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
                                           **{CACHE_KEYWORD: cache}, **kwargs)
         hidden_states = residual + attention_out
         if placement == "before_ffn":
-            hidden_states = hidden_states + self._memory(hidden_states, memory_token_ids, memory_decoding,
-                                                         sparsity_terms, memory_lookup)
+            hidden_states = hidden_states + self._memory(hidden_states, memory_inputs, sparsity_terms)
         residual = hidden_states
         normed = self.post_attention_layernorm(hidden_states)
         if placement == "inside_ffn":
-            up_addend = self._memory(hidden_states, memory_token_ids, memory_decoding, sparsity_terms, memory_lookup)
+            up_addend = self._memory(hidden_states, memory_inputs, sparsity_terms)
             mlp = self.mlp
             return residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * (mlp.up_proj(normed) + up_addend))
         return residual + self.mlp(normed)
@@ -255,22 +255,15 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                          attention_mask=attention_mask, position_ids=position_ids,
                                          **{CACHE_KEYWORD: cache})
-        decodings = self._decodings(input_ids, attention_mask, cache)
-        recomputing = getattr(self, "gradient_checkpointing", False)
-        if memory_lookups is None and self.training and not decodings and not recomputing \
-                and any(self.layers[index].memory.row_partition is not None for index in self.memory_layers):
-            # row-sharded tables: every layer's rows requested at once, in one exchange (not under recompute,
-            # where each checkpointed layer looks its rows up again)
-            memory_lookups = self.start_memory_lookups(input_ids, input_ids.device)
+        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_lookups) \
+            if self.memory_layers else None
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         sparsity_terms: list = []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
             memory_kwargs = {}
             if isinstance(decoder_layer, FactorEngramDecoderLayer):
-                memory_kwargs = dict(memory_token_ids=input_ids, sparsity_terms=sparsity_terms,
-                                     memory_decoding=decodings.get(decoder_layer.layer_index),
-                                     memory_lookup=(memory_lookups or {}).get(decoder_layer.layer_index))
+                memory_kwargs = dict(memory_inputs=memory_inputs, sparsity_terms=sparsity_terms)
             hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
                                           position_embeddings=position_embeddings, position_ids=position_ids,
                                           use_cache=use_cache, **{CACHE_KEYWORD: cache}, **memory_kwargs,
@@ -284,9 +277,28 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         """``{layer_index: started lookup}`` of every memory layer for ``input_ids`` ([b, s]), hashed where
         the ids are (the host tier hashes on the host) with the rows bound for ``device``; pass the
         result to ``forward`` as ``memory_lookups``."""
-        branches = {index: self.layers[index].memory for index in self.memory_layers}
-        return start_stage_lookups(branches, {index: branch.hasher.indices(input_ids) for index, branch in
-                                              branches.items()}, device)
+        branches = self._memory_branches()
+        return start_lookups(branches, {index: branch.addresses(input_ids) for index, branch in branches.items()},
+                             device)
+
+    def _memory_branches(self) -> dict:
+        return {index: self.layers[index].memory for index in self.memory_layers}
+
+    def _memory_inputs(self, input_ids, attention_mask, cache, memory_lookups: Optional[dict]) -> MemoryInputs:
+        """This forward's `MemoryInputs` (`fe_megatron.memory.inputs`): every memory layer's addresses, hashed
+        here once (token by token, after the cache's ids), its lookup started now, or at each run of the layer
+        under gradient checkpointing; lookups started ahead (``memory_lookups``) kept."""
+        decodings = self._decodings(input_ids, attention_mask, cache)
+        if memory_lookups is not None and decodings:
+            raise ValueError("memory_lookups (lookups started ahead, for training) cannot be used with padding or a "
+                             "cache; generate without them")
+        branches = self._memory_branches()
+        addresses = dict(memory_lookups or {})
+        for index, branch in branches.items():
+            if index not in addresses:
+                addresses[index] = branch.addresses(input_ids, decodings.get(index))
+        return schedule_lookups(branches, addresses, recomputed=self.gradient_checkpointing and self.training,
+                                decodings=decodings)
 
     def _decodings(self, input_ids, attention_mask, cache) -> dict:
         """``{layer_index: Decoding}``: the padding of the new positions and, with a cache, each

@@ -749,6 +749,12 @@ def _has_parameters(function, names: tuple, where: str) -> None:
 
 
 def _check_layer_steps():
+    """The FFN placements (``before_ffn``, ``inside_ffn``) read the residual stream between the attention's
+    residual add and the pre-MLP norm, and ``before_ffn`` adds the memory's output to that residual, outside
+    the MLP's dropout. No public slot of megatron-core 0.16's ``TransformerLayer`` reaches it: a module in the
+    MLP slot sees the normed stream and its output passes the hidden dropout, and only 0.19's pre-MLP norm may
+    hand back a residual. So the layer runs ``_forward_attention``, then ``_forward_mlp`` (or the pre-MLP
+    norm and ``_forward_post_mlp``) itself. ``before_attn``, the default, calls the public ``forward``."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     for step in ("_forward_attention", "_forward_mlp", "_forward_pre_mlp_layernorm"):
@@ -761,17 +767,19 @@ def _check_layer_steps():
 
 
 def _check_mlp_internals():
-    """``inside_ffn`` adds the memory to SwiGLU's up branch, inside megatron-core's MLP: it runs the MLP's
-    ``linear_fc1`` and ``linear_fc2`` itself, with the config's ``glu_linear_offset``, and recomputes it
-    where the layer does (``recompute_mlp``). No public MLP entry point takes an addend to the up branch."""
+    """``inside_ffn`` adds the memory to SwiGLU's up branch inside megatron-core's ``MLP.forward``, which runs
+    as it is: a forward hook on ``linear_fc1`` adds ``[0 | m]`` to its output, so the output's last axis must
+    hold the gate columns, then the up columns (``torch.chunk(x, 2, dim=-1)``: gate, then up), added before
+    the activation; and the layer recomputes the MLP where it does (``recompute_mlp``). No public MLP entry
+    point takes an addend to the up branch."""
     from megatron.core.transformer.mlp import MLP
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    _require("glu_linear_offset" in {f.name for f in dataclasses.fields(TransformerConfig)},
-             "TransformerConfig.glu_linear_offset is gone")
-    source = inspect.getsource(MLP.__init__)
-    _require("self.linear_fc1" in source and "self.linear_fc2" in source, "MLP no longer builds linear_fc1/linear_fc2")
+    source = inspect.getsource(MLP.forward)
+    _require("self.linear_fc1" in source and "self.linear_fc2" in source, "MLP.forward no longer runs linear_fc1 "
+             "and linear_fc2")
+    _require("x_glu, x_linear = torch.chunk(x, 2, dim=-1)" in source,
+             "MLP.forward no longer splits linear_fc1's output into gate, then up halves (torch.chunk(x, 2, dim=-1))")
     _require("self.recompute_mlp" in inspect.getsource(TransformerLayer.__init__),
              "TransformerLayer no longer sets recompute_mlp")
 
@@ -920,7 +928,7 @@ CONTRACTS = (
     # the FFN placements run between the attention and MLP steps (before the attention: the public forward)
     Contract("TransformerLayer forward steps", "megatron/transformer_layer.py (before_ffn, inside_ffn)",
              _check_layer_steps),
-    Contract("MLP internals for inside_ffn", "megatron/transformer_layer.py (swiglu_with_up_addend)",
+    Contract("MLP's SwiGLU halves for inside_ffn", "megatron/transformer_layer.py (mlp_with_up_addend)",
              _check_mlp_internals),
     Contract("TransformerLayer constructor", "megatron/transformer_layer.py", _check_layer_constructor),
     Contract("block and GPTModel forwards", "megatron/gpt_model.py, layer_specs.py", _check_block),

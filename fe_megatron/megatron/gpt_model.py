@@ -60,7 +60,7 @@ class FactorEngramGPTModel(GPTModel):
         memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
         branches = stage_branches(self.stage_memory_layers)
         inputs = stage_memory_inputs(self.config, self.training, branches, memory_indices,
-                                     start_lookups=self.prefetch_table_rows)
+                                     start_lookups_now=self.prefetch_table_rows)
         with handed_to(self.stage_memory_layers, inputs):
             return gpt_forward()
 

@@ -8,8 +8,9 @@ names of a pattern), and hashes as block ``i`` does in the GPT model, so a patte
 GPT model with memory, parameter for parameter (`hybrid_pattern.gpt_name_of`).
 
 The memory's inputs are the model's, as in the GPT model (`fe_megatron.megatron.memory_inputs`: hashed
-once per microbatch, lookups started, handed to this stage's memory layers for the length of one forward;
-under full recompute, queued for each recomputation). ``HybridStack`` runs unchanged.
+once per microbatch, lookups scheduled by `fe_megatron.memory.inputs`, handed to this stage's memory layers
+for the length of one forward; under full recompute, queued for each recomputation). ``HybridStack`` runs
+unchanged.
 
 A memory layer (`MemoryBeforeAttentionLayer`) is megatron-core's attention layer plus the branch: it
 adds the branch's output to its input (Eq. 11) and calls ``TransformerLayer``'s public ``forward``. Its

@@ -6,8 +6,8 @@ pipeline stages, so the branch sits on the layer with ``layer_number == layer_in
 `FactorEngramTransformerLayer.__init__` is the one place that converts.
 
 The memory's inputs come from the model, not through a megatron-core argument: once per microbatch the
-model's forward hands this stage's memory layers a `fe_megatron.megatron.memory_inputs.StageMemoryInputs`
-(hashed addresses, lookups started), which each layer reads in its own forward
+model's forward hands this stage's memory layers a `fe_megatron.memory.inputs.MemoryInputs`
+(hashed addresses, lookups scheduled), which each layer reads in its own forward
 (`memory_inputs.lookup_of_this_call`, which also serves full recompute's recomputations). megatron-core's
 ``TransformerBlock`` runs unchanged, and its ``context`` argument (cross-attention's input) stays unused.
 
@@ -33,9 +33,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron import compat
-from fe_megatron.megatron.memory_inputs import StageMemoryInputs, lookup_of_this_call
+from fe_megatron.megatron.memory_inputs import lookup_of_this_call
 from fe_megatron.megatron.memory_layer import build_memory_branch, memory_sharded_state_dict
 from fe_megatron.megatron.sparsity import attach_sparsity_loss
+from fe_megatron.memory.inputs import MemoryInputs
 from fe_megatron.memory.loss import layer_sparsity, weighted_sparsity
 
 
@@ -68,15 +69,20 @@ def validate_against_transformer_config(memory_config: MemoryConfig, config) -> 
                              "use_te_activation_func=False) so the memory can be added to the up-projection")
 
 
-def swiglu_with_up_addend(mlp: MLP, hidden_states: torch.Tensor, up_addend: torch.Tensor):
-    """Megatron's SwiGLU MLP with a memory output added to its up-projection branch (``inside_ffn``):
-    ``fc2(silu(x W_gate) * (x W_up + m))``. ``up_addend`` holds this TP rank's FFN columns."""
-    intermediate, bias = mlp.linear_fc1(hidden_states)
-    if bias is not None:
-        intermediate = intermediate + bias
-    gate, up = torch.chunk(intermediate, 2, dim=-1)
-    intermediate = mlp.config.activation_func(gate) * (up + up_addend + mlp.config.glu_linear_offset)
-    return mlp.linear_fc2(intermediate)
+def mlp_with_up_addend(mlp: MLP, hidden_states: torch.Tensor, up_addend: torch.Tensor):
+    """megatron-core's SwiGLU ``MLP.forward``, run as it is, with a memory output added to its up-projection
+    branch (``inside_ffn``): ``fc2(silu(x W_gate) * (x W_up + m))``. ``up_addend`` holds this TP rank's FFN
+    columns; a forward hook adds ``[0 | m]`` to ``linear_fc1``'s output, whose last axis holds this rank's
+    gate columns, then its up columns (`compat` contract "MLP's SwiGLU halves")."""
+    def add_to_up_half(module, args, output):
+        intermediate, bias = output
+        return intermediate + F.pad(up_addend.to(intermediate.dtype), (up_addend.shape[-1], 0)), bias
+
+    hook = mlp.linear_fc1.register_forward_hook(add_to_up_half)
+    try:
+        return mlp(hidden_states)
+    finally:
+        hook.remove()
 
 
 class HostsMemory:
@@ -87,7 +93,7 @@ class HostsMemory:
 
     tracked_sparsity_loss: list
     memory_index: Optional[int]
-    memory_inputs: Optional[StageMemoryInputs]  # this microbatch's, handed over by the model for one forward
+    memory_inputs: Optional[MemoryInputs]  # this microbatch's, handed over by the model for one forward
     pending_recomputations: collections.deque  # under full recompute: inputs queued for their recomputation
 
     def _init_memory_inputs(self) -> None:
@@ -97,7 +103,7 @@ class HostsMemory:
 
     def _memory(self, residual_stream: torch.Tensor):
         """The branch's output m_t (Eq. 10) on this call's inputs, and its sparsity term (Eq. 12-13)."""
-        memory_out, l1_share = self.memory(residual_stream, indices=lookup_of_this_call(self))
+        memory_out, l1_share = self.memory(residual_stream, lookup=lookup_of_this_call(self))
         mc = self.memory_config
         aux_loss = weighted_sparsity(layer_sparsity(l1_share, len(mc.layers)), mc.sparsity_lambda)  # Eq. 12-13
         # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad
@@ -178,10 +184,10 @@ class FactorEngramTransformerLayer(HostsMemory, TransformerLayer):
             else:
                 memory_out = mappings.scatter_to_tensor_model_parallel_region(memory_out, group=self.tp_group)
         if self.recompute_mlp:
-            mlp_out = tensor_parallel.checkpoint(functools.partial(swiglu_with_up_addend, self.mlp), False, normed,
+            mlp_out = tensor_parallel.checkpoint(functools.partial(mlp_with_up_addend, self.mlp), False, normed,
                                                  memory_out)
         else:
-            mlp_out = swiglu_with_up_addend(self.mlp, normed, memory_out)
+            mlp_out = mlp_with_up_addend(self.mlp, normed, memory_out)
         return compat.post_mlp(self, mlp_out, residual)
 
 

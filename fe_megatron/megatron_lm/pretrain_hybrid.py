@@ -14,8 +14,8 @@ the loss, the table plan, checkpoints with ``fe_run.json``, and the start-up che
 Where Transformer Engine is not installed, or ``--transformer-impl local`` asks for them, the stack is
 megatron-core's local layers (`fe_megatron.megatron.hybrid_specs`): ``*`` attention, ``-`` MLP, ``E`` MoE;
 a CPU machine trains there. Refused by name: other layer kinds on that stack, memory on a non-attention
-layer (MLA ``+`` included), multi-token prediction (``/``) and full recompute with memory layers, the FFN
-placements, and whatever `pretrain_gpt` refuses. A pattern of ``*-`` pairs is the GPT model: its
+layer (MLA ``+`` included: `fe_megatron.hybrid_pattern`), multi-token prediction (``/``) with memory
+layers, the FFN placements, and whatever `pretrain_gpt` refuses. A pattern of ``*-`` pairs is the GPT model: its
 checkpoints convert with ``fe-convert mcore-to-hf``.
 """
 

@@ -14,14 +14,12 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
-from fe_megatron.tables.row_exchange import RowPartition, StageRowExchange, row_lookup
+from fe_megatron.tables.row_exchange import RowPartition, row_lookup
 from fe_megatron.memory.sharding import local_shape, param_sharding
 from fe_megatron.memory.short_conv import ShortConv
-from fe_megatron.tables.store import StartedLookup, StoreLookup
+from fe_megatron.tables.store import StartedLookup
 from fe_megatron.memory.tables import NgramTables
 from fe_megatron.ngram import NgramHasher
-
-
 
 
 @dataclass(frozen=True)
@@ -132,43 +130,43 @@ class MemoryBranch(nn.Module):
                                    split_size=self.parallel.tensor_parallel_size, row_offset=first)
 
     # ----------------------------------------------------------------- forward pieces
-    def start_lookup(self, indices: torch.Tensor, device=None):
-        """Start this microbatch's lookup ahead of use and pass the result to ``forward`` as
-        ``indices``: with row-sharded tables the row exchange (requests sent, rows on their way
-        back), with tables in a `TableStore` the gather (and, from host memory, the copy to
-        ``device``, by default the indices' device) of their rows.  Tables held as a parameter of
-        the module have nothing to start: ``indices`` come back as they are."""
+    def addresses(self, token_ids: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
+        """Eq. 1: the row indices of every position of ``token_ids`` ([batch, seq]), ``[.., branches]`` in
+        this branch's sequence layout; with ``decoding`` (a single process, token by token), after the ids
+        of earlier calls (its state is updated)."""
+        if decoding is not None:
+            if self.parallel is not SINGLE_PROCESS:
+                raise ValueError("decoding (padding masks, incremental state) needs a single-process branch")
+            return decoding.indices(self, token_ids)
+        indices = self.hasher.indices(token_ids)
+        return indices.transpose(0, 1) if self.parallel.sequence_dim == 0 else indices
+
+    def start_lookup(self, indices: torch.Tensor, device=None) -> StartedLookup:
+        """Start the lookup of ``indices`` (`addresses`) and return its handle, whose ``rows()`` are this
+        rank's table rows of every position (the one lookup protocol, `fe_megatron.tables.store.
+        StartedLookup`): with row-sharded tables the row exchange (requests sent, rows on their way back),
+        with tables in a `TableStore` the gather (and, from host memory, the copy to ``device``, by default
+        the indices' device), with tables the module holds a gather when read. When each starts:
+        `fe_megatron.memory.inputs`."""
         device = indices.device if device is None else torch.device(device)
-        store = self.tables.store
         if self.row_partition is not None:
+            store = self.tables.store
             return row_lookup(store if store is not None else self.tables.weight, indices.to(device),
                               self.row_partition, self.parallel.memory_parallel_group)
-        if store is not None:
-            return StoreLookup(store, indices, device)
-        return indices
+        return self.tables.start_lookup(indices, device)
 
     def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],
-               indices, decoding: Optional[Decoding] = None) -> torch.Tensor:
+               lookup: Optional[StartedLookup], decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 1 and 6: the concatenated table rows of every position (this rank's columns under
-        tensor parallelism), in the hidden states' dtype.  ``indices`` may be a started lookup
-        (`start_lookup`); ``decoding`` (padding, incremental state) addresses ``token_ids`` after
-        earlier calls'."""
-        started = isinstance(indices, StartedLookup)
-        self._check_inputs(hidden_states, token_ids, indices.indices if started else indices)
-        if decoding is not None:
-            if token_ids is None or self.parallel is not SINGLE_PROCESS:
-                raise ValueError("decoding (padding masks, incremental state) needs token_ids and a single-process "
-                                 "branch")
-            indices = decoding.indices(self, token_ids)
-        if indices is None:
-            indices = self.hasher.indices(token_ids)
-            if self.parallel.sequence_dim == 0:
-                indices = indices.transpose(0, 1)
-        if not isinstance(indices, StartedLookup):
-            indices = self.start_lookup(indices, hidden_states.device)
-        if not isinstance(indices, StartedLookup):
-            return self.tables(indices).to(hidden_states.dtype)
-        return indices.rows().flatten(-2).to(hidden_states.dtype)
+        tensor parallelism), in the hidden states' dtype, from a started ``lookup`` or, with
+        ``token_ids``, from one started now (``decoding``: after earlier calls' ids)."""
+        if lookup is not None and not isinstance(lookup, StartedLookup):
+            raise TypeError(f"lookup must be a started lookup (branch.start_lookup(indices)), got a "
+                            f"{type(lookup).__name__}")
+        self._check_inputs(hidden_states, token_ids, None if lookup is None else lookup.indices)
+        if lookup is None:
+            lookup = self.start_lookup(self.addresses(token_ids, decoding), hidden_states.device)
+        return lookup.rows().flatten(-2).to(hidden_states.dtype)
 
     def refine(self, values: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""
@@ -185,7 +183,8 @@ class MemoryBranch(nn.Module):
         if not hidden_states.is_floating_point():
             raise TypeError(f"hidden_states must be a floating-point tensor, got dtype {hidden_states.dtype}")
         if (token_ids is None) == (indices is None):
-            raise ValueError("pass exactly one of token_ids ([batch, seq] ids) or indices (precomputed row indices)")
+            raise ValueError("pass exactly one of token_ids ([batch, seq] ids) or lookup (a started lookup: "
+                             "branch.start_lookup(branch.addresses(token_ids)))")
         batch = hidden_states.shape[1 - seq_dim]
         expected = (batch, self.parallel.index_sequence_length(hidden_states.shape[seq_dim]))
         if token_ids is not None:
@@ -203,28 +202,3 @@ class MemoryBranch(nn.Module):
 def memory_branches(model: nn.Module) -> dict:
     """``{module name: branch}`` of every memory branch in ``model``."""
     return {name: module for name, module in model.named_modules() if isinstance(module, MemoryBranch)}
-
-
-def start_stage_lookups(branches: dict, indices: dict, device=None) -> dict:
-    """``{layer_index: started lookup}`` of a pipeline stage's memory ``branches``
-    (``{layer_index: branch}``) for one microbatch's ``indices`` (``{layer_index: [.., branches]}``).
-    The layers whose tables are row-sharded over the same group share one `StageRowExchange`
-    (one set of all-to-alls for all of them); the others start their own (`MemoryBranch.start_lookup`),
-    and indices that are not tensors (lookups started earlier) are kept."""
-    started, sharded = {}, {}
-    for index, value in indices.items():
-        branch = branches[index]
-        if not isinstance(value, torch.Tensor):
-            started[index] = value
-        elif branch.row_partition is not None:
-            sharded.setdefault(id(branch.parallel.memory_parallel_group), []).append(index)
-        else:
-            started[index] = branch.start_lookup(value, device)
-    for layers in sharded.values():
-        group = [branches[index] for index in layers]
-        exchange = StageRowExchange(
-            [b.tables.store if b.tables.store is not None else b.tables.weight for b in group],
-            [indices[index].to(device if device is not None else indices[index].device) for index in layers],
-            [b.row_partition for b in group], group[0].parallel.memory_parallel_group)
-        started.update({index: exchange.layer_lookup(position) for position, index in enumerate(layers)})
-    return started

@@ -11,6 +11,7 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import functional as FM
 from fe_megatron.memory.branch import MemoryBranch, Normal
 from fe_megatron.memory.decoding import Decoding
+from fe_megatron.tables.store import StartedLookup
 from fe_megatron.memory.parallel_hooks import ParallelHooks
 
 
@@ -67,8 +68,8 @@ class Engram(MemoryBranch):
         return values
 
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
-                indices: Optional[torch.Tensor] = None, decoding: Optional[Decoding] = None):
-        embeddings = self.lookup(hidden_states, token_ids, indices, decoding)
+                lookup: Optional[StartedLookup] = None, decoding: Optional[Decoding] = None):
+        embeddings = self.lookup(hidden_states, token_ids, lookup, decoding)
         values = self.parallel.sum_partial_results(self.value_proj(embeddings))
         if self.config.gate == "scalar":
             key = self.key_norm(self.parallel.sum_partial_results(self.key_proj(embeddings)))

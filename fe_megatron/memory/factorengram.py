@@ -12,6 +12,7 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import functional as FM
 from fe_megatron.memory.branch import MemoryBranch, Normal
 from fe_megatron.memory.decoding import Decoding
+from fe_megatron.tables.store import StartedLookup
 from fe_megatron.memory.parallel_hooks import ParallelHooks
 
 
@@ -21,7 +22,8 @@ class FactorEngram(MemoryBranch):
     ``forward(hidden_states [B, T, d], token_ids [B, T])`` returns ``(m, l1)``: the memory output
     ``m`` [B, T, output_size] (Eq. 10) that the caller adds to the residual stream (Eq. 11), and
     the per-position L1 norm of the coefficients ``||z_t||_1`` [B, T] (Eq. 12's inner term).
-    Precomputed row ``indices`` ([B, T, branches]) may replace ``token_ids``.
+    A started ``lookup`` (``start_lookup(addresses(token_ids))``, `fe_megatron.memory.inputs`) may replace
+    ``token_ids``.
 
     Every parallel layout runs this class: ``parallel`` (`ParallelHooks`) supplies the
     communication, and parameters hold this rank's slice per `fe_megatron.memory.sharding`.
@@ -63,8 +65,8 @@ class FactorEngram(MemoryBranch):
         return self.query_norm(self.query_proj(hidden_states))
 
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
-                indices: Optional[torch.Tensor] = None, decoding: Optional[Decoding] = None):
-        coefficients = self.lookup(hidden_states, token_ids, indices, decoding)  # z_t, Eq. 6
+                lookup: Optional[StartedLookup] = None, decoding: Optional[Decoding] = None):
+        coefficients = self.lookup(hidden_states, token_ids, lookup, decoding)  # z_t, Eq. 6
         l1 = FM.l1_per_position(coefficients)  # Eq. 12
         memory = self.gated_memory(hidden_states, coefficients)  # e_t, Eq. 7-9 (or Eq. 14)
         values = self.value_proj(memory)  # v_t, Eq. 9

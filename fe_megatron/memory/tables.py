@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from fe_megatron import ops
 from fe_megatron.tables.storage import ROW_SCALE, STORAGE, dequantize_rows, has_row_scale, quantize_table
-from fe_megatron.tables.store import StoreLookup, TableStore
+from fe_megatron.tables.store import StartedLookup, StoreLookup, TableStore
 
 
 class NgramTables(nn.Module):
@@ -55,13 +55,21 @@ class NgramTables(nn.Module):
             raise RuntimeError("this table's rows are neither in memory nor mapped: table_storage='mmap' maps them "
                                "from a checkpoint directory in from_pretrained (fe_megatron.hf.mmap_tables)")
         if self.store is not None:
-            return StoreLookup(self.store, indices, indices.device).rows().flatten(-2)
+            return self.start_lookup(indices, indices.device).rows().flatten(-2)
         if self.table_dtype == "fp32":  # by format, not requires_grad: transformers' loading sets it on every parameter
             return ops.gather_rows(self.weight, indices).flatten(-2)  # [..., nb, w] -> [..., nb * w]
         flat = indices.reshape(-1)
         rows = ops.gather_rows_forward(self.weight, flat)
         scales = self.row_scale.index_select(0, flat) if has_row_scale(self.table_dtype) else None
         return dequantize_rows(rows, scales).reshape(*indices.shape[:-1], -1)
+
+    def start_lookup(self, indices: torch.Tensor, device: torch.device) -> StartedLookup:
+        """A lookup of ``indices`` ([..., branches]) in these tables, the rows bound for ``device``: a whole
+        `TableStore`'s gather started (`StoreLookup`), or, for tables held by the module, a `TableLookup`
+        (gathered when read)."""
+        if self.store is not None:
+            return StoreLookup(self.store, indices, device)
+        return TableLookup(self, indices.to(device))
 
     @property
     def weight(self) -> torch.Tensor:
@@ -142,3 +150,15 @@ class NgramTables(nn.Module):
         """Store the fp32 rows ``weight`` in this table's format."""
         for name, tensor in quantize_table(weight, self.table_dtype).items():
             getattr(self, "weight" if name == "weight" else ROW_SCALE).copy_(tensor)
+
+
+class TableLookup(StartedLookup):
+    """A lookup in tables the module holds itself (a parameter, a bf16 or fp8 serving table, a mapped file):
+    nothing travels ahead, so `rows` gathers them when read, and again at each read."""
+
+    def __init__(self, tables: NgramTables, indices: torch.Tensor):
+        self.tables, self.indices = tables, indices
+
+    def rows(self) -> torch.Tensor:
+        """``[*indices.shape, width]`` in fp32 (dequantized), differentiable in a trained table."""
+        return self.tables(self.indices).unflatten(-1, (self.indices.shape[-1], -1))

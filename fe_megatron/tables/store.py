@@ -229,11 +229,12 @@ class TableStore:
 
 
 class StartedLookup:
-    """One layer's lookup of one microbatch's rows, started ahead of use: ``indices`` (the row ids it
-    looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]`` in fp32,
-    differentiable in the table).  What a memory branch takes in place of indices
-    (`fe_megatron.memory.branch.MemoryBranch.lookup`): `StoreLookup` here, and `LayerRowLookup`
-    (a layer's part of a row exchange) in `fe_megatron.tables.row_exchange`."""
+    """The one lookup protocol: one layer's lookup of one forward's rows, started by
+    ``start_lookup(indices)`` (`fe_megatron.memory.branch.MemoryBranch.start_lookup`): ``indices`` (the row
+    ids it looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]`` in fp32,
+    differentiable in a trained table). `StoreLookup` here (a whole `TableStore`), `LayerRowLookup` (a
+    layer's part of a row exchange) in `fe_megatron.tables.row_exchange`, and `TableLookup` (tables the
+    module holds) in `fe_megatron.memory.tables`. Which starts when: `fe_megatron.memory.inputs`."""
 
     indices: torch.Tensor
 

@@ -61,12 +61,12 @@ def main():
         hasher = MicrobatchHasher(mc, [layer])
 
         h_ref = h.clone().requires_grad_()
-        m_ref, _ = ref(h_ref.transpose(0, 1), indices=hasher.hasher.indices_per_layer(ids)[layer])
+        m_ref, _ = ref(h_ref.transpose(0, 1), lookup=ref.start_lookup(hasher.hasher.indices_per_layer(ids)[layer]))
         (m_ref.transpose(0, 1) * weight).sum().backward()
 
         h_par = local_chunks(h, rank, size).requires_grad_()
         idx = hash_then_split_for_context_parallel(hasher, ids, size, rank)[layer]
-        m_par, _ = par(h_par, indices=idx)
+        m_par, _ = par(h_par, lookup=par.start_lookup(idx))
         (m_par * local_chunks(weight, rank, size)).sum().backward()
         check.close(f"{name}: output", m_par, local_chunks(m_ref.transpose(0, 1), rank, size))
         if h_ref.grad is not None:

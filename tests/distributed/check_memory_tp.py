@@ -75,12 +75,12 @@ def run_variant(check: Checker, variant: dict, sp: bool, dtype=torch.float32):
     par_opt = torch.optim.Adam(par.parameters(), lr=1e-2)
     for step in range(4):
         h_ref = h.clone().requires_grad_()
-        m_ref, l1_ref = ref(h_ref.transpose(0, 1), indices=idx)
+        m_ref, l1_ref = ref(h_ref.transpose(0, 1), lookup=ref.start_lookup(idx))
         m_ref, l1_ref = m_ref.transpose(0, 1), l1_ref.t()
         ((m_ref * out_weight).sum() + (l1_ref * l1_weight).sum()).backward()
 
         h_par = h[chunk].clone().requires_grad_()
-        m_par, l1_par = par(h_par, indices=idx.transpose(0, 1).contiguous())
+        m_par, l1_par = par(h_par, lookup=par.start_lookup(idx.transpose(0, 1).contiguous()))
         ((m_par * out_weight[chunk]).sum() + (l1_par * l1_weight).sum()).backward()
         for p in par.parameters():  # what finalize_model_grads does for sequence-parallel params
             if getattr(p, "sequence_parallel", False):

@@ -100,6 +100,31 @@ def test_the_loss_is_eq_13():
     assert torch.allclose(out.loss, lm + model.config.memory["sparsity_lambda"] * sparsity, atol=1e-6)
 
 
+@pytest.mark.parametrize("placement", ["before_attn", "inside_ffn"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement):
+    """Under transformers' gradient checkpointing each memory layer runs twice; the model's memory inputs then
+    hold the addresses, and each run starts its own lookup (`fe_megatron.memory.inputs`)."""
+    torch.manual_seed(3)
+    ids = torch.randint(3, 256, (2, 16))
+    results = []
+    for checkpointing in (False, True):
+        torch.manual_seed(4)
+        model = tiny_model(placement=placement)
+        model.train()
+        if checkpointing:
+            model.activation_checkpointing_enable()
+            assert model.model.gradient_checkpointing
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
+                                        if p.grad is not None}))
+    (loss, grads), (loss_checkpointed, grads_checkpointed) = results
+    torch.testing.assert_close(loss_checkpointed, loss, rtol=0, atol=0)
+    assert any(".memory.tables." in name for name in grads) and grads.keys() == grads_checkpointed.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_checkpointed[name], grad, rtol=0, atol=0, msg=name)
+
+
 def test_loads_through_auto_registration_and_remote_code(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -82,3 +82,25 @@ def test_missing_token_ids_on_a_memory_stage(megatron_world):
     batch = batches(1)[0]
     with pytest.raises(ValueError, match="needs input_ids"):
         model(None, batch["position_ids"], batch["attention_mask"], decoder_input=torch.randn(32, 2, 32))
+
+
+def test_inside_ffn_adds_the_memory_to_the_up_branch_of_megatrons_own_mlp(megatron_world):
+    """``mlp_with_up_addend`` runs megatron-core's ``MLP.forward`` with ``m`` on the up branch:
+    ``fc2(silu(x W_gate) * (x W_up + m))``, by hand from the MLP's weights, on fresh random values."""
+    from fe_megatron.megatron.transformer_layer import mlp_with_up_addend
+
+    torch.manual_seed(11)
+    model = build(tiny_memory_config(placement="inside_ffn"))
+    mlp = model.stage_memory_layers[0].mlp
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.normal_(0, 0.2)
+    x, m = torch.randn(5, 2, 32), torch.randn(5, 2, 64)
+    out, bias = mlp_with_up_addend(mlp, x, m)
+    gate_weight, up_weight = mlp.linear_fc1.weight.chunk(2, dim=0)
+    expected = (F.silu(x @ gate_weight.t()) * (x @ up_weight.t() + m)) @ mlp.linear_fc2.weight.t()
+    assert bias is None
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    plain, _ = mlp(x)  # the hook is gone after the call
+    torch.testing.assert_close(plain, (F.silu(x @ gate_weight.t()) * (x @ up_weight.t())) @ mlp.linear_fc2.weight.t(),
+                               rtol=1e-5, atol=1e-6)

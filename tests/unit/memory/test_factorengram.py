@@ -48,13 +48,22 @@ def test_factorengram_equations(gate, placement):
     torch.testing.assert_close(l1, l1_ref, rtol=1e-12, atol=1e-12)
 
 
-def test_precomputed_indices_equal_token_ids_path():
+def test_a_started_lookup_equals_the_token_ids_path():
     cfg = small_config()
     module = randomize(FactorEngram(cfg, 1))
     h, ids = torch.randn(2, 8, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (2, 8))
     a, _ = module(h, ids)
-    b, _ = module(h, indices=module.hasher.indices(ids))
+    b, _ = module(h, lookup=module.start_lookup(module.addresses(ids)))
     assert torch.equal(a, b)
+    assert torch.equal(module.addresses(ids), module.hasher.indices(ids))
+
+
+def test_addresses_in_place_of_a_started_lookup_are_refused_by_name():
+    cfg = small_config()
+    module = randomize(FactorEngram(cfg, 1))
+    h, ids = torch.randn(2, 8, cfg.hidden_size), torch.randint(0, cfg.vocab_size, (2, 8))
+    with pytest.raises(TypeError, match="started lookup"):
+        module(h, lookup=module.addresses(ids))
 
 
 def test_token_id_dtypes_named_in_the_error_are_the_accepted_ones():
