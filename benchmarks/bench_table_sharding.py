@@ -41,7 +41,7 @@ def start_each_layer_alone(branches: dict, indices: dict, device=None) -> dict:
     """The lookups as they were started before the stage exchange: each layer its own exchange."""
     from fe_megatron.memory.inputs import started
 
-    return {index: started(value, branches[index]) for index, value in indices.items()}
+    return {index: started(value, branches[index], device) for index, value in indices.items()}
 
 
 class AllToAllCounter:

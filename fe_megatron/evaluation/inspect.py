@@ -28,15 +28,15 @@ from fe_megatron.memory import functional as FM
 
 
 def _capture_inputs(model) -> tuple:
-    """``{layer_index: (hidden_states, token_ids)}`` of each memory branch's last call, and the
-    forward pre-hooks' handles."""
+    """``{layer_index: hidden_states}`` of each memory branch's last call (the residual stream it read), and
+    the forward pre-hooks' handles."""
     captured, handles = {}, []
     for layer in model.model.layers:
         memory = getattr(layer, "memory", None)
         if memory is not None:
-            def hook(module, args, kwargs, index=layer.layer_index):
-                captured[index] = (args[0].detach(), args[1] if len(args) > 1 else kwargs.get("token_ids"))
-            handles.append(memory.register_forward_pre_hook(hook, with_kwargs=True))
+            def hook(module, args, index=layer.layer_index):
+                captured[index] = args[0].detach()
+            handles.append(memory.register_forward_pre_hook(hook))
     return captured, handles
 
 
@@ -57,9 +57,10 @@ def inspect_memory(eval_model, texts, threshold: float, max_tokens: int) -> dict
                 window = ids[first:first + eval_model.max_length]
                 if seen >= max_tokens or len(window) < 2:
                     break
-                model(torch.tensor([window]), use_cache=False)
+                token_ids = torch.tensor([window])
+                model(token_ids, use_cache=False)
                 seen += len(window)
-                for index, (hidden, token_ids) in captured.items():
+                for index, hidden in captured.items():
                     _accumulate(layers.setdefault(index, _empty(model, index)), model.model.layers[index].memory,
                                 hidden, token_ids, threshold, ngrams, index, window)
     finally:

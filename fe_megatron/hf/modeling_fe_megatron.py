@@ -34,6 +34,7 @@ import torch.nn as nn
 from transformers import DynamicCache, GenerationMixin
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)
 
@@ -41,6 +42,8 @@ from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memo
 from fe_megatron.memory.inputs import MemoryInputs, schedule_lookups, start_lookups
 
 from .configuration_fe_megatron import FactorEngramConfig
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the cache keyword of forwards, outputs and generate()'s model inputs
 # from ``past_key_values`` to ``cache``.  These classes accept either and speak the installed one.
@@ -110,8 +113,8 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
     def _memory(self, hidden_states, memory_inputs: MemoryInputs, sparsity_terms: list):
         """The branch's output on this forward's inputs (its lookup, and token by token its `Decoding`)."""
         decoding = memory_inputs.decoding_of(self.layer_index)
-        memory_out, l1 = self.memory(hidden_states, lookup=memory_inputs.lookup_of(self.layer_index, self.memory),
-                                     decoding=decoding)
+        lookup = memory_inputs.lookup_of(self.layer_index, self.memory, hidden_states.device)
+        memory_out, l1 = self.memory(hidden_states, lookup=lookup, decoding=decoding)
         if decoding is not None and decoding.valid is not None:
             l1 = l1[decoding.valid]  # padding is not text
         sparsity_terms.append(layer_sparsity(l1, len(self.memory.config.layers)))  # Eq. 12
@@ -239,6 +242,12 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         ``input_ids`` (the host tier's prefetch; training only)."""
         cache = _one_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
+        recomputed = self._memory_recomputed()
+        if recomputed and (use_cache or cache is not None):
+            # as transformers' layers do; the memory's decoding state would also advance in each run of a layer
+            logger.warning_once("a cache cannot be used with gradient checkpointing (each layer runs twice); "
+                                "training without one (use_cache=False)")
+            use_cache, cache = False, None
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if self.memory_layers and input_ids is None:
@@ -255,7 +264,7 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                          attention_mask=attention_mask, position_ids=position_ids,
                                          **{CACHE_KEYWORD: cache})
-        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_lookups) \
+        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_lookups, recomputed) \
             if self.memory_layers else None
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -284,20 +293,31 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
     def _memory_branches(self) -> dict:
         return {index: self.layers[index].memory for index in self.memory_layers}
 
-    def _memory_inputs(self, input_ids, attention_mask, cache, memory_lookups: Optional[dict]) -> MemoryInputs:
+    def _memory_recomputed(self) -> bool:
+        """Whether transformers' gradient checkpointing runs the memory layers twice in this forward."""
+        return self.training and torch.is_grad_enabled() and any(
+            getattr(self.layers[index], "gradient_checkpointing", False) for index in self.memory_layers)
+
+    def _memory_inputs(self, input_ids, attention_mask, cache, memory_lookups: Optional[dict],
+                       recomputed: bool) -> MemoryInputs:
         """This forward's `MemoryInputs` (`fe_megatron.memory.inputs`): every memory layer's addresses, hashed
-        here once (token by token, after the cache's ids), its lookup started now, or at each run of the layer
-        under gradient checkpointing; lookups started ahead (``memory_lookups``) kept."""
+        here once (token by token, after the cache's ids). Row-sharded tables start every layer's lookup now,
+        in one exchange; otherwise, and under gradient checkpointing (``recomputed``), each layer starts its
+        own when it runs, on its own device. Lookups started ahead (``memory_lookups``) are kept."""
         decodings = self._decodings(input_ids, attention_mask, cache)
         if memory_lookups is not None and decodings:
             raise ValueError("memory_lookups (lookups started ahead, for training) cannot be used with padding or a "
-                             "cache; generate without them")
+                             "cache; pass use_cache=False and no attention_mask, or no memory_lookups")
+        if memory_lookups is not None and recomputed:
+            raise ValueError("memory_lookups (lookups started ahead) are read once, and gradient checkpointing runs "
+                             "each layer twice; pass no memory_lookups while gradient checkpointing is on")
         branches = self._memory_branches()
         addresses = dict(memory_lookups or {})
         for index, branch in branches.items():
             if index not in addresses:
                 addresses[index] = branch.addresses(input_ids, decodings.get(index))
-        return schedule_lookups(branches, addresses, recomputed=self.gradient_checkpointing and self.training,
+        row_sharded = any(branch.row_partition is not None for branch in branches.values())
+        return schedule_lookups(branches, addresses, recomputed=recomputed, start_now=row_sharded,
                                 decodings=decodings)
 
     def _decodings(self, input_ids, attention_mask, cache) -> dict:

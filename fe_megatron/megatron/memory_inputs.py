@@ -67,19 +67,19 @@ def handed_to(layers: list, inputs: MemoryInputs):
             layer.memory_inputs = None
 
 
-def lookup_of_this_call(layer) -> StartedLookup:
+def lookup_of_this_call(layer, device) -> StartedLookup:
     """The lookup memory ``layer`` (a `HostsMemory` layer: ``memory_index``, ``memory``, ``memory_inputs``
     set by its model, ``pending_recomputations``) reads in this call: its model's for this forward, or, in a
     full recompute's recomputation (in backward, no forward of the model running), what its checkpointed
-    forward queued, started now."""
+    forward queued; one started now has its rows bound for ``device`` (the layer's hidden states')."""
     recomputing_fully = recomputed_fully(layer.config, layer.training)
     if layer.memory_inputs is not None:
         entry = layer.memory_inputs.entry(layer.memory_index)
         if recomputing_fully and not torch.is_grad_enabled():  # the checkpoint's forward: recomputed later
             layer.pending_recomputations.append(entry)
-        return started(entry, layer.memory)
+        return started(entry, layer.memory, device)
     if recomputing_fully and torch.is_grad_enabled() and layer.pending_recomputations:
-        return started(layer.pending_recomputations.popleft(), layer.memory)
+        return started(layer.pending_recomputations.popleft(), layer.memory, device)
     raise RuntimeError(f"the memory layer of block {layer.memory_index} (layer {layer.layer_number - 1}, 0-based) "
                        "got no memory inputs: run it inside its model's forward (FactorEngramGPTModel or "
                        "FactorEngramHybridModel), with input_ids (or memory_indices) on every pipeline stage")

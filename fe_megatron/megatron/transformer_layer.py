@@ -65,8 +65,13 @@ def validate_against_transformer_config(memory_config: MemoryConfig, config) -> 
         if config.ffn_hidden_size % tp:
             raise ValueError(f"tensor_model_parallel_size={tp} does not divide ffn_hidden_size={config.ffn_hidden_size}")
         if config.bias_activation_fusion or getattr(config, "use_te_activation_func", False):
-            raise ValueError("placement='inside_ffn' needs the unfused SwiGLU (bias_activation_fusion=False, "
-                             "use_te_activation_func=False) so the memory can be added to the up-projection")
+            raise ValueError("placement='inside_ffn' adds the memory to the up half of linear_fc1's output before "
+                             "megatron-core's unfused SwiGLU, the split its compat contract checks: set "
+                             "bias_activation_fusion=False and use_te_activation_func=False")
+        if getattr(config, "glu_linear_offset", 0.0) or getattr(config, "activation_func_clamp_value", None) is not None:
+            raise ValueError("placement='inside_ffn' computes fc2(silu(x W_gate) * (x W_up + m)) as the Hugging Face "
+                             "model does, without glu_linear_offset or activation_func_clamp_value; leave them at "
+                             "0 and None")
 
 
 def mlp_with_up_addend(mlp: MLP, hidden_states: torch.Tensor, up_addend: torch.Tensor):
@@ -74,15 +79,26 @@ def mlp_with_up_addend(mlp: MLP, hidden_states: torch.Tensor, up_addend: torch.T
     branch (``inside_ffn``): ``fc2(silu(x W_gate) * (x W_up + m))``. ``up_addend`` holds this TP rank's FFN
     columns; a forward hook adds ``[0 | m]`` to ``linear_fc1``'s output, whose last axis holds this rank's
     gate columns, then its up columns (`compat` contract "MLP's SwiGLU halves")."""
+    added = []
+
     def add_to_up_half(module, args, output):
         intermediate, bias = output
+        if intermediate.shape[-1] != 2 * up_addend.shape[-1]:
+            raise RuntimeError(f"inside_ffn: linear_fc1's output has {intermediate.shape[-1]} columns on this rank; "
+                               f"the memory's up-branch addend has {up_addend.shape[-1]}, half of what SwiGLU needs")
+        added.append(True)
         return intermediate + F.pad(up_addend.to(intermediate.dtype), (up_addend.shape[-1], 0)), bias
 
     hook = mlp.linear_fc1.register_forward_hook(add_to_up_half)
     try:
-        return mlp(hidden_states)
+        output = mlp(hidden_states)
     finally:
         hook.remove()
+    if len(added) != 1:
+        raise RuntimeError(f"inside_ffn: megatron-core's MLP.forward ran linear_fc1 {len(added)} times, not once as a "
+                           "module, so the memory was not added to its up branch; this megatron-core moved what "
+                           "compat's contract \"MLP's SwiGLU halves\" checks")
+    return output
 
 
 class HostsMemory:
@@ -103,7 +119,7 @@ class HostsMemory:
 
     def _memory(self, residual_stream: torch.Tensor):
         """The branch's output m_t (Eq. 10) on this call's inputs, and its sparsity term (Eq. 12-13)."""
-        memory_out, l1_share = self.memory(residual_stream, lookup=lookup_of_this_call(self))
+        memory_out, l1_share = self.memory(residual_stream, lookup=lookup_of_this_call(self, residual_stream.device))
         mc = self.memory_config
         aux_loss = weighted_sparsity(layer_sparsity(l1_share, len(mc.layers)), mc.sparsity_lambda)  # Eq. 12-13
         # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad

@@ -136,7 +136,8 @@ class MemoryBranch(nn.Module):
         of earlier calls (its state is updated)."""
         if decoding is not None:
             if self.parallel is not SINGLE_PROCESS:
-                raise ValueError("decoding (padding masks, incremental state) needs a single-process branch")
+                raise ValueError("decoding (padding masks, incremental state) needs a single-process branch: load "
+                                 "the model in one process, or run it without a padding mask and without a cache")
             return decoding.indices(self, token_ids)
         indices = self.hasher.indices(token_ids)
         return indices.transpose(0, 1) if self.parallel.sequence_dim == 0 else indices
@@ -202,3 +203,15 @@ class MemoryBranch(nn.Module):
 def memory_branches(model: nn.Module) -> dict:
     """``{module name: branch}`` of every memory branch in ``model``."""
     return {name: module for name, module in model.named_modules() if isinstance(module, MemoryBranch)}
+
+
+def start_stage_lookups(branches: dict, indices: dict, device=None) -> dict:
+    """Deprecated: `fe_megatron.memory.inputs.start_lookups`. Kept because the model file that
+    ``fe-convert`` wrote next to converted weights before 2026-11-28 imports it (``trust_remote_code``)."""
+    import warnings
+
+    from fe_megatron.memory.inputs import start_lookups
+
+    warnings.warn("fe_megatron.memory.branch.start_stage_lookups is deprecated; use "
+                  "fe_megatron.memory.inputs.start_lookups", DeprecationWarning, stacklevel=2)
+    return start_lookups(branches, indices, device)

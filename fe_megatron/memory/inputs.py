@@ -48,24 +48,26 @@ class MemoryInputs:
         """Layer ``layer_index``'s addresses or started lookup, as scheduled."""
         if layer_index not in self.lookups:
             raise RuntimeError(f"no memory inputs for memory layer {layer_index} in this forward (it has "
-                               f"{sorted(self.lookups)})")
+                               f"{sorted(self.lookups)}); build them with schedule_lookups over every memory layer")
         return self.lookups[layer_index]
 
-    def lookup_of(self, layer_index: int, branch) -> StartedLookup:
-        """Layer ``layer_index``'s lookup (of ``branch``): the one started for it, or one started now."""
-        return started(self.entry(layer_index), branch)
+    def lookup_of(self, layer_index: int, branch, device=None) -> StartedLookup:
+        """Layer ``layer_index``'s lookup (of ``branch``): the one started for it, or one started now, the
+        rows bound for ``device`` (the layer's, where the hidden states are; by default the addresses')."""
+        return started(self.entry(layer_index), branch, device)
 
     def decoding_of(self, layer_index: int) -> Optional[Decoding]:
         return self.decodings.get(layer_index)
 
 
-def started(entry, branch) -> StartedLookup:
-    """``entry`` (addresses, or a lookup started earlier) as a started lookup of ``branch``."""
+def started(entry, branch, device=None) -> StartedLookup:
+    """``entry`` (addresses, or a lookup started earlier) as a started lookup of ``branch``, one started now
+    with its rows bound for ``device`` (by default the addresses')."""
     if isinstance(entry, torch.Tensor):
-        return branch.start_lookup(entry)
+        return branch.start_lookup(entry, device)
     if not isinstance(entry, StartedLookup):
         raise TypeError(f"a memory layer's input is its addresses (a tensor of row indices) or a started lookup; "
-                        f"got a {type(entry).__name__}")
+                        f"got a {type(entry).__name__}: build the inputs with schedule_lookups")
     return entry
 
 
@@ -110,7 +112,8 @@ def schedule_lookups(branches: dict, addresses: dict, *, recomputed: bool, start
         ahead = [index for index, entry in entries.items() if not isinstance(entry, torch.Tensor)]
         if ahead:
             raise ValueError(f"memory layers {ahead}: where a forward is recomputed, the memory inputs must be row "
-                             "indices (each run of a layer looks them up again), not lookups started ahead")
+                             "indices or token ids (each run of a layer looks them up again), not lookups started "
+                             "ahead (start_memory_lookups): pass those only without recompute")
         return MemoryInputs(entries, dict(decodings or {}))
     if start_now:
         return MemoryInputs(start_lookups(branches, entries), dict(decodings or {}))

@@ -160,5 +160,6 @@ class TableLookup(StartedLookup):
         self.tables, self.indices = tables, indices
 
     def rows(self) -> torch.Tensor:
-        """``[*indices.shape, width]`` in fp32 (dequantized), differentiable in a trained table."""
+        """``[*indices.shape, width]``: a parameter's rows in its dtype (differentiable), a bf16 or fp8 serving
+        table's dequantized to fp32."""
         return self.tables(self.indices).unflatten(-1, (self.indices.shape[-1], -1))

@@ -231,8 +231,8 @@ class TableStore:
 class StartedLookup:
     """The one lookup protocol: one layer's lookup of one forward's rows, started by
     ``start_lookup(indices)`` (`fe_megatron.memory.branch.MemoryBranch.start_lookup`): ``indices`` (the row
-    ids it looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]`` in fp32,
-    differentiable in a trained table). `StoreLookup` here (a whole `TableStore`), `LayerRowLookup` (a
+    ids it looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]``, differentiable
+    in a trained table; fp32 from a store). A lookup started ahead is read once. `StoreLookup` here (a whole `TableStore`), `LayerRowLookup` (a
     layer's part of a row exchange) in `fe_megatron.tables.row_exchange`, and `TableLookup` (tables the
     module holds) in `fe_megatron.memory.tables`. Which starts when: `fe_megatron.memory.inputs`."""
 
@@ -276,6 +276,10 @@ class _StoreGather(torch.autograd.Function):
         ctx.lookup = lookup
         store, width = lookup.store, lookup.store.weight.shape[1]
         if store.on_host:
+            if lookup._rows is None:
+                raise RuntimeError("this host-tier lookup's rows were read already; a started lookup is read once. "
+                                   "Where a layer runs twice (recompute), schedule its addresses, not a lookup "
+                                   "started ahead (fe_megatron.memory.inputs.schedule_lookups, recomputed=True)")
             lookup.inverse = lookup._inverse.wait()
             rows = lookup._rows.wait().index_select(0, lookup.inverse)
             lookup._rows = None  # the unique rows are no longer needed

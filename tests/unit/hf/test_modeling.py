@@ -111,10 +111,12 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement):
         torch.manual_seed(4)
         model = tiny_model(placement=placement)
         model.train()
-        if checkpointing:
-            model.activation_checkpointing_enable()
+        if checkpointing:  # transformers 5.24 renamed it; older releases have only the first name
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
             assert model.model.gradient_checkpointing
-        loss = model(ids, labels=ids, use_cache=False).loss
+        # the config's use_cache=True is dropped under checkpointing; the reference runs without a cache too
+        loss = model(ids, labels=ids, **({} if checkpointing else {"use_cache": False})).loss
         loss.backward()
         results.append((loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()
                                         if p.grad is not None}))
@@ -123,6 +125,40 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement):
     assert any(".memory.tables." in name for name in grads) and grads.keys() == grads_checkpointed.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grads_checkpointed[name], grad, rtol=0, atol=0, msg=name)
+
+
+def logits_through_remote_code(directory, ids: torch.Tensor) -> torch.Tensor:
+    """The logits for ``ids`` of the model in ``directory`` loaded with trust_remote_code, in a fresh process
+    that never imports fe_megatron.hf itself (its own model file does what it does)."""
+    torch.save(ids, os.path.join(directory, "ids.pt"))
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(directory)!r}, trust_remote_code=True)
+assert "fe_megatron.hf" not in type(model).__module__, type(model).__module__
+torch.save(model(torch.load({os.path.join(directory, 'ids.pt')!r})).logits, {os.path.join(directory, 'remote.pt')!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(directory))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(os.path.join(directory, "remote.pt"))
+
+
+def test_a_folder_converted_by_the_previous_release_still_loads_its_own_model_file(tmp_path):
+    """A converted folder keeps the model file `fe-convert` copied into it, which imports the installed
+    fe_megatron: the copy written up to 2026-11-27 loads with trust_remote_code and gives the same logits."""
+    import shutil
+
+    from fe_megatron.hf import AUTO_MAP, write_modeling_files
+    from tests.helpers.paths import TEST_DATA
+
+    model = tiny_model()
+    model.config.auto_map = AUTO_MAP
+    model.save_pretrained(tmp_path)
+    write_modeling_files(str(tmp_path))
+    shutil.copyfile(os.path.join(TEST_DATA, "hf_model_file_2026_11_27", "modeling_fe_megatron.py"),
+                    tmp_path / "modeling_fe_megatron.py")
+    ids = torch.randint(3, 256, (2, 10))
+    torch.testing.assert_close(logits_through_remote_code(tmp_path, ids), model(ids).logits, rtol=0, atol=0)
 
 
 def test_loads_through_auto_registration_and_remote_code(tmp_path):
@@ -140,15 +176,4 @@ def test_loads_through_auto_registration_and_remote_code(tmp_path):
     registered = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(registered).__name__ == "FactorEngramForCausalLM"
     assert torch.equal(registered(ids).logits, expected)
-    # trust_remote_code in a fresh process that never imports fe_megatron.hf itself
-    torch.save(ids, tmp_path / "ids.pt")
-    code = f"""
-import torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}, trust_remote_code=True)
-assert "fe_megatron.hf" not in type(model).__module__, type(model).__module__
-torch.save(model(torch.load({str(tmp_path / 'ids.pt')!r})).logits, {str(tmp_path / 'remote.pt')!r})
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert torch.equal(torch.load(tmp_path / "remote.pt"), expected)
+    assert torch.equal(logits_through_remote_code(tmp_path, ids), expected)

@@ -55,6 +55,7 @@ def test_branch_reads_the_pre_norm_residual_stream(megatron_world):
     (dict(placement="inside_ffn"), dict(gated_linear_unit=False, activation_func=F.gelu),
      "placement='inside_ffn' adds the memory to the SwiGLU up-projection"),
     (dict(placement="inside_ffn", ffn_hidden_size=96), {}, "MemoryConfig.backbone.ffn_hidden_size=96 does not match"),
+    (dict(placement="inside_ffn"), dict(glu_linear_offset=1.0), "without glu_linear_offset or activation_func_clamp"),
 ])
 def test_bad_configuration_fails_at_build_time(megatron_world, memory_overrides, transformer_overrides, fragment):
     with pytest.raises(ValueError, match=fragment):

@@ -74,6 +74,15 @@ def test_started_now_at_each_run_or_ahead_the_branch_gives_the_same_output_and_g
             torch.testing.assert_close(grad, results[0][1][name], rtol=0, atol=0, msg=name)
 
 
+def test_a_host_tier_lookup_read_twice_says_why():
+    branch, ids = branch_and_ids()
+    branch.tables.manage("host")
+    lookup = branch.start_lookup(branch.addresses(ids))
+    lookup.rows()
+    with pytest.raises(RuntimeError, match="read already; a started lookup is read once"):
+        lookup.rows()
+
+
 def test_a_recomputed_forward_keeps_the_addresses_and_refuses_lookups_started_ahead():
     branch, ids = branch_and_ids()
     branches, addresses = {1: branch}, {1: branch.addresses(ids)}
