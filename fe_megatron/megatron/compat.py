@@ -28,7 +28,6 @@ each end was tested with).  What changed inside that range and is answered here:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib
 import importlib.util

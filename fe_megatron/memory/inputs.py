@@ -107,14 +107,14 @@ def schedule_lookups(branches: dict, addresses: dict, *, recomputed: bool, start
     if missing:
         raise ValueError(f"the memory inputs have no entry for memory layers {missing} (they have "
                          f"{sorted(addresses)}); give every memory layer its addresses, or the token ids")
-    entries = {index: addresses[index] for index in branches}
+    entries, decodings = {index: addresses[index] for index in branches}, dict(decodings or {})
     if recomputed:
         ahead = [index for index, entry in entries.items() if not isinstance(entry, torch.Tensor)]
         if ahead:
             raise ValueError(f"memory layers {ahead}: where a forward is recomputed, the memory inputs must be row "
                              "indices or token ids (each run of a layer looks them up again), not lookups started "
                              "ahead (start_memory_lookups): pass those only without recompute")
-        return MemoryInputs(entries, dict(decodings or {}))
+        return MemoryInputs(entries, decodings)
     if start_now:
-        return MemoryInputs(start_lookups(branches, entries), dict(decodings or {}))
-    return MemoryInputs(entries, dict(decodings or {}))
+        return MemoryInputs(start_lookups(branches, entries), decodings)
+    return MemoryInputs(entries, decodings)

@@ -232,9 +232,10 @@ class StartedLookup:
     """The one lookup protocol: one layer's lookup of one forward's rows, started by
     ``start_lookup(indices)`` (`fe_megatron.memory.branch.MemoryBranch.start_lookup`): ``indices`` (the row
     ids it looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]``, differentiable
-    in a trained table; fp32 from a store). A lookup started ahead is read once. `StoreLookup` here (a whole `TableStore`), `LayerRowLookup` (a
-    layer's part of a row exchange) in `fe_megatron.tables.row_exchange`, and `TableLookup` (tables the
-    module holds) in `fe_megatron.memory.tables`. Which starts when: `fe_megatron.memory.inputs`."""
+    in a trained table; fp32 from a store). A lookup started ahead is read once. `StoreLookup` here (a whole
+    `TableStore`), `LayerRowLookup` (a layer's part of a row exchange) in `fe_megatron.tables.row_exchange`,
+    and `TableLookup` (tables the module holds) in `fe_megatron.memory.tables`. Which starts when:
+    `fe_megatron.memory.inputs`."""
 
     indices: torch.Tensor
 
