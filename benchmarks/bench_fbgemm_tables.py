@@ -1,7 +1,7 @@
 """The tables' training step against FBGEMM's table-batched embeddings, on the same tables and ids.
 
     pip install --no-deps fbgemm-gpu-cpu==1.8.0   # the release that loads beside torch 2.13
-    python benchmarks/bench_fbgemm_tables.py [--sizes demo,340m-width-small,340m-layer] [--iters 20]
+    python benchmarks/bench_fbgemm_tables.py [--sizes demo,340m-width-small,340m-layer] [--iters 20] [--busy-cores 1]
 
 One iteration is what a training step does to one memory layer's tables: gather the rows of every
 position and branch (forward), take a gradient for them (backward), and apply row-wise AdaGrad
@@ -21,6 +21,10 @@ Before timing, one iteration of each is checked to give the same tables (within 
 implement one rule.  Reported: microseconds per iteration, rows updated per second, and our
 speed over FBGEMM's, measured in the same process.
 
+``--busy-cores N`` starts N processes that each keep one core busy for the whole measurement (a host
+shared with data loaders and other jobs, as the host tier's rows are in a real run); both sides
+then run at torch's default thread count, as a training process would.
+
 Sizes: ``demo`` is ``make demo``'s layer (6 branches of width 32, 73,868 rows, 8 x 128 tokens);
 ``340m-width-small`` the 340M preset's width (12 branches of 256) with a tenth of its rows;
 ``340m-layer`` one whole layer of the 340M preset (2.13M rows x 256: 0.55B parameters, 2.2 GB per
@@ -28,8 +32,11 @@ copy) at 4,096 tokens.
 """
 
 import argparse
+import contextlib
 import json
 import platform
+import subprocess
+import sys
 import time
 import warnings
 
@@ -138,10 +145,25 @@ def measure(size: str, iters: int) -> dict:
             "speed_ours_over_fbgemm": round(fbgemm / timings["ours"], 3)}
 
 
+@contextlib.contextmanager
+def busy_cores(count: int):
+    """``count`` processes, each keeping one core busy until the block ends."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.5 if count else 0)  # the spinners are running before the timing starts
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="demo,340m-width-small,340m-layer")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="processes that each keep one core busy while both sides are measured")
     args = parser.parse_args()
     try:
         import fbgemm_gpu  # noqa: F401
@@ -151,8 +173,10 @@ def main():
     import fbgemm_gpu
 
     for size in args.sizes.split(","):
-        result = measure(size, args.iters)
+        with busy_cores(args.busy_cores):
+            result = measure(size, args.iters)
         result.update(device=f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
+                      busy_cores=args.busy_cores,
                       date=time.strftime("%Y-%m-%d"), torch=torch.__version__, fbgemm=fbgemm_gpu.__version__)
         print(json.dumps(result), flush=True)
 

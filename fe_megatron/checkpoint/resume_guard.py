@@ -11,6 +11,15 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fe_megatron.tables.update_rules import RULES
+
+def _state_words(layout: Optional[tuple]) -> str:
+    """A rule's optimizer state (`UpdateRule.state_layout`) in words."""
+    if layout is None:
+        return "an unknown rule's"
+    return " and ".join(f"{key} per {'row' if per_row else 'parameter'}" for key, per_row in layout)
+
+
 # (section, field): why a change is refused
 GUARDED = {
     ("model", "vocab_size"): "the embedding's and the unigram tables' rows",
@@ -94,10 +103,11 @@ def compare(saved: Optional[dict], current: dict, weights_only: bool = False) ->
                        "reshard)")
     if saved_memory is not None and current_memory is not None and not weights_only:
         old, new = _get(saved, "optimizer", "table_update"), _get(current, "optimizer", "table_update")
-        if old != new and "rowwise_adagrad" in (old, new):  # adamw and lazy_adam keep the same two moments
-            refused.append(f"optimizer.table_update is {old!r} in the checkpoint and {new!r} now; rowwise_adagrad "
-                           "keeps one accumulator per row where the Adam rules keep two moments per parameter, so "
-                           "the tables' optimizer state does not carry over")
+        layouts = [RULES[name].state_layout if name in RULES else None for name in (old, new)]
+        if old != new and layouts[0] != layouts[1]:  # adamw and lazy_adam keep the same two moments
+            refused.append(f"optimizer.table_update is {old!r} in the checkpoint and {new!r} now; their optimizer "
+                           f"states differ ({_state_words(layouts[0])} against {_state_words(layouts[1])}), so the "
+                           "tables' optimizer state does not carry over")
     added = {f"{section}.{name}": value for (section, name), value in ADDED_FIELDS.items()}
     flat_old = dict(added, **_flatten(saved.get("config")))
     flat_new = dict(added, **_flatten(current["config"]))

@@ -33,6 +33,7 @@ from fe_megatron.megatron.parallel import table_row_group
 from fe_megatron.memory.branch import memory_branches
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.tables.managed import ManagedTables
+from fe_megatron.tables.update_rules import UpdateRule
 
 
 def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> None:
@@ -139,58 +140,60 @@ class TableOptimizer(compat.fp32_optimizer_class()):
         step count always written, from the counter every stage keeps: only global rank 0 writes a
         checkpoint's common part, and its stage may hold no table.
 
-        ``rowwise_adagrad``'s one value per row is written as ``optimizer.state.row_momentum.<table>``,
-        a [global rows, 1] tensor sharded by rows as the table is (`row_state_sharding`): 4 bytes
-        per row instead of per table parameter.
-        Checkpoints written before that (``momentum_layout = "columns"``, which `load_checkpoint`
-        sets from the checkpoint's own keys) hold it repeated across the row's columns, under
-        ``optimizer.state.momentum.<table>``; they are read back from the first column."""
+        The rule's per-row state (`fe_megatron.tables.update_rules.UpdateRule.row_state_keys`, e.g.
+        ``rowwise_adagrad``'s accumulator) is written as ``optimizer.state.row_<key>.<table>``, a [global
+        rows, 1] tensor sharded by rows as the table is (`row_state_sharding`): 4 bytes per row instead
+        of per table parameter.  ``rowwise_adagrad``'s checkpoints written before that
+        (``momentum_layout = "columns"``, which `load_checkpoint` sets from the checkpoint's own keys) hold
+        its accumulator repeated across the row's columns, under ``optimizer.state.momentum.<table>``; it is
+        read back from the first column."""
         if is_loading:
             self.optimizer.initialize_state()
         state_dict = self.state_dict()
-        rowwise = {}
-        for index, state in list(state_dict["state"].items()):  # rowwise_adagrad's [rows] state
-            if "momentum" not in state:
+        row_keys, per_row = self.tables.rule.row_state_keys, {}
+        for index, state in list(state_dict["state"].items()):
+            if not any(key in state for key in row_keys):
                 continue
-            momentum = state["momentum"]  # (a new dict below: torch's state_dict shares the live state's)
-            if self.momentum_layout == "columns":
-                width = self.tables.weights[index].shape[1]
-                repeated = momentum.new_zeros(momentum.shape[0], width) if is_loading else \
-                    momentum.unsqueeze(1).expand(-1, width).contiguous()
-                state_dict["state"][index] = dict(state, momentum=repeated)
-            else:
-                rowwise[index] = momentum.new_zeros(momentum.shape[0], 1) if is_loading else momentum.unsqueeze(1)
-                state_dict["state"][index] = {key: value for key, value in state.items() if key != "momentum"}
+            kept = dict(state)  # a new dict: torch's state_dict shares the live state's
+            for key in row_keys:
+                value = kept.pop(key)
+                if key == "momentum" and self.momentum_layout == "columns":
+                    width = self.tables.weights[index].shape[1]
+                    kept[key] = value.new_zeros(value.shape[0], width) if is_loading else \
+                        value.unsqueeze(1).expand(-1, width).contiguous()
+                else:
+                    per_row[index, key] = value.new_zeros(value.shape[0], 1) if is_loading else value.unsqueeze(1)
+            state_dict["state"][index] = kept
         compat.optimizer_state_sharding(state_dict, model_sharded_state_dict, self.tables.weights, exclude_keys="step")
-        if rowwise:
+        if per_row:
             tables = compat.sharded_parameters(model_sharded_state_dict, self.tables.weights)
-            for index, momentum in rowwise.items():
-                state_dict["state"][index][ROW_STATE] = row_state_sharding(
-                    momentum, tables[index], self.tables.weights[index].table_layout)
+            for (index, key), value in per_row.items():
+                name = UpdateRule.checkpoint_key(key, per_row=True)
+                state_dict["state"][index][name] = row_state_sharding(
+                    value, tables[index], self.tables.weights[index].table_layout, name)
         state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
         return state_dict
 
     def load_state_dict(self, state_dict) -> None:
         self.tables.steps = int(state_dict["state"]["common_step"])
         for state in state_dict["state"].values():
-            if isinstance(state, dict) and ROW_STATE in state:
-                state["momentum"] = state.pop(ROW_STATE)  # [rows, 1]: rowwise_adagrad reads its first column
+            for key in self.tables.rule.row_state_keys:
+                name = UpdateRule.checkpoint_key(key, per_row=True)
+                if isinstance(state, dict) and name in state:
+                    state[key] = state.pop(name)  # [rows, 1]: the optimizer reads its first column
         super().load_state_dict(state_dict)
 
 
-ROW_STATE = "row_momentum"
-
-
-def row_state_sharding(state: torch.Tensor, table, layout):
+def row_state_sharding(state: torch.Tensor, table, layout, name: str):
     """A table's per-row state ``state`` ([local rows, 1]) as the checkpoint's [global rows, 1]
-    tensor, sharded by rows as the table is (``table``: the table's ShardedTensor, or for row
-    shards its factory; ``layout``: its `TableLayout`).  The tensor-parallel ranks of a row hold the
-    same value (a row's squares are summed over its columns), so they are replicas of each other:
-    the shape does not depend on the layout, and a checkpoint reshards across TP, DP and row
-    sharding as the table does."""
+    tensor ``optimizer.state.<name>.<table>``, sharded by rows as the table is (``table``: the table's
+    ShardedTensor, or for row shards its factory; ``layout``: its `TableLayout`).  The tensor-parallel
+    ranks of a row hold the same value (a row's squares are summed over its columns), so they are
+    replicas of each other: the shape does not depend on the layout, and a checkpoint reshards across
+    TP, DP and row sharding as the table does."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    key = f"optimizer.state.{ROW_STATE}.{table.key}"
+    key = f"optimizer.state.{name}.{table.key}"
 
     def replica(table_replica, local, width):  # the table's replica id, and the columns' rank
         return (*(table_replica if isinstance(table_replica, tuple) else (table_replica,)), local // width)

@@ -20,7 +20,7 @@ from typing import Optional
 
 from fe_megatron.config import TABLE_PLACEMENTS, BackboneConfig, MemoryConfig
 from fe_megatron.suggest import did_you_mean
-from fe_megatron.tables.sparse_update import TABLE_UPDATES
+from fe_megatron.tables.update_rules import TABLE_UPDATES
 from fe_megatron.training.config import TABLE_STATE_DTYPES, OptimizerArgs, ParallelArgs
 
 TABLE_SHARDINGS = ("replicated", "rows")
@@ -48,8 +48,8 @@ def add_factorengram_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     group.add_argument("--fe-table-state-dtype", default=OptimizerArgs.table_state_dtype, choices=TABLE_STATE_DTYPES,
                        help="the tables' gradient accumulators and optimizer moments (default %(default)s)")
     group.add_argument("--fe-table-update", default=OptimizerArgs.table_update, choices=TABLE_UPDATES,
-                       help="adamw: every row, every step (the paper's); rowwise_adagrad, lazy_adam: only the rows "
-                            "a step touched (default %(default)s)")
+                       help="adamw: every row, every step (the paper's); the others: only the rows a step touched "
+                            "(docs/tables.md; default %(default)s)")
     group.add_argument("--fe-table-lr-mult", default=OptimizerArgs.table_lr_mult, type=float,
                        help="the tables' learning rate = this x the learning rate (default %(default)s)")
     group.add_argument("--fe-table-weight-decay-mult", default=OptimizerArgs.table_weight_decay_mult, type=float,

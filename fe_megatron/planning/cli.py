@@ -6,7 +6,7 @@ import sys
 from fe_megatron.config import TABLE_PLACEMENTS, ConfigError, MemoryConfig
 from fe_megatron.planning.budget import format_budget
 from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
-from fe_megatron.tables.sparse_update import TABLE_UPDATES
+from fe_megatron.tables.update_rules import TABLE_UPDATES
 from fe_megatron.planning.rank_memory import (DTYPE_BYTES, TableStorage, format_rank_memory,
                                               format_table_storage_choices)
 from fe_megatron.planning.run_estimates import format_run_estimates
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
                          help="memory.table_placement (default device)")
     storage.add_argument("--table-update", choices=TABLE_UPDATES, default=None,
                          help="optimizer.table_update: adamw (every row, default), or a sparse rule that keeps no "
-                              "dense gradient (rowwise_adagrad: one fp32 state per row; lazy_adam)")
+                              "dense gradient (fe_megatron.tables.update_rules; docs/tables.md)")
     args = parser.parse_args(argv)
     try:
         config, name, train_config = _load(args)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.tables.plan import DTYPE_BYTES, TablePlan
+from fe_megatron.tables.update_rules import update_rule
 from fe_megatron.memory.sharding import (MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, pipeline_stage_layers,
                                          stages_without_memory)
 from fe_megatron.planning.budget import layer_params, memory_layer_budget
@@ -90,11 +91,7 @@ class TableStorage:
         return self.plan(precision, stage_without_memory).in_stores
 
     def describe_state(self) -> str:
-        if self.update == "rowwise_adagrad":
-            return "gradients of the touched rows only, rowwise_adagrad's one fp32 state per row"
-        if self.update == "lazy_adam":
-            return f"gradients of the touched rows only, {self.state_dtype} Adam moments (lazy_adam)"
-        return f"{self.state_dtype} gradients and Adam moments"
+        return update_rule(self.update).describe_state(self.state_dtype)
 
     def bytes_per_parameter(self, width: int = 128) -> float:
         """Weight, gradient and optimizer state per table parameter (rows of ``width`` columns on a rank)."""

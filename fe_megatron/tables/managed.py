@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron.tables.optimizer import STATE_DTYPES, TableLayout
-from fe_megatron.tables.sparse_update import SPARSE_UPDATES, build_table_optimizer
+from fe_megatron.tables.update_rules import update_rule
 
 REDUCE_CHUNK = 1 << 24  # elements of a gradient all-reduced at a time (host-resident: through the device)
 NORM_CHUNK = 1 << 22  # elements of a gradient normed at a time, in float64 (a 32 MB scratch)
@@ -65,7 +65,8 @@ class ManagedTables:
                  row_group: Optional[dist.ProcessGroup] = None, in_state_dict: bool = True):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.replica_group, self.norm_groups, self.gradient_scale = replica_group, tuple(norm_groups), gradient_scale
-        self.update, self.sparse = update, update in SPARSE_UPDATES
+        self.update, self.rule = update, update_rule(update)
+        self.sparse = self.rule.sparse
         self.stores, self.partitions = {}, {}
         for name, branch in branches.items():
             store = branch.tables.manage(branch.config.table_placement, self.device, in_state_dict)
@@ -79,7 +80,7 @@ class ManagedTables:
             self.stores[f"{name}.tables.weight"] = store
             self.partitions[f"{name}.tables.weight"] = branch.row_partition
         self.weights = [store.weight for store in self.stores.values()]
-        self.optimizer = build_table_optimizer(update, self.weights, optimizer_args, state_dtype, seed, row_group)
+        self.optimizer = self.rule.build(self.weights, optimizer_args, state_dtype, seed, row_group)
         self._reduced = False
         self.steps = 0  # updates applied, also by a pipeline stage without tables: the step count checkpoints keep
 

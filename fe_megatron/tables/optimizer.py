@@ -54,14 +54,32 @@ class TableLayout:
                           sorted(self.row_slices, key=lambda entry: entry[2])])
 
 
+@dataclass(frozen=True)
+class StateEntry:
+    """One tensor of a rule's optimizer state: ``key`` (torch's state-dict key), and one fp32 value per
+    row (``per_row``, as FBGEMM keeps row-wise state) or one value per table parameter in
+    ``optimizer.table_state_dtype``."""
+
+    key: str
+    per_row: bool = False
+
+    def bytes_per_parameter(self, width: int, state_dtype: str) -> float:
+        """Bytes per table parameter (rows of ``width`` columns on a rank)."""
+        return 4 / width if self.per_row else torch.finfo(STATE_DTYPES[state_dtype]).bits // 8
+
+
 class TableOptimizerBase(torch.optim.Optimizer):
     """What every table optimizer shares (`TableAdamW` here, the sparse rules of
     `fe_megatron.tables.sparse_update`): tables [rows, width] in fp32 or bf16, each with a
-    `TableLayout` (whole, unless the caller set one), state of ``state_keys`` created for a table
+    `TableLayout` (whole, unless the caller set one), state of ``state_entries`` created for a table
     that has none (`initialize_state`: what a checkpoint is loaded into) and kept in its own dtype
     when loaded, and the global row of every local row, for the rounding's keys."""
 
-    state_keys: tuple = ()
+    state_entries: tuple = ()  # StateEntry of every state tensor
+
+    @property
+    def state_keys(self) -> tuple:
+        return tuple(entry.key for entry in self.state_entries)
 
     def __init__(self, params, defaults: dict, state_dtype: str = "fp32", seed: int = 0):
         super().__init__(params, defaults)
@@ -79,12 +97,27 @@ class TableOptimizerBase(torch.optim.Optimizer):
     def _params(self) -> list:
         return [param for group in self.param_groups for param in group["params"]]
 
+    @classmethod
+    def for_tables(cls, groups: list, *, lr: float, betas: tuple, eps: float, weight_decay: float,
+                   state_dtype: str, seed: int, row_group=None) -> "TableOptimizerBase":
+        """The optimizer from a run's settings (`fe_megatron.tables.update_rules.UpdateRule.build`); a rule
+        that takes fewer settings ignores the others."""
+        return cls(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=state_dtype, seed=seed)
+
     def new_state(self, param: torch.Tensor) -> dict:
-        """``{key: zeros}`` of ``state_keys`` for ``param``."""
-        raise NotImplementedError
+        """``{key: zeros}`` of ``state_entries`` for ``param``: fp32 [rows] per row, else ``param``'s shape
+        in ``state_dtype``."""
+        return {entry.key: torch.zeros(param.shape[0], dtype=torch.float32, device=param.device) if entry.per_row
+                else torch.zeros(param.shape, dtype=self.state_dtype, device=param.device)
+                for entry in self.state_entries}
 
     def stored_state(self, key: str, value: torch.Tensor) -> torch.Tensor:
-        """A loaded state tensor as this optimizer keeps it (by default: in ``state_dtype``)."""
+        """A loaded state tensor as this optimizer keeps it: per-parameter state in ``state_dtype``;
+        per-row state in fp32, one value per row (Megatron's checkpoints hold it as [rows, 1], or, for
+        ``rowwise_adagrad`` before that, repeated across the row's columns: either is read from its
+        first column)."""
+        if next(entry for entry in self.state_entries if entry.key == key).per_row:
+            return (value[:, 0] if value.dim() == 2 else value).float()
         return value.to(self.state_dtype)
 
     def initialize_state(self, params=None) -> None:
@@ -113,15 +146,12 @@ class TableOptimizerBase(torch.optim.Optimizer):
 
 
 class TableAdamW(TableOptimizerBase):
-    state_keys = ("exp_avg", "exp_avg_sq")
+    state_entries = (StateEntry("exp_avg"), StateEntry("exp_avg_sq"))
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
                  state_dtype: str = "fp32", seed: int = 0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), state_dtype,
                          seed)
-
-    def new_state(self, param):
-        return {key: torch.zeros(param.shape, dtype=self.state_dtype, device=param.device) for key in self.state_keys}
 
     @staticmethod
     def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fe_megatron.tables.sparse_update import SPARSE_UPDATES, TABLE_UPDATES
+from fe_megatron.tables.update_rules import UpdateRule, update_rule
 
 ENGINE, STORES = "engine", "stores"
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -58,8 +58,7 @@ class TablePlan:
                 placement: str = "device", sharding: str = "replicated", update: str = "adamw",
                 bf16_run: bool = False, stage_without_memory: bool = False,
                 expert_parallel: int = 1, sharded_backbone: bool = False) -> "TablePlan":
-        if update not in TABLE_UPDATES:
-            raise ValueError(f"optimizer.table_update {update!r} is not one of {TABLE_UPDATES}")
+        rule = update_rule(update)
         reasons = []
         if dtype != "fp32":
             reasons.append(f"memory.table_dtype={dtype}")
@@ -67,7 +66,7 @@ class TablePlan:
             reasons.append(f"optimizer.table_state_dtype={state_dtype}")
         if placement != "device":
             reasons.append(f"memory.table_placement={placement}")
-        if update in SPARSE_UPDATES:
+        if rule.sparse:
             reasons.append(f"optimizer.table_update={update}")
         if sharding == "rows":
             reasons.append("row-sharded tables" + (" outside ZeRO" if engine == "deepspeed" else ""))
@@ -107,8 +106,13 @@ class TablePlan:
         return self.engine == "megatron" and not self.sharded_backbone
 
     @property
+    def rule(self) -> UpdateRule:
+        """The update rule's entry (`fe_megatron.tables.update_rules`)."""
+        return update_rule(self.update)
+
+    @property
     def sparse(self) -> bool:
-        return self.update in SPARSE_UPDATES
+        return self.rule.sparse
 
     @property
     def mode(self) -> str:
@@ -123,9 +127,7 @@ class TablePlan:
 
     def state_bytes_per_parameter(self, width: int) -> float:
         """Bytes of optimizer state per table parameter (rows of ``width`` columns on this rank)."""
-        if self.update == "rowwise_adagrad":
-            return 4 / width  # one fp32 accumulator per row
-        return 2 * DTYPE_BYTES[self.state_dtype]
+        return self.rule.state_bytes_per_parameter(width, self.state_dtype)
 
     def gradient_bytes_per_parameter(self) -> int:
         """Bytes of gradient accumulator per table parameter: none for the sparse rules, whose gradient

@@ -16,6 +16,15 @@ their cost grows with the unique rows of a step, not with the table:
   `torch.optim.SparseAdam` does (its formula exactly, bias corrections by the global step);
   untouched rows keep their moments and weights, rather than decaying the moments and moving by
   the momentum as dense Adam would.
+* ``partial_rowwise_adam`` (`PartialRowwiseAdam`): FBGEMM's ``PARTIAL_ROWWISE_ADAM``.  Adam's first
+  moment per element, its second moment per row, of the row's mean squared gradient:
+  ``m_rc = b1 m_rc + (1 - b1) g_rc``, ``v_r = b2 v_r + (1 - b2) mean_c(g_rc^2)``,
+  ``w_rc -= lr (m_rc / (1 - b1^t)) / (sqrt(v_r / (1 - b2^t)) + eps)``: 4 bytes per row less than
+  half of Adam's state.  The mean runs over the whole row as ``rowwise_adagrad``'s does.
+
+Each rule declares its state (`StateEntry`: one value per row or per parameter, its dtype); the
+registry of rules (`fe_megatron.tables.update_rules`) derives the bytes, the sharding and the
+checkpoint keys from it.
 
 Weight decay, where the run sets it (``optimizer.weight_decay x table_weight_decay_mult``), is
 decoupled (``w -= lr * wd * w``, as AdamW's) and applied to the touched rows only: the rows a
@@ -23,10 +32,10 @@ step did not read are left as they are, the rule FBGEMM's and TorchRec's sparse 
 
 The gradient is the step's `fe_megatron.tables.store.RowGradients` (``param.row_gradients``:
 sorted local row ids and their fp32 sums, after the replicas' reduction and the clip).  bf16
-tables (and, for ``lazy_adam``, bf16 moments) are read as fp32, updated, and written back with
+tables (and bf16 per-parameter moments) are read as fp32, updated, and written back with
 stochastic rounding keyed as `TableAdamW`'s, by the seed, the table, the step and the element's
-global coordinates, so every parallel layout rounds alike.  ``rowwise_adagrad``'s accumulator is
-always fp32, as FBGEMM keeps it.
+global coordinates, so every parallel layout rounds alike.  Per-row state (``rowwise_adagrad``'s
+accumulator, ``partial_rowwise_adam``'s second moment) is always fp32, as FBGEMM keeps it.
 """
 
 from __future__ import annotations
@@ -38,16 +47,34 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron.ops import reference
-from fe_megatron.tables.optimizer import TableAdamW, TableOptimizerBase
+from fe_megatron.tables.optimizer import StateEntry, TableOptimizerBase
 from fe_megatron.tables.storage import rounding_keys
-
-TABLE_UPDATES = ("adamw", "rowwise_adagrad", "lazy_adam")
-SPARSE_UPDATES = ("rowwise_adagrad", "lazy_adam")
 
 
 class SparseTableOptimizer(TableOptimizerBase):
     """What the sparse rules share: the touched rows' gradients (``row_gradients``), the step count,
-    and writing updated rows back in the table's dtype."""
+    the row-wise mean square over the whole row, and writing updated rows back in the table's dtype.
+
+    ``row_group``: the ranks holding the other columns of the same rows (tensor parallelism), over
+    which a row's squared gradient is summed; ``param.table_layout.global_width`` is the row's
+    whole width."""
+
+    def __init__(self, params, defaults: dict, state_dtype: str = "fp32", seed: int = 0,
+                 row_group: Optional[dist.ProcessGroup] = None):
+        super().__init__(params, defaults, state_dtype, seed)
+        self.row_group = row_group
+
+    @classmethod
+    def for_tables(cls, groups, *, lr, betas, eps, weight_decay, state_dtype, seed, row_group=None):
+        return cls(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=state_dtype, seed=seed,
+                   row_group=row_group)
+
+    def row_mean_square(self, param, grad: torch.Tensor) -> torch.Tensor:
+        """``mean_c(g_rc^2)`` of each touched row ([U] fp32), over the whole row under tensor parallelism."""
+        squares = grad.square().sum(dim=1)
+        if self.row_group is not None and dist.get_world_size(self.row_group) > 1:
+            dist.all_reduce(squares, group=self.row_group)
+        return squares / param.table_layout.global_width
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -83,33 +110,21 @@ class SparseTableOptimizer(TableOptimizerBase):
 
 
 class RowwiseAdagrad(SparseTableOptimizer):
-    """FBGEMM's exact row-wise AdaGrad on the touched rows (the module docstring).
+    """FBGEMM's exact row-wise AdaGrad on the touched rows (the module docstring)."""
 
-    ``row_group``: the ranks holding the other columns of the same rows (tensor parallelism), over
-    which a row's squared gradient is summed; ``param.table_layout.global_width`` is the row's
-    whole width."""
-
-    state_keys = ("momentum",)
+    state_entries = (StateEntry("momentum", per_row=True),)
 
     def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8, weight_decay: float = 0.0,
                  row_group: Optional[dist.ProcessGroup] = None, seed: int = 0):
-        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), "fp32", seed)
-        self.row_group = row_group
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay), "fp32", seed, row_group)
 
-    def new_state(self, param):
-        return {"momentum": torch.zeros(param.shape[0], dtype=torch.float32, device=param.device)}
-
-    def stored_state(self, key, value):
-        """fp32, one value per row: Megatron's checkpoints hold it as [rows, 1], or, before that, repeated
-        across the row's columns; either is read from its first column."""
-        return (value[:, 0] if value.dim() == 2 else value).float()
+    @classmethod
+    def for_tables(cls, groups, *, lr, betas, eps, weight_decay, state_dtype, seed, row_group=None):
+        return cls(groups, lr=lr, eps=eps, weight_decay=weight_decay, row_group=row_group, seed=seed)  # no moments
 
     def _update(self, param, ids, grad, state, step, group):
-        squares = grad.square().sum(dim=1)
-        if self.row_group is not None and dist.get_world_size(self.row_group) > 1:
-            dist.all_reduce(squares, group=self.row_group)
         momentum = state["momentum"]
-        accumulated = momentum.index_select(0, ids) + squares / param.table_layout.global_width
+        accumulated = momentum.index_select(0, ids) + self.row_mean_square(param, grad)
         momentum.index_copy_(0, ids, accumulated)
         rows = param.index_select(0, ids).float()
         if group["weight_decay"]:
@@ -121,15 +136,12 @@ class RowwiseAdagrad(SparseTableOptimizer):
 class LazyAdam(SparseTableOptimizer):
     """Adam on the touched rows, `torch.optim.SparseAdam`'s formula (the module docstring)."""
 
-    state_keys = ("exp_avg", "exp_avg_sq")
+    state_entries = (StateEntry("exp_avg"), StateEntry("exp_avg_sq"))
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 state_dtype: str = "fp32", seed: int = 0):
+                 state_dtype: str = "fp32", seed: int = 0, row_group: Optional[dist.ProcessGroup] = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), state_dtype,
-                         seed)
-
-    def new_state(self, param):
-        return {key: torch.zeros(param.shape, dtype=self.state_dtype, device=param.device) for key in self.state_keys}
+                         seed, row_group)
 
     def _update(self, param, ids, grad, state, step, group):
         beta1, beta2 = group["betas"]
@@ -146,19 +158,27 @@ class LazyAdam(SparseTableOptimizer):
         self._write(param, ids, rows, param, 0, step)
 
 
-def build_table_optimizer(update: str, weights: list, optimizer_args, state_dtype: str, seed: int,
-                          row_group: Optional[dist.ProcessGroup] = None) -> torch.optim.Optimizer:
-    """The optimizer of rule ``update`` over the table ``weights``, with the run's optimizer section
-    (``lr``, betas, eps, weight decay and the tables' multipliers)."""
-    o = optimizer_args
-    group = {"params": weights, "lr_mult": o.table_lr_mult, "wd_mult": o.table_weight_decay_mult}
-    lr, weight_decay = o.lr * o.table_lr_mult, o.weight_decay * o.table_weight_decay_mult
-    if update == "adamw":
-        return TableAdamW([group], lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=weight_decay,
-                          state_dtype=state_dtype, seed=seed)
-    if update == "rowwise_adagrad":
-        return RowwiseAdagrad([group], lr=lr, eps=o.eps, weight_decay=weight_decay, row_group=row_group, seed=seed)
-    if update == "lazy_adam":
-        return LazyAdam([group], lr=lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=weight_decay,
-                        state_dtype=state_dtype, seed=seed)
-    raise ValueError(f"optimizer.table_update {update!r} is not one of {TABLE_UPDATES}")
+class PartialRowwiseAdam(SparseTableOptimizer):
+    """FBGEMM's partial row-wise Adam on the touched rows (the module docstring): the first moment per
+    element in ``state_dtype``, the second per row in fp32."""
+
+    state_entries = (StateEntry("exp_avg"), StateEntry("exp_avg_sq", per_row=True))
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 state_dtype: str = "fp32", seed: int = 0, row_group: Optional[dist.ProcessGroup] = None):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), state_dtype,
+                         seed, row_group)
+
+    def _update(self, param, ids, grad, state, step, group):
+        beta1, beta2 = group["betas"]
+        exp_avg = state["exp_avg"].index_select(0, ids).float().mul_(beta1).add_(grad, alpha=1 - beta1)
+        self._write(state["exp_avg"], ids, exp_avg, param, 1, step)
+        exp_avg_sq = state["exp_avg_sq"].index_select(0, ids).mul_(beta2).add_(self.row_mean_square(param, grad),
+                                                                              alpha=1 - beta2)
+        state["exp_avg_sq"].index_copy_(0, ids, exp_avg_sq)
+        denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(group["eps"]).unsqueeze(1)
+        rows = param.index_select(0, ids).float()
+        if group["weight_decay"]:
+            rows.mul_(1.0 - group["lr"] * group["weight_decay"])
+        rows.addcdiv_(exp_avg, denominator, value=-group["lr"] / (1 - beta1 ** step))
+        self._write(param, ids, rows, param, 0, step)

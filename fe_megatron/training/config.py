@@ -22,7 +22,7 @@ from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, load_y
 from fe_megatron.memory.sharding import TABLE_SHARDINGS
 from fe_megatron.tables.optimizer import STATE_DTYPES
 from fe_megatron.tables.plan import TablePlan
-from fe_megatron.tables.sparse_update import TABLE_UPDATES
+from fe_megatron.tables.update_rules import TABLE_UPDATES
 from fe_megatron.ops import BACKEND_NAMES
 from fe_megatron.suggest import unknown_name
 
@@ -61,8 +61,8 @@ class OptimizerArgs:
     table_lr_mult: float = 1.0
     table_weight_decay_mult: float = 1.0  # the paper's: decay the tables like every weight; 0 = Engram-style exemption
     table_state_dtype: str = "fp32"  # fp32 | bf16: the tables' gradient accumulators and Adam moments (docs/tables.md)
-    # adamw (every row, the paper's) | rowwise_adagrad | lazy_adam: the sparse rules update only the rows a step
-    # touched (fe_megatron.tables.sparse_update, docs/tables.md)
+    # adamw (every row, the paper's) or a sparse rule, which updates only the rows a step touched
+    # (fe_megatron.tables.update_rules: rowwise_adagrad, lazy_adam, partial_rowwise_adam; docs/tables.md)
     table_update: str = "adamw"
 
 

@@ -5,7 +5,7 @@ Run (one phase per invocation; tests/integration/test_row_sharding.py, test_tabl
 test_table_update.py chain them):
   torchrun --nproc_per_node N tests/distributed/check_row_sharding.py --tables rows|replicated --tp T --pp P \
       [--placement device|host] [--table-dtype fp32|bf16] [--state-dtype fp32|bf16] \
-      [--table-update adamw|rowwise_adagrad|lazy_adam] \
+      [--table-update RULE (fe_megatron.tables.update_rules)] \
       [--init DIR | --save-init DIR] [--load DIR] --steps A:B [--record F | --compare F [--tol X]] \
       [--save-step K DIR] [--save-final DIR | --compare-final DIR] [--check-memory]
 
@@ -35,6 +35,7 @@ from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, train_step
 from fe_megatron.tables.lookahead import HOST_TOKENS
+from fe_megatron.tables.update_rules import TABLE_UPDATES
 from fe_megatron.memory.branch import memory_branches
 
 SEQ, GLOBAL_BATCH, STEPS = 32, 4, 3
@@ -188,7 +189,7 @@ def main():
     parser.add_argument("--placement", choices=["device", "host"], default="device")
     parser.add_argument("--table-dtype", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--state-dtype", choices=["fp32", "bf16"], default="fp32")
-    parser.add_argument("--table-update", choices=["adamw", "rowwise_adagrad", "lazy_adam"], default="adamw")
+    parser.add_argument("--table-update", choices=TABLE_UPDATES, default="adamw")
     parser.add_argument("--tol", type=float, default=1e-5, help="relative tolerance of every comparison")
     parser.add_argument("--model", default="gpt", choices=["gpt", "hybrid"],
                         help="hybrid: the hybrid model with memory, a '*-' pair per GPT layer")

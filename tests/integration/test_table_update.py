@@ -12,17 +12,21 @@ def check_sharding(*args, nproc: int):
 
 
 @pytest.mark.distributed
-def test_rowwise_adagrad_trains_alike_at_every_layout_and_resumes_across_them(reference, tmp_path):
+@pytest.mark.parametrize("rule, per_row", [("rowwise_adagrad", "momentum"), ("partial_rowwise_adam", "exp_avg_sq")])
+def test_a_row_wise_rule_trains_alike_at_every_layout_and_resumes_across_them(reference, tmp_path, rule, per_row):
     """Through Megatron's optimizer chain (clipping by one global norm, the scheduler's learning
-    rate): whole tables at DP=1 against DP=2 replicas (their touched rows' union all-reduced),
-    DP=2 row shards, TP=2 (a row's squares summed over its columns), and the DP=2 row-sharded and
-    TP=2 step-1 checkpoints resumed at DP=1: losses, gradient norms and every weight within 1e-5."""
+    rate): whole tables at DP=1 against DP=2 replicas (their touched rows' union all-reduced; for
+    ``rowwise_adagrad`` only: the rule does not enter it), DP=2 row shards, TP=2 (a row's squares summed
+    over its columns), and the DP=2 row-sharded and TP=2 step-1 checkpoints resumed at DP=1: losses,
+    gradient norms and every weight within 1e-5.  The rule's per-row state is checkpointed by global
+    row, one value per row (its registry entry's keys)."""
     init, record, final = str(reference / "init"), str(tmp_path / "dp1.json"), str(tmp_path / "dp1_final")
-    update = ("--table-update", "rowwise_adagrad")
+    update = ("--table-update", rule)
     check_sharding("--tables", "replicated", *update, "--init", init, "--steps", "0:3", "--record", record,
                    "--save-final", final, nproc=1)
     compare = ("--compare", record, "--compare-final", final)
-    check_sharding("--tables", "replicated", *update, "--init", init, "--steps", "0:3", *compare, nproc=2)
+    if rule == "rowwise_adagrad":
+        check_sharding("--tables", "replicated", *update, "--init", init, "--steps", "0:3", *compare, nproc=2)
     check_sharding("--tables", "rows", *update, "--init", init, "--steps", "0:3", *compare, "--save-step", "1",
                    str(tmp_path / "rows_step1"), nproc=2)
     # the per-row state is saved as one value per row, [table rows, 1], at every layout
@@ -31,9 +35,11 @@ def test_rowwise_adagrad_trains_alike_at_every_layout_and_resumes_across_them(re
     saved = DistCheckpoint(str(tmp_path / "rows_step1" / "iter_0000001")).metadata
     tables = {name: tuple(meta.size) for name, meta in saved.items() if name.endswith("memory.tables.weight")
               and not name.startswith("optimizer.")}
-    assert tables and not any(name.startswith("optimizer.state.momentum.") for name in saved)
-    for name, (rows, _) in tables.items():
-        assert tuple(saved[f"optimizer.state.row_momentum.{name}"].size) == (rows, 1)
+    assert tables and not any(f"optimizer.state.{per_row}.{name}" in saved for name in tables)
+    for name, (rows, width) in tables.items():
+        assert tuple(saved[f"optimizer.state.row_{per_row}.{name}"].size) == (rows, 1)
+        if rule == "partial_rowwise_adam":  # its first moment, per parameter, sharded as the table
+            assert tuple(saved[f"optimizer.state.exp_avg.{name}"].size) == (rows, width)
     check_sharding("--tables", "replicated", "--tp", "2", *update, "--init", init, "--steps", "0:3", *compare,
                    "--save-step", "1", str(tmp_path / "tp2_step1"), nproc=2)
     for saved in ("rows_step1", "tp2_step1"):  # both reshard to whole tables on one rank

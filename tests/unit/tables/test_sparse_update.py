@@ -9,7 +9,7 @@ tests/integration/test_table_update.py's."""
 import pytest
 import torch
 
-from fe_megatron.tables.sparse_update import LazyAdam, RowwiseAdagrad
+from fe_megatron.tables.sparse_update import LazyAdam, PartialRowwiseAdam, RowwiseAdagrad
 from fe_megatron.tables.store import RowGradients
 
 
@@ -97,11 +97,38 @@ def test_rowwise_adagrad_is_fbgemm_s_exact_rowwise_rule():
     assert state["momentum"].shape == (ROWS,) and state["momentum"].dtype == torch.float32
 
 
-@pytest.mark.parametrize("update", ["rowwise_adagrad", "lazy_adam"])
-def test_bf16_tables_follow_fp32_within_rounding(update):
+def test_partial_rowwise_adam_is_fbgemm_s_partial_rowwise_rule():
+    """FBGEMM's PARTIAL_ROWWISE_ADAM, written out per row as its kernel computes it: the first moment
+    per element, the second per row of the row's mean squared gradient, both bias-corrected by the step;
+    weight decay decoupled; untouched rows and their state left alone."""
+    weight = torch.randn(ROWS, WIDTH)
+    steps = random_steps(5, seed=3)
+    lr, beta1, beta2, eps, decay = 0.05, 0.9, 0.99, 1e-8, 0.1
+    got, optimizer = run_sparse(PartialRowwiseAdam, weight, steps, lr=lr, betas=(beta1, beta2), eps=eps,
+                                weight_decay=decay)
+    expected, m, v = weight.clone().double(), torch.zeros(ROWS, WIDTH, dtype=torch.float64), \
+        torch.zeros(ROWS, dtype=torch.float64)
+    for step, (ids, rows) in enumerate(steps, start=1):
+        grad = dense_gradient(ids, rows).double()
+        for r in torch.unique(ids).tolist():
+            m[r] = beta1 * m[r] + (1 - beta1) * grad[r]
+            v[r] = beta2 * v[r] + (1 - beta2) * (grad[r] ** 2).mean()
+            m_hat, v_hat = m[r] / (1 - beta1 ** step), v[r] / (1 - beta2 ** step)
+            expected[r] = expected[r] - lr * (m_hat / (v_hat.sqrt() + eps) + decay * expected[r])
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-6)
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    assert state["exp_avg"].shape == (ROWS, WIDTH) and state["exp_avg_sq"].shape == (ROWS,)
+    torch.testing.assert_close(state["exp_avg_sq"], v.float())
+    untouched = torch.ones(ROWS, dtype=torch.bool)
+    untouched[torch.cat([ids for ids, _ in steps])] = False
+    assert untouched.any()
+    assert torch.equal(got[untouched], weight[untouched]) and not state["exp_avg_sq"][untouched].any()
+
+
+@pytest.mark.parametrize("cls", [RowwiseAdagrad, LazyAdam, PartialRowwiseAdam])
+def test_bf16_tables_follow_fp32_within_rounding(cls):
     weight = torch.randn(ROWS, WIDTH)
     steps = random_steps(6, seed=2)
-    cls = RowwiseAdagrad if update == "rowwise_adagrad" else LazyAdam
     fp32, _ = run_sparse(cls, weight, steps, lr=0.01)
     bf16, _ = run_sparse(cls, weight.bfloat16(), steps, lr=0.01)
     assert bf16.dtype == torch.bfloat16
