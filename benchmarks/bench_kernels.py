@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from fe_megatron import ops
 from fe_megatron.config import MemoryConfig
+from fe_megatron.megatron.main_grad import accumulate_into_main_grad  # Megatron's main_grad, as a run registers it
 from fe_megatron.ngram import NgramHasher
 
 
@@ -136,6 +137,8 @@ def main():
 
     def backward_dense():
         backward_into(lambda layer: torch.zeros_like(tables[layer]))
+
+    ops.register_weight_gradient_sink(accumulate_into_main_grad)  # (importing the adapter registers it too)
 
     def full_path():
         per_layer = hasher.indices_per_layer(ids, validate=False)

@@ -151,9 +151,8 @@ class MemoryBranch(nn.Module):
         `fe_megatron.memory.inputs`."""
         device = indices.device if device is None else torch.device(device)
         if self.row_partition is not None:
-            store = self.tables.store
-            return row_lookup(store if store is not None else self.tables.weight, indices.to(device),
-                              self.row_partition, self.parallel.memory_parallel_group)
+            return row_lookup(self.tables.store, indices.to(device), self.row_partition,
+                              self.parallel.memory_parallel_group)
         return self.tables.start_lookup(indices, device)
 
     def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],

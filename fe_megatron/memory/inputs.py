@@ -89,7 +89,7 @@ def start_lookups(branches: dict, addresses: dict, device=None) -> dict:
     for layers in sharded.values():
         group = [branches[index] for index in layers]
         exchange = StageRowExchange(
-            [b.tables.store if b.tables.store is not None else b.tables.weight for b in group],
+            [b.tables.store for b in group],
             [addresses[index].to(device if device is not None else addresses[index].device) for index in layers],
             [b.row_partition for b in group], group[0].parallel.memory_parallel_group)
         lookups.update({index: exchange.layer_lookup(position) for position, index in enumerate(layers)})

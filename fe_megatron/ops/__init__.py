@@ -218,8 +218,8 @@ def _gather_rows_shape(weight, flat_indices):
 @torch.library.custom_op("fe_megatron::gather_rows_grad_into", mutates_args=("out",), device_types=DEVICE_TYPES)
 def _gather_rows_grad_into_op(grad_rows: torch.Tensor, flat_indices: torch.Tensor, out: torch.Tensor, backend: str,
                               deterministic: bool) -> None:
-    """``out[i] += `` the gradients of the rows gathered from row ``i`` (a dense gradient, or Megatron's
-    ``main_grad``: `table_weight_gradient`)."""
+    """``out[i] += `` the gradients of the rows gathered from row ``i`` (a dense gradient, or where an
+    engine keeps them: `table_weight_gradient`)."""
     _backends[backend].module.gather_rows_backward(grad_rows, flat_indices, out, deterministic)
 
 
@@ -231,8 +231,8 @@ def _gather_rows_setup(ctx, inputs, output) -> None:
 
 
 def _gather_rows_backward(ctx, grad_rows):
-    """Each unique row's gradient reduced once.  Under Megatron's DDP the rows go straight into
-    ``main_grad`` and autograd gets a placeholder (`table_weight_gradient`); elsewhere a dense gradient."""
+    """Each unique row's gradient reduced once, into a dense gradient or where an engine keeps gradients
+    (`table_weight_gradient`)."""
     weight, flat_indices = ctx.saved_tensors
     grad_rows = grad_rows.contiguous()
     deterministic = deterministic_backward()
@@ -294,20 +294,27 @@ def gather_rows_backward(grad_rows: torch.Tensor, flat_indices: torch.Tensor, ou
                                                     deterministic)
 
 
+_WEIGHT_GRADIENT_SINKS: list = []
+
+
+def register_weight_gradient_sink(sink) -> None:
+    """Let an engine take a table's row gradients where it keeps gradients: ``sink(weight, add_row_gradients)``
+    returns the tensor autograd gets for ``weight`` once it has added the rows itself, or None to leave the
+    table to the next sink or to a dense gradient (`table_weight_gradient`).  The Megatron adapter
+    registers Megatron's fused accumulation into ``main_grad`` (`fe_megatron.megatron.main_grad`)."""
+    if sink not in _WEIGHT_GRADIENT_SINKS:
+        _WEIGHT_GRADIENT_SINKS.append(sink)
+
+
 def table_weight_gradient(weight: torch.Tensor, add_row_gradients, dense_dtype: torch.dtype = None) -> torch.Tensor:
     """The gradient a table's backward hands autograd, given ``add_row_gradients(out)``, which adds the
-    looked-up rows' gradients into ``out`` (a [rows, width] tensor).
-
-    Under Megatron's DDP (parameters with ``main_grad`` and ``grad_added_to_main_grad``) the rows
-    go straight into ``main_grad`` and autograd gets an unfilled placeholder, as Megatron's fused
-    weight-gradient accumulation does (DDP adds the placeholder to ``main_grad`` only when
-    ``zero_out_wgrad`` is set: then it is zeros).  Elsewhere a dense gradient, accumulated in
-    ``dense_dtype`` (default: the weight's) and returned in the weight's dtype."""
-    if getattr(weight, "grad_added_to_main_grad", None) is not None and getattr(weight, "main_grad", None) is not None:
-        add_row_gradients(weight.main_grad)
-        weight.grad_added_to_main_grad = True
-        placeholder = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-        return placeholder(weight.shape, dtype=weight.dtype, device=weight.device)
+    looked-up rows' gradients into ``out`` (a [rows, width] tensor): what a registered sink returns
+    (`register_weight_gradient_sink`), else a dense gradient, accumulated in ``dense_dtype`` (default:
+    the weight's) and returned in the weight's dtype."""
+    for sink in _WEIGHT_GRADIENT_SINKS:
+        taken = sink(weight, add_row_gradients)
+        if taken is not None:
+            return taken
     grad_weight = torch.zeros(weight.shape, dtype=dense_dtype or weight.dtype, device=weight.device)
     add_row_gradients(grad_weight)
     return grad_weight.to(weight.dtype)

@@ -21,8 +21,8 @@ one layer (`row_lookup`) or every row-sharded layer of a pipeline stage at once:
 
 Backward mirrors it: the gradients of duplicate positions are summed per unique row (sorted,
 deterministic), sent back to the owners by all-to-all, and each owner adds them into its
-shard's gradient, also sorted and deterministic, straight into ``main_grad`` under Megatron's
-DDP.  The table's gradient is never all-reduced.
+shard's gradient (its `TableStore`'s), also sorted and deterministic.  The table's gradient is
+never all-reduced.
 
 Only ``torch.distributed`` is used here, so every engine (Megatron, DeepSpeed) shares it.
 """
@@ -117,11 +117,11 @@ class RowPartition:
         return full
 
 
-def row_lookup(source, indices: torch.Tensor, partition: RowPartition, group: dist.ProcessGroup) -> "LayerRowLookup":
+def row_lookup(store: TableStore, indices: torch.Tensor, partition: RowPartition,
+               group: dist.ProcessGroup) -> "LayerRowLookup":
     """One layer's row lookup for one microbatch, exchanged alone: a `StageRowExchange` of that
-    layer.  ``source`` is this rank's shard: the table's weight parameter, or a `TableStore` (a
-    table trained by fe_megatron's own optimizer, in device or host memory)."""
-    return StageRowExchange([source], [indices], [partition], group).layer_lookup(0)
+    layer.  ``store``: this rank's shard (a `TableStore`, in device or host memory)."""
+    return StageRowExchange([store], [indices], [partition], group).layer_lookup(0)
 
 
 class StageRowExchange:
@@ -134,23 +134,28 @@ class StageRowExchange:
     An owner serves each layer's requests from that layer's shard.  `layer_lookup` gives each
     layer its view (`LayerRowLookup`), which the layer's branch takes as a started lookup.
 
-    Backward: each layer sums its positions' gradients per unique row when autograd reaches it.
-    Where every shard can receive its gradient after its layer's backward has returned (a
-    `TableStore`, or a parameter whose gradient goes to ``main_grad`` under Megatron's DDP), the
+    Backward: each layer sums its positions' gradients per unique row when autograd reaches it; the
     sums wait until the last layer of the stage (the first in forward order) has delivered its own,
-    and one all-to-all sends them all to their owners.  Otherwise (a plain parameter, whose
-    autograd gradient must be returned at once) each layer sends its own.
+    and one all-to-all sends them all to their owners, which add them into their stores.
+
+    Row-sharded tables are always trained from `TableStore`s (the table plan puts them there), so a
+    shard is a store: its gradient is taken after its layer's backward has returned.
     """
 
-    def __init__(self, sources: list, indices: list, partitions: list, group: dist.ProcessGroup):
-        self.stores = [source if isinstance(source, TableStore) else None for source in sources]
-        self.weights = [store.weight if store is not None else source for store, source in zip(self.stores, sources)]
+    def __init__(self, stores: list, indices: list, partitions: list, group: dist.ProcessGroup):
+        for layer, store in enumerate(stores):
+            if not isinstance(store, TableStore):
+                raise TypeError(f"the row exchange reads row-sharded tables from their TableStores; layer {layer}'s "
+                                f"shard is a {type(store).__name__}. Row-sharded tables train from stores "
+                                "(fe_megatron.tables.managed.ManagedTables moves them there)")
+        self.stores = list(stores)
+        self.weights = [store.weight for store in self.stores]
         widths, dtypes = {w.shape[1] for w in self.weights}, {w.dtype for w in self.weights}
         if len(widths) != 1 or len(dtypes) != 1:
             raise ValueError(f"the layers exchanged together must share the tables' width and dtype; got widths "
                              f"{sorted(widths)} and dtypes {sorted(map(str, dtypes))}")
         self.width, self.indices, self.partitions, self.group = widths.pop(), indices, partitions, group
-        layers, world = len(sources), partitions[0].size
+        layers, world = len(stores), partitions[0].size
         self.layers, self.world = layers, world
         device = indices[0].device
         self.inverses, self.unique_counts, owners, locals_ = [], [], [], []
@@ -166,14 +171,11 @@ class StageRowExchange:
                                            torch.tensor(self.unique_counts, device=device))
         key = owner * layers + layer_of  # requests grouped by owner, then by layer
         self.order = torch.argsort(key, stable=True)
-        # each layer's own order by owner, for a backward that sends each layer's gradients alone
-        self.layer_orders = [torch.argsort(o, stable=True) for o in owners]
         self.send_counts = torch.bincount(key, minlength=world * layers)  # [owner x layer]
         self.recv_counts = torch.empty_like(self.send_counts)
         dist.all_to_all_single(self.recv_counts, self.send_counts, group=group)
         send, recv = self.send_counts.view(world, layers), self.recv_counts.view(world, layers)
         self.send_split, self.recv_split = send.sum(1).tolist(), recv.sum(1).tolist()
-        self.layer_splits = [(send[:, l].tolist(), recv[:, l].tolist()) for l in range(layers)]
         self.requested = torch.empty(sum(self.recv_split), dtype=torch.int64, device=device)
         dist.all_to_all_single(self.requested, torch.cat(locals_)[self.order].contiguous(), self.recv_split,
                                self.send_split, group=group)
@@ -184,16 +186,11 @@ class StageRowExchange:
             served = torch.empty(self.requested.numel(), self.width, dtype=self.weights[0].dtype, device=device)
             for l, positions in enumerate(self.served_positions):
                 ids = self.requested.index_select(0, positions)
-                rows = (self.stores[l].fetch(ids, device).wait() if self.stores[l] is not None
-                        else ops.gather_rows_forward(self.weights[l].detach(), ids, self.backend))
-                served.index_copy_(0, positions, rows)
+                served.index_copy_(0, positions, self.stores[l].fetch(ids, device).wait())
         self._received = served.new_empty((sum(self.unique_counts), self.width))
         self._work = dist.all_to_all_single(self._received, served, self.send_split, self.recv_split, group=group,
                                             async_op=True)
         self._unique_rows = None
-        self.deferred = all(store is not None or (getattr(w, "main_grad", None) is not None
-                                                  and getattr(w, "grad_added_to_main_grad", None) is not None)
-                            for store, w in zip(self.stores, self.weights))
         self._pending_grads = [None] * layers
         self.exchanges = {"forward": 3, "backward": 0}  # all-to-alls issued (for tests and benchmarks)
 
@@ -211,18 +208,11 @@ class StageRowExchange:
         return self._unique_rows[start:start + self.unique_counts[layer]]
 
     def backward(self, layer: int, grad_rows: torch.Tensor, deterministic: bool):
-        """Layer ``layer``'s positions' gradients ([positions, width] fp32): sent to the rows' owners (now,
-        or with the stage's last layer), added into their shards; returns the anchor's gradient."""
+        """Layer ``layer``'s positions' gradients ([positions, width] fp32), kept until the stage's last
+        layer has delivered its own; then every layer's are sent to the rows' owners and added into their
+        stores."""
         unique_grad = sum_per_row(grad_rows, self.inverses[layer], self.unique_counts[layer], deterministic,
                                   self.backend)
-        if not self.deferred:
-            send, recv = self.layer_splits[layer]
-            received = torch.empty(sum(recv), self.width, dtype=torch.float32, device=grad_rows.device)
-            dist.all_to_all_single(received, unique_grad[self.layer_orders[layer]].contiguous(), recv, send,
-                                   group=self.group)
-            self.exchanges["backward"] += 1
-            ids = self.requested.index_select(0, self.served_positions[layer])
-            return self._add_to_shard(layer, ids, received, deterministic)
         self._pending_grads[layer] = unique_grad
         if all(grad is not None for grad in self._pending_grads):
             grads, self._pending_grads = torch.cat(self._pending_grads), [None] * self.layers
@@ -231,23 +221,8 @@ class StageRowExchange:
                                    group=self.group)
             self.exchanges["backward"] += 1
             for l, positions in enumerate(self.served_positions):
-                self._add_to_shard(l, self.requested.index_select(0, positions), received.index_select(0, positions),
-                                   deterministic)
-        if self.stores[layer] is not None:
-            return None
-        return ops.table_weight_gradient(self.weights[layer], lambda out: None)  # added above, or by the last layer
-
-    def _add_to_shard(self, layer: int, ids: torch.Tensor, grad_rows: torch.Tensor, deterministic: bool):
-        store, weight = self.stores[layer], self.weights[layer]
-        if store is not None:
-            store.accumulate(ids, grad_rows, deterministic, self.backend)
-            return None
-        if self.deferred:
-            ops.gather_rows_backward(grad_rows, ids, weight.main_grad, deterministic, self.backend)
-            return None
-        return ops.table_weight_gradient(
-            weight, lambda out: ops.gather_rows_backward(grad_rows, ids, out, deterministic, self.backend),
-            dense_dtype=torch.float32)
+                self.stores[l].accumulate(self.requested.index_select(0, positions),
+                                          received.index_select(0, positions), deterministic, self.backend)
 
 
 class LayerRowLookup(StartedLookup):
@@ -256,8 +231,7 @@ class LayerRowLookup(StartedLookup):
     def __init__(self, exchange: StageRowExchange, layer: int):
         self.exchange, self.layer = exchange, layer
         self.indices = exchange.indices[layer]
-        store = exchange.stores[layer]
-        self.anchor = store.anchor if store is not None else exchange.weights[layer]
+        self.anchor = exchange.stores[layer].anchor
 
     def rows(self) -> torch.Tensor:
         return _StageGather.apply(self.anchor, self)
@@ -275,4 +249,5 @@ class _StageGather(torch.autograd.Function):
     def backward(ctx, grad_output):
         lookup = ctx.lookup
         grad_rows = grad_output.reshape(-1, lookup.exchange.width).float().contiguous()
-        return lookup.exchange.backward(lookup.layer, grad_rows, ops.deterministic_backward()), None
+        lookup.exchange.backward(lookup.layer, grad_rows, ops.deterministic_backward())
+        return None, None

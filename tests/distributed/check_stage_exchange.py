@@ -4,12 +4,11 @@ exchanging alone (`row_lookup`) and against whole tables, on fresh random tables
 Run: torchrun --nproc_per_node N tests/distributed/check_stage_exchange.py
 
 Three layers with different table layouts (their own branch sizes), each rank looking up its own
-random ids (with repeats).  For each kind of shard (a plain parameter, whose gradient autograd
-returns at once; a parameter whose gradient goes to ``main_grad`` as under Megatron's DDP; a
-`TableStore`): the rows equal the whole tables' rows, and after backward every rank's shard
-gradient equals its rows of the whole tables' gradient summed over all ranks' lookups.  The
-exchange issues 3 all-to-alls in forward and 1 in backward for all three layers where the
-gradients can wait (the deferred kinds), against 3 + 1 per layer alone.
+random ids (with repeats), from shards in `TableStore`s (dense gradients, and gradients kept by row
+as the sparse rules keep them): the rows equal the whole tables' rows, and after backward every
+rank's shard gradient equals its rows of the whole tables' gradient summed over all ranks' lookups.
+The exchange issues 3 all-to-alls in forward and 1 in backward for all three layers, and each
+layer exchanged alone gives the same gradients.
 """
 
 import torch
@@ -50,19 +49,25 @@ def main():
         expected_grads.append(partitions[layer].take(grad))
     mine = everyone[rank]
 
-    for kind in ("parameter", "main_grad", "store"):
-        sources = []
+    def stores(kind: str) -> list:
+        out = []
         for partition, whole in zip(partitions, wholes):
-            shard = partition.take(whole).clone()
-            if kind == "store":
-                store = TableStore(shard, "device")
-                store.allocate_gradient(torch.float32)
-                sources.append(store)
+            store = TableStore(partition.take(whole).clone(), "device")
+            if kind == "rows":
+                store.allocate_row_gradients()
             else:
-                param = torch.nn.Parameter(shard)
-                if kind == "main_grad":
-                    param.main_grad, param.grad_added_to_main_grad = torch.zeros_like(shard), False
-                sources.append(param)
+                store.allocate_gradient(torch.float32)
+            out.append(store)
+        return out
+
+    def gradient(store) -> torch.Tensor:
+        if store.main_grad is not None:
+            return store.main_grad
+        ids, rows = store.row_gradients.coalesce()
+        return torch.zeros(store.weight.shape).index_add_(0, ids, rows)
+
+    for kind in ("dense", "rows"):
+        sources = stores(kind)
         counts = {"n": 0}
         real = dist.all_to_all_single
 
@@ -80,18 +85,21 @@ def main():
         backward = counts["n"] - forward
         dist.all_to_all_single = real
         check.true(f"{kind}: 3 all-to-alls in forward for 3 layers (got {forward})", forward == 3)
-        expected_backward = 3 if kind == "parameter" else 1
-        check.true(f"{kind}: {expected_backward} in backward (got {backward})", backward == expected_backward)
-        for layer, source in enumerate(sources):
-            got = source.main_grad if kind != "parameter" else source.grad
-            check.close(f"{kind}: layer {layer} shard gradient", got, expected_grads[layer], 1e-6)
+        check.true(f"{kind}: 1 in backward (got {backward})", backward == 1)
+        for layer, store in enumerate(sources):
+            check.close(f"{kind}: layer {layer} shard gradient", gradient(store), expected_grads[layer], 1e-6)
 
     # the same gradients through each layer's own exchange, for comparison
-    params = [torch.nn.Parameter(p.take(w).clone()) for p, w in zip(partitions, wholes)]
-    for layer, (param, (ids, grad)) in enumerate(zip(params, mine)):
-        lookup = row_lookup(param, ids, partitions[layer], dist.group.WORLD)
+    for layer, (store, (ids, grad)) in enumerate(zip(stores("dense"), mine)):
+        lookup = row_lookup(store, ids, partitions[layer], dist.group.WORLD)
         (lookup.rows() * grad).sum().backward()
-        check.close(f"row_lookup: layer {layer} shard gradient", param.grad, expected_grads[layer], 1e-6)
+        check.close(f"row_lookup: layer {layer} shard gradient", store.main_grad, expected_grads[layer], 1e-6)
+    shard = torch.nn.Parameter(partitions[0].take(wholes[0]).clone())
+    try:
+        row_lookup(shard, mine[0][0], partitions[0], dist.group.WORLD)
+        check.true("a parameter as a shard is refused", False)
+    except TypeError as err:
+        check.true(f"a parameter as a shard is refused by name ({err})", "layer 0's shard is a Parameter" in str(err))
     check.finish()
 
 

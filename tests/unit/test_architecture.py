@@ -107,6 +107,18 @@ def test_the_core_imports_no_framework(graph):
     assert not bad, "\n".join(bad)
 
 
+MEGATRON_GRADIENT_PROTOCOL = ("grad_added_to_main_grad", "zero_out_wgrad")
+
+
+def test_the_core_does_not_implement_megatron_s_gradient_protocol():
+    """Megatron's DDP flags are the Megatron adapter's (fe_megatron/megatron/main_grad.py, registered with
+    the kernels' dispatch); an import test cannot see a protocol spoken through attribute names."""
+    known = modules()
+    found = [f"{name} names {flag}" for name, path in sorted(known.items()) if layer_of(name) == 0
+             for flag in MEGATRON_GRADIENT_PROTOCOL if flag in open(path).read()]
+    assert not found, "\n".join(found)
+
+
 def test_inside_the_core_the_tables_sit_below_the_memory_branches(graph):
     _, edges = graph
 
