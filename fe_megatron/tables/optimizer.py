@@ -29,6 +29,7 @@ import torch
 
 from fe_megatron import ops
 from fe_megatron.tables.storage import rounding_keys
+from fe_megatron.tables.threads import UPDATE
 from fe_megatron.ops import reference
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -169,7 +170,8 @@ class TableAdamW(TableOptimizerBase):
                 state = self.state[param]
                 state["step"] += 1
                 step = int(state["step"].item())
-                self._update(param, grad, state["exp_avg"], state["exp_avg_sq"], step, group)
+                with UPDATE.threads_for(param.numel(), param.device):
+                    self._update(param, grad, state["exp_avg"], state["exp_avg_sq"], step, group)
         return None
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, group: dict) -> None:

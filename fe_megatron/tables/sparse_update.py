@@ -49,6 +49,7 @@ import torch.distributed as dist
 from fe_megatron.ops import reference
 from fe_megatron.tables.optimizer import StateEntry, TableOptimizerBase
 from fe_megatron.tables.storage import rounding_keys
+from fe_megatron.tables.threads import UPDATE
 
 
 class SparseTableOptimizer(TableOptimizerBase):
@@ -88,7 +89,9 @@ class SparseTableOptimizer(TableOptimizerBase):
                 state["step"] += 1
                 ids, grad = gradients.coalesce()
                 if ids.numel():
-                    self._update(param, ids.to(param.device), grad.to(param.device), state, int(state["step"]), group)
+                    with UPDATE.threads_for(grad.numel(), param.device):
+                        self._update(param, ids.to(param.device), grad.to(param.device), state, int(state["step"]),
+                                     group)
         return None
 
     def _update(self, param, ids, grad, state: dict, step: int, group: dict) -> None:

@@ -42,6 +42,7 @@ import torch
 
 from fe_megatron import ops
 from fe_megatron.tables.dedup import sum_per_row, unique_row_sums, unique_rows
+from fe_megatron.tables.threads import GATHER, GRADIENT
 
 _COPY_STREAMS: dict = {}
 _WORKER: list = []
@@ -172,10 +173,12 @@ class TableStore:
     # ----------------------------------------------------------------- reading rows
     def fetch(self, ids: torch.Tensor, device: torch.device) -> RowsInFlight:
         """Rows ``ids`` ([M] int64, on any device) in the stored dtype, on their way to ``device``."""
-        if not self.on_host:
-            return RowsInFlight(ops.gather_rows_forward(self.weight, ids.to(self.weight.device)))
-        host_ids = ids.cpu()
-        rows = ops.gather_rows_forward(self.weight, host_ids, ops.fastest_backend(host_ids.device, self.weight.dtype))
+        with GATHER.threads_for(ids.numel() * self.weight.shape[1], self.weight.device):
+            if not self.on_host:
+                return RowsInFlight(ops.gather_rows_forward(self.weight, ids.to(self.weight.device)))
+            host_ids = ids.cpu()
+            rows = ops.gather_rows_forward(self.weight, host_ids, ops.fastest_backend(host_ids.device,
+                                                                                      self.weight.dtype))
         return copy_to_device(rows, device)
 
     # ----------------------------------------------------------------- writing gradients
@@ -189,10 +192,11 @@ class TableStore:
             raise RuntimeError("this table has no gradient accumulator: training allocates one "
                                "(fe_megatron.tables.managed.ManagedTables)")
         if not self.on_host:
-            if self.sparse:
-                self.row_gradients.add(*unique_row_sums(ids, grad_rows, deterministic, backend))
-            else:
-                ops.gather_rows_backward(grad_rows, ids, self.main_grad, deterministic, backend)
+            with GRADIENT.threads_for(grad_rows.numel(), grad_rows.device):
+                if self.sparse:
+                    self.row_gradients.add(*unique_row_sums(ids, grad_rows, deterministic, backend))
+                else:
+                    ops.gather_rows_backward(grad_rows, ids, self.main_grad, deterministic, backend)
             return
         host_ids = ids.cpu()
         device = grad_rows.device
@@ -214,10 +218,11 @@ class TableStore:
             if event is not None:
                 with torch.cuda.device(device):  # this rank's GPU: no context on GPU 0 from the worker thread
                     event.synchronize()
-            if row_gradients is not None:
-                row_gradients.add(*unique_row_sums(host_ids, host_rows, deterministic, backend))
-            else:
-                ops.gather_rows_backward(host_rows, host_ids, main_grad, deterministic, backend)
+            with GRADIENT.threads_for(host_rows.numel(), host_rows.device):
+                if row_gradients is not None:
+                    row_gradients.add(*unique_row_sums(host_ids, host_rows, deterministic, backend))
+                else:
+                    ops.gather_rows_backward(host_rows, host_ids, main_grad, deterministic, backend)
 
         self._pending.append(_worker().submit(add))
 
@@ -282,10 +287,13 @@ class _StoreGather(torch.autograd.Function):
                                    "Where a layer runs twice (recompute), schedule its addresses, not a lookup "
                                    "started ahead (fe_megatron.memory.inputs.schedule_lookups, recomputed=True)")
             lookup.inverse = lookup._inverse.wait()
-            rows = lookup._rows.wait().index_select(0, lookup.inverse)
+            unique = lookup._rows.wait()
+            with GATHER.threads_for(lookup.inverse.numel() * width, unique.device):
+                rows = unique.index_select(0, lookup.inverse)
             lookup._rows = None  # the unique rows are no longer needed
         else:
-            rows = ops.gather_rows_forward(store.weight, lookup.flat, lookup.backend)
+            with GATHER.threads_for(lookup.flat.numel() * width, store.weight.device):
+                rows = ops.gather_rows_forward(store.weight, lookup.flat, lookup.backend)
         return rows.float().view(*lookup.indices.shape, width)
 
     @staticmethod
@@ -294,8 +302,9 @@ class _StoreGather(torch.autograd.Function):
         store = lookup.store
         grad_rows = grad_output.reshape(-1, store.weight.shape[1]).float().contiguous()
         if store.on_host:
-            unique_grad = sum_per_row(grad_rows, lookup.inverse, lookup.unique.numel(), lookup.deterministic,
-                                      lookup.backend)
+            with GRADIENT.threads_for(grad_rows.numel(), grad_rows.device):
+                unique_grad = sum_per_row(grad_rows, lookup.inverse, lookup.unique.numel(), lookup.deterministic,
+                                          lookup.backend)
             store.accumulate(lookup.unique, unique_grad, lookup.deterministic)
         else:
             store.accumulate(lookup.flat, grad_rows, lookup.deterministic, lookup.backend)
