@@ -3,8 +3,8 @@
 Call `enable_cpu_backend()` once, before building models. On a machine with CUDA it does
 nothing and returns False, so the same script runs unchanged on GPUs.
 
-megatron.core assumes CUDA in a handful of places; each is answered here, scoped to
-megatron.core's own modules (user code and torch itself are left alone):
+megatron.core assumes CUDA in a handful of places; each is answered here for megatron's own
+callers (megatron.core, and megatron.training with ``trainer=True``); user code sees torch as it is:
 
 1. Device RNG: the tensor-parallel RNG tracker and activation recompute save and restore
    the CUDA generator. On CPU the CPU generator stands in for it
@@ -17,14 +17,16 @@ megatron.core's own modules (user code and torch itself are left alone):
 4. Legacy type-string checks (``param.type() == 'torch.cuda.FloatTensor'`` in the
    optimizers and clip_grads) see CUDA-style names for CPU tensors, and ``tensor.cuda()``
    (tied-embedding sync across pipeline stages, optimizer state loading) returns the
-   tensor itself -- both only when the caller is megatron.core.
+   tensor itself.  These two replace ``torch.Tensor.type`` and ``torch.Tensor.cuda`` for the
+   whole process, and answer differently only when the caller is megatron's.
 5. `torch.cuda.synchronize()` (dist checkpoint save, p2p) is a no-op.
 6. CUDA streams and events (``torch.cuda.current_stream()``, ``torch.cuda.stream(...)``,
    ``torch.cuda.Stream``/``Event``: DDP's gradient sync from megatron-core 0.19 on) are host
    stand-ins: on the CPU every operation has finished when it returns, so waiting is a no-op.
 
-Each megatron module in `fe_megatron.megatron.compat.CPU_BACKEND_MODULES` gets a `torch` proxy that forwards every
-attribute to torch except the few above. The default causal mask is built on CUDA by
+Each megatron module in `fe_megatron.megatron.compat.CPU_BACKEND_MODULES` (and, with ``trainer=True``,
+`CPU_TRAINER_MODULES`) gets a `torch` proxy that forwards every attribute to torch except the few
+above; the device RNG functions are replaced through `compat.replace_device_rng_state_functions`. The default causal mask is built on CUDA by
 megatron; pass an explicit ``attention_mask`` (as fe_megatron's trainer does).
 """
 

@@ -28,15 +28,17 @@ class NgramTables(nn.Module):
 
     ``weight`` is one of:
 
-    * a parameter: fp32 tables trained by the engine's optimizer, or bf16 and fp8 serving tables,
-      which do not require gradients;
+    * a parameter: fp32 tables trained by the engine's optimizer (under Megatron's DDP with its
+      ``main_grad``; under ZeRO-3 a partitioned parameter, gathered by DeepSpeed around the forward),
+      or bf16 and fp8 serving tables (fp8 with ``row_scale`` beside them), which do not require
+      gradients;
     * the rows of a `TableStore` (``store``), once `manage` has handed them to one for fe_megatron's
       table optimizer: neither a parameter nor a buffer of the module, so no framework wraps,
       moves, casts, partitions, broadcasts or updates them (``module.to``, ``.bfloat16()``, ZeRO,
       DDP's buffer broadcast).  The state dict still holds them under ``weight``
       (`_save_to_state_dict`, `_load_from_state_dict`) unless the engine saves them itself;
-    * an unset placeholder on the meta device, for tables mapped from a checkpoint file
-      (`release_for_mapping`).
+    * an unset placeholder on the meta device (`release_for_mapping`), until a read-only view of a
+      checkpoint file is assigned to it (`fe_megatron.hf.mmap_tables`).
     """
 
     def __init__(self, total_rows: int, width: int, table_dtype: str = "fp32"):

@@ -184,3 +184,36 @@ def test_the_training_entry_module_imports_nothing_heavy():
               "if m in sys.modules]; print(heavy)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+ARCHITECTURE = os.path.join(os.path.dirname(PACKAGE), "docs", "architecture.md")
+
+
+def test_every_file_the_architecture_names_exists():
+    """docs/architecture.md walks a token through files by their paths (``megatron/hasher.py``); a renamed
+    or removed file fails here, not in a reader's hands."""
+    import re
+
+    text = open(ARCHITECTURE).read()
+    root = os.path.dirname(PACKAGE)
+    named = sorted(set(re.findall(r"`((?:[a-z_]+/)+[a-z_0-9]+\.py)`", text)))
+    assert len(named) > 20
+    missing = [path for path in named if not any(os.path.exists(os.path.join(base, path)) for base in (PACKAGE, root))]
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+
+
+def test_the_adapters_sizes_the_architecture_states_are_their_sizes():
+    import re
+
+    text = " ".join(open(ARCHITECTURE).read().split())
+
+    def lines(*parts):
+        return sum(sum(1 for _ in open(os.path.join(folder, name))) for part in parts
+                   for folder, _, files in os.walk(os.path.join(PACKAGE, part)) for name in files if name.endswith(".py"))
+
+    stated = re.search(r"the Megatron one \(`megatron/`, `megatron_lm/`\) is about ([\d,]+) lines.*?the DeepSpeed one "
+                       r"about ([\d,]+); the Hugging Face one about ([\d,]+)\.", text)
+    assert stated, "docs/architecture.md no longer states the adapters' sizes where this test reads them"
+    for said, actual in zip((int(n.replace(",", "")) for n in stated.groups()),
+                            (lines("megatron", "megatron_lm"), lines("deepspeed"), lines("hf"))):
+        assert abs(said - actual) <= 0.15 * actual, f"docs/architecture.md says about {said} lines; there are {actual}"
