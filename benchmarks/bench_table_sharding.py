@@ -87,9 +87,9 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
     tconfig = transformer_config_for(cfg, on_gpu=torch.cuda.is_available())
     model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory, table_sharding=table_sharding,
                             prefetch_table_rows=prefetch)
-    stores = None
-    if TablePlan.for_run(cfg, tconfig.bf16).in_stores:  # rows: the table optimizer trains them (docs/tables.md)
-        stores = manage_tables(model, optimizer_args, "fp32", table_sharding, current_device(), seed=1)
+    stores, plan = None, TablePlan.for_run(cfg, tconfig.bf16)
+    if plan.in_stores:  # rows: the table optimizer trains them (docs/tables.md)
+        stores = manage_tables(model, optimizer_args, plan, current_device(), seed=1)
     ddp = wrap_ddp(model, tconfig)
     opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0), tables=stores)
     connect_schedule_hooks(tconfig, [ddp], opt)

@@ -106,8 +106,9 @@ def worker(size_name: str, storage: str, steps: int) -> dict:
     on_gpu = torch.cuda.is_available()
     tconfig = transformer_config_for(cfg, on_gpu=on_gpu)
     model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory)
-    tables = manage_tables(model, optimizer_args, optimizer_args.table_state_dtype, "replicated", current_device(),
-                           seed=1) if memory is not None and TablePlan.for_run(cfg, tconfig.bf16).in_stores else None
+    plan = TablePlan.for_run(cfg, tconfig.bf16) if memory is not None else None
+    tables = manage_tables(model, optimizer_args, plan, current_device(), seed=1) \
+        if plan is not None and plan.in_stores else None
     if tconfig.bf16:
         model.to(torch.bfloat16)
     if on_gpu:

@@ -122,10 +122,11 @@ def main():
         tconfig = transformer_config_for(cfg, on_gpu)
         model = build_gpt_model(tconfig, vocab, seq, mc)
         tables = None
-        if mc is not None and TablePlan.resolve("megatron", mc.table_dtype, update=update,
-                                                bf16_run=tconfig.bf16).in_stores:
-            tables = manage_tables(model, OptimizerArgs(lr=1e-4), "fp32", "replicated", device, seed=1,
-                                   update=update)
+        plan = TablePlan.resolve("megatron", mc.table_dtype, placement=mc.table_placement, update=update,
+                                 bf16_run=tconfig.bf16) \
+            if mc is not None else None
+        if plan is not None and plan.in_stores:
+            tables = manage_tables(model, OptimizerArgs(lr=1e-4), plan, device, seed=1)
         if tconfig.bf16:  # every parameter in bf16, as the engine's build_stage_model makes them
             model.to(torch.bfloat16)
         if on_gpu:

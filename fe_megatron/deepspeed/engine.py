@@ -44,7 +44,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from fe_megatron.checkpoint.commit import agree_on_failure, commit, find_checkpoint, start_save
 from fe_megatron.checkpoint.files import CheckpointError, write_run_info
@@ -53,24 +52,17 @@ from fe_megatron.checkpoint.resume import start_run
 from fe_megatron.deepspeed.clipping import JointClipping
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
-from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups, microbatch_feed
 from fe_megatron.memory.loss import weighted_sparsity
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.training.distributed import current_device, destroy_process_groups, log
 from fe_megatron.training.loop import MetricsWriter
-from fe_megatron.training.losses import masked_mean, nonfinite_microbatch, nonfinite_report
+from fe_megatron.training.losses import masked_mean, nonfinite_microbatch, nonfinite_report, per_token_cross_entropy
 from fe_megatron.training.param_groups import parameter_groups
 from fe_megatron.training.lr_schedule import learning_rate
 from fe_megatron.training.run import (EngineRun, StepResult, begin, freeze_backbone, microbatches_per_rank,
                                       table_plan, use_bf16)
-
-
-
-def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the positions ``loss_mask`` keeps (Megatron's definition)."""
-    return masked_mean(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                       reduction="none"), loss_mask)
 
 
 @dataclasses.dataclass
@@ -103,18 +95,17 @@ class DeepSpeedRun(EngineRun):
         lookups = batch.get(MEMORY_LOOKUPS)
         output = self.engine(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False,
                              **({"memory_lookups": lookups} if lookups is not None else {}))
-        lm = masked_lm_loss(output.logits, batch["labels"], batch["loss_mask"])
+        lm = masked_mean(per_token_cross_entropy(output.logits, batch["labels"]), batch["loss_mask"])
         memory = self.cfg.memory
         if output.sparsity_loss is None or memory is None:
             return lm, torch.zeros((), device=lm.device)
         return lm, weighted_sparsity(output.sparsity_loss, memory.sparsity_lambda)  # Eq. 13
 
-    def microbatch_feed(self, batches: list):
-        """The step's microbatches; with the host tier each one's rows fetched one microbatch ahead."""
-        if not self.fetches_rows_ahead:
-            return iter(batches)
+    def microbatch_feed(self, batches: list) -> MicrobatchLookups:
+        """The step's microbatches (the feed both engines share); with the host tier each one's rows
+        fetched one microbatch ahead."""
         model = self.engine.module
-        return MicrobatchLookups(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
+        return microbatch_feed(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
 
     def train_step(self, batches: list) -> StepResult:
         self._set_learning_rates()
@@ -123,8 +114,7 @@ class DeepSpeedRun(EngineRun):
         feed = self.microbatch_feed(batches)
         for index, batch in enumerate(feed):
             lm, sparsity = self._losses(batch)
-            if isinstance(feed, MicrobatchLookups):
-                feed.start_next()  # this microbatch's forward is issued: fetch the next one's rows
+            feed.start_next()  # this microbatch's forward is issued: fetch the next one's rows (host tier)
             loss = lm + sparsity
             if not torch.isfinite(loss):
                 nonfinite.append(nonfinite_microbatch(index, float(lm)))
@@ -416,8 +406,8 @@ def build_engine(deepspeed, cfg, ds_config: dict, plan, tables_mode: str, hf_wei
     if hf_weights is not None:
         load_hf_weights(model, hf_weights)
     # before .to(device): tables in host memory never reach the GPU
-    tables = StoredTables(model, o, o.table_state_dtype, current_device(), seed=t.seed,
-                          update=plan.update) if outside_zero else None
+    tables = StoredTables(model, o, plan.state_dtype, current_device(), seed=t.seed, update=plan.update,
+                          placement=plan.placement) if outside_zero else None
     model.to(current_device())
     if t.recompute == "full":
         model.gradient_checkpointing_enable()

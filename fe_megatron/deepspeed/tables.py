@@ -49,7 +49,7 @@ class StoredTables:
     (``optimizer.table_update``); ``group``: the data-parallel ranks (default: all)."""
 
     def __init__(self, model: torch.nn.Module, optimizer_args, state_dtype: str = "fp32", device=None,
-                 group=None, seed: int = 0, update: str = "adamw"):
+                 group=None, seed: int = 0, update: str = "adamw", placement: str = None):
         self.group = group
         branches = memory_branches(model)
         if not branches:
@@ -61,7 +61,7 @@ class StoredTables:
                                     replica_group=None if self.row_sharded else ranks,
                                     norm_groups=[ranks] if self.row_sharded else [],
                                     gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed, update=update,
-                                    in_state_dict=False)
+                                    in_state_dict=False, placement=placement)
         self.optimizer = self.tables.optimizer
         self.clip_grad = optimizer_args.clip_grad
 
@@ -75,9 +75,7 @@ class StoredTables:
         default: the tables' own), update, and zero them.  Returns the norm clipped by."""
         if norm is None:
             norm = self.tables.grad_norm()
-        if self.clip_grad > 0:
-            self.tables.clip(self.clip_grad / (norm + 1e-6))
-        self.tables.step()
+        self.tables.clip_and_step(self.clip_grad, norm)  # as Megatron's engine clips and steps them
         self.tables.zero_grad()
         return norm
 

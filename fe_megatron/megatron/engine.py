@@ -217,8 +217,7 @@ def build_stage_model(cfg, tconfig, plan):
                                 table_sharding=p.table_sharding, prefetch_table_rows=p.prefetch_table_rows)
     tables = None
     if plan is not None and plan.in_stores:  # before .cuda(): host tables never reach the GPU
-        tables = manage_tables(model, o, o.table_state_dtype, p.table_sharding, current_device(), t.seed,
-                               update=plan.update)
+        tables = manage_tables(model, o, plan, current_device(), t.seed)
     if tconfig.bf16:
         # every parameter in bf16, as Megatron-LM's Float16Module makes them (its mixed-precision optimizer keeps
         # the fp32 copies and cannot checkpoint fp32 parameters beside bf16 ones); tables in stores keep their dtype

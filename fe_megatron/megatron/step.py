@@ -11,7 +11,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
-from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.tables import lookahead
+from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
 from fe_megatron.training.losses import masked_mean, nonfinite_microbatch, nonfinite_report
 from fe_megatron.training.distributed import current_device
 from fe_megatron.training.run import StepResult
@@ -77,14 +78,12 @@ def mean_lm_loss(losses: list) -> float:
     return float(value[0] / value[1].clamp_min(1))
 
 
-def microbatch_feed(model_chunks: list, batches: list):
-    """The schedule's data iterator: a `MicrobatchLookups` that starts each microbatch's lookups one
-    microbatch ahead when the batches carry ``host_tokens`` (the host tier without full recompute:
-    `fe_megatron.training.run.EngineRun.fetches_rows_ahead` decides), else the batches as they are."""
-    if not batches or HOST_TOKENS not in batches[0]:
-        return iter(batches)
+def microbatch_feed(model_chunks: list, batches: list) -> MicrobatchLookups:
+    """The schedule's data iterator: the feed both engines share (`fe_megatron.tables.lookahead.
+    microbatch_feed`: lookups one microbatch ahead where the batches carry ``host_tokens``, which
+    `fe_megatron.training.run.EngineRun.fetches_rows_ahead` decides)."""
     model = _unwrap(model_chunks[0])
-    return MicrobatchLookups(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
+    return lookahead.microbatch_feed(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
 
 
 def run_microbatches(model_chunks: list, batches: list, seq_length: int, micro_batch_size: int,

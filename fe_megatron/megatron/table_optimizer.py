@@ -33,6 +33,7 @@ from fe_megatron.megatron.parallel import table_row_group
 from fe_megatron.memory.branch import memory_branches
 from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.tables.managed import ManagedTables
+from fe_megatron.tables.plan import TablePlan
 from fe_megatron.tables.update_rules import UpdateRule
 
 
@@ -68,22 +69,20 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
                           "its weights (fe-convert mcore-to-hf, then hf-to-mcore, and --load the output)")
 
 
-def manage_tables(model, optimizer_args, state_dtype: str, table_sharding: str, device, seed: int,
-                  update: str = "adamw", in_state_dict: bool = True) -> ManagedTables:
-    """Every memory branch of this pipeline stage's ``model`` in a store (on ``device`` or the host,
-    as its ``table_placement`` says), with the groups and averaging of Megatron's layout, trained by
-    rule ``update``; ``in_state_dict``: whether the model's state dict keeps the tables
-    (`TablePlan.tables_in_model_state_dict`)."""
+def manage_tables(model, optimizer_args, plan: TablePlan, device, seed: int) -> ManagedTables:
+    """Every memory branch of this pipeline stage's ``model`` in a store, kept and trained as the run's
+    ``plan`` says (its placement, sharding, state dtype, update rule, and whether the model's state dict
+    keeps the tables), with the groups and averaging of Megatron's layout."""
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
     norm_groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()]
-    rows = table_sharding == ROW_SHARDED
+    rows = plan.sharding == ROW_SHARDED
     if rows:  # every rank of the tables' row group holds other rows
         norm_groups.append(table_row_group())
-    return ManagedTables(memory_branches(model), optimizer_args, state_dtype, device,
+    return ManagedTables(memory_branches(model), optimizer_args, plan.state_dtype, device,
                          replica_group=None if rows else data_parallel, norm_groups=norm_groups,
                          gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed,
-                         update=update, row_group=parallel_state.get_tensor_model_parallel_group(),
-                         in_state_dict=in_state_dict)
+                         update=plan.update, row_group=parallel_state.get_tensor_model_parallel_group(),
+                         in_state_dict=plan.tables_in_model_state_dict, placement=plan.placement)
 
 
 class TableOptimizer(compat.fp32_optimizer_class()):
@@ -123,9 +122,7 @@ class TableOptimizer(compat.fp32_optimizer_class()):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         norm = self.global_grad_norm if self.global_grad_norm is not None else self.tables.grad_norm()
-        if self.config.clip_grad > 0.0:
-            self.tables.clip(self.config.clip_grad / (norm + 1.0e-6))
-        self.tables.step()
+        self.tables.clip_and_step(self.config.clip_grad, norm)
         return True
 
     @torch.no_grad()

@@ -429,9 +429,7 @@ class TrainerState:
         if self.tables is not None:
             raise ValueError("the tables of this pipeline stage were already taken into stores: the memory branch "
                              "is built for one model chunk per stage")
-        self.tables = manage_tables(model, self.config.optimizer, self.plan.state_dtype, self.plan.sharding,
-                                    current_device(), self.args.seed, update=self.plan.update,
-                                    in_state_dict=self.plan.tables_in_model_state_dict)
+        self.tables = manage_tables(model, self.config.optimizer, self.plan, current_device(), self.args.seed)
 
     def add_table_member(self, optimizer):
         """The trainer's optimizer chain with the tables' `TableOptimizer` as a member."""

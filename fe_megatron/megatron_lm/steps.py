@@ -21,16 +21,15 @@ from megatron.training.utils import get_blend_and_blend_per_split
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler, microbatch_gradient_scale
 from fe_megatron.megatron_lm.batch import get_batch, stage_reads_data
 from fe_megatron.training.distributed import current_device
+from fe_megatron.training.losses import masked_sum
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron-LM's GPT loss: the masked sum, the token count, and ``lm loss`` for the log; a NaN
     or Inf loss is fatal when ``--check-for-nan-in-loss-and-grad`` is on."""
     args = get_args()
-    losses = output_tensor.view(-1).float()
-    loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * loss_mask)
-    num_tokens = loss_mask.sum().clone().detach().to(torch.int)
+    loss, tokens = masked_sum(output_tensor, loss_mask)
+    num_tokens = tokens.clone().detach().to(torch.int)
     report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
     if args.check_for_nan_in_loss_and_grad:
         rerun_state_machine = get_rerun_state_machine()

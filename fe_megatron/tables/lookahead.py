@@ -12,7 +12,9 @@ the step begins.
 
 Each microbatch dict must carry its token ids in host memory as ``host_tokens``
 (`fe_megatron.training.run.EngineRun.batches`); the iterator yields the dicts with the started
-lookups added as ``memory_lookups`` (``{layer_index: lookup}``).
+lookups added as ``memory_lookups`` (``{layer_index: lookup}``).  `microbatch_feed` is the one feed
+both engines walk a step's microbatches with: without ``host_tokens`` it hands the batches out as
+they are.
 """
 
 from __future__ import annotations
@@ -23,11 +25,19 @@ HOST_TOKENS = "host_tokens"
 MEMORY_LOOKUPS = "memory_lookups"
 
 
+def microbatch_feed(batches: list, start: Callable[[object], dict]) -> "MicrobatchLookups":
+    """A step's microbatches for an engine: each one's lookups started one microbatch ahead by ``start``
+    when the batches carry ``host_tokens`` (the host tier without full recompute), else the batches as
+    they are.  The engine calls ``start_next()`` once each forward is issued, either way."""
+    return MicrobatchLookups(batches, start if batches and HOST_TOKENS in batches[0] else None)
+
+
 class MicrobatchLookups:
     """An iterator over ``batches`` (dicts with ``host_tokens``) that adds each one's lookups,
-    started one microbatch ahead by ``start(host_tokens) -> {layer_index: lookup}``."""
+    started one microbatch ahead by ``start(host_tokens) -> {layer_index: lookup}`` (``start`` None:
+    the batches as they are, and `start_next` does nothing)."""
 
-    def __init__(self, batches: list, start: Callable[[object], dict]):
+    def __init__(self, batches: list, start: Optional[Callable[[object], dict]]):
         self.batches, self.start = list(batches), start
         self.position = 0  # the next microbatch to hand out
         self.ahead: Optional[dict] = None  # the lookups of microbatch `position`, once started
@@ -39,6 +49,9 @@ class MicrobatchLookups:
     def __next__(self) -> dict:
         if self.position >= len(self.batches):
             raise StopIteration
+        if self.start is None:
+            self.position += 1
+            return self.batches[self.position - 1]
         if self.ahead is None:  # the step's first microbatch (or a caller that never called start_next)
             self.start_next()
         batch = dict(self.batches[self.position], **{MEMORY_LOOKUPS: self.ahead})
@@ -48,6 +61,6 @@ class MicrobatchLookups:
 
     def start_next(self) -> None:
         """Start the lookups of the next microbatch to be handed out (a no-op after the last)."""
-        if self.ahead is None and self.position < len(self.batches):
+        if self.start is not None and self.ahead is None and self.position < len(self.batches):
             self.ahead = self.start(self.batches[self.position][HOST_TOKENS])
             self.started += 1

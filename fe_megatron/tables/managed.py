@@ -57,19 +57,21 @@ class ManagedTables:
     other columns of the same rows (what ``rowwise_adagrad`` sums a row's squares over);
     ``in_state_dict``: whether the model's state dict keeps the tables (Megatron's checkpoints) or
     the engine saves them in files of their own (the DeepSpeed engine's ``tables_rank_*.pt``).
+    ``placement``: ``device`` or ``host`` (the plan's; default: each branch's ``table_placement``).
     """
 
     def __init__(self, branches: dict, optimizer_args, state_dtype: str = "fp32", device=None,
                  replica_group: Optional[dist.ProcessGroup] = None, norm_groups: tuple = (),
                  gradient_scale: float = 1.0, seed: int = 0, update: str = "adamw",
-                 row_group: Optional[dist.ProcessGroup] = None, in_state_dict: bool = True):
+                 row_group: Optional[dist.ProcessGroup] = None, in_state_dict: bool = True,
+                 placement: Optional[str] = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.replica_group, self.norm_groups, self.gradient_scale = replica_group, tuple(norm_groups), gradient_scale
         self.update, self.rule = update, update_rule(update)
         self.sparse = self.rule.sparse
         self.stores, self.partitions = {}, {}
         for name, branch in branches.items():
-            store = branch.tables.manage(branch.config.table_placement, self.device, in_state_dict)
+            store = branch.tables.manage(placement or branch.config.table_placement, self.device, in_state_dict)
             if self.sparse:
                 store.weight.row_gradients = store.allocate_row_gradients()
             else:
@@ -175,6 +177,14 @@ class ManagedTables:
             for store in self.stores.values():
                 for grad in self._gradients(store):
                     grad.mul_(coefficient)
+
+    def clip_and_step(self, clip_grad: float, norm: float) -> None:
+        """What every engine does with the tables at a step: clip them by the engine's global ``norm``
+        (Megatron's coefficient ``clip_grad / (norm + 1e-6)``, when ``clip_grad`` > 0 and it is below 1),
+        then update them."""
+        if clip_grad > 0.0:
+            self.clip(clip_grad / (norm + 1.0e-6))
+        self.step()
 
     def step(self) -> None:
         """One update of every table (``update``'s rule), where it lives."""

@@ -19,8 +19,9 @@ their cost grows with the unique rows of a step, not with the table:
 * ``partial_rowwise_adam`` (`PartialRowwiseAdam`): FBGEMM's ``PARTIAL_ROWWISE_ADAM``.  Adam's first
   moment per element, its second moment per row, of the row's mean squared gradient:
   ``m_rc = b1 m_rc + (1 - b1) g_rc``, ``v_r = b2 v_r + (1 - b2) mean_c(g_rc^2)``,
-  ``w_rc -= lr (m_rc / (1 - b1^t)) / (sqrt(v_r / (1 - b2^t)) + eps)``: 4 bytes per row less than
-  half of Adam's state.  The mean runs over the whole row as ``rowwise_adagrad``'s does.
+  ``w_rc -= lr (m_rc / (1 - b1^t)) / (sqrt(v_r / (1 - b2^t)) + eps)``: one moment per parameter and
+  4 bytes per row, a little over half of Adam's state.  The mean runs over the whole row as
+  ``rowwise_adagrad``'s does.
 
 Each rule declares its state (`StateEntry`: one value per row or per parameter, its dtype); the
 registry of rules (`fe_megatron.tables.update_rules`) derives the bytes, the sharding and the

@@ -1,16 +1,33 @@
-"""What both engines compute alike for a step: the language-model loss of a microbatch and the
-report of a step whose loss or gradient norm is not finite.  Nothing here imports megatron or
-deepspeed."""
+"""What every trainer computes alike for a step: the language-model loss of a microbatch and the
+report of a step whose loss or gradient norm is not finite.  fe-pretrain's Megatron engine takes the
+mean (`masked_mean`), Megatron-LM's trainer the sum and the token count (`masked_sum`, its loss
+function's protocol), the DeepSpeed engine the mean of the per-token cross-entropy of the Hugging Face
+model's logits (`per_token_cross_entropy`); all three are these functions.  Nothing here imports
+megatron or deepspeed."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def masked_sum(per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> tuple:
+    """``(sum, tokens)``: the next-token losses summed over the positions ``loss_mask`` keeps, and their
+    count, both fp32 scalars."""
+    mask = loss_mask.reshape(-1).float()
+    return (per_token_losses.reshape(-1).float() * mask).sum(), mask.sum()
 
 
 def masked_mean(per_token_losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss over the positions ``loss_mask`` keeps (Megatron's definition), in fp32."""
-    mask = loss_mask.reshape(-1).float()
-    return (per_token_losses.reshape(-1).float() * mask).sum() / mask.sum().clamp_min(1)
+    total, tokens = masked_sum(per_token_losses, loss_mask)
+    return total / tokens.clamp_min(1)
+
+
+def per_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each position's next-token cross-entropy ([positions], fp32) from ``logits`` [..., vocab]: what
+    megatron-core's output layer computes for the Megatron models."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
 
 
 def nonfinite_microbatch(index: int, lm_loss: float) -> str:

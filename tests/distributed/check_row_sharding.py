@@ -105,8 +105,7 @@ def build(tables: str, tp: int, pp: int = 1, recompute: bool = False, state_dtyp
     args = OptimizerArgs(lr=1e-2, min_lr=1e-3, weight_decay=0.01, beta1=0.9, beta2=0.999, clip_grad=0.5,
                          table_lr_mult=2.0)
     plan = TablePlan.resolve("megatron", mc.table_dtype, state_dtype, mc.table_placement, tables, update)
-    stores = manage_tables(model, args, state_dtype, tables, torch.device("cpu"), seed=7, update=update) \
-        if plan.in_stores else None
+    stores = manage_tables(model, args, plan, torch.device("cpu"), seed=7) if plan.in_stores else None
     ddp = wrap_ddp(model, cfg)
     opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-2, min_lr=1e-3, weight_decay=0.01,
                                                  clip_grad=0.5), table_lr_mult=2.0, tables=stores)

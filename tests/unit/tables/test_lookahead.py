@@ -2,7 +2,7 @@
 
 import torch
 
-from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups, microbatch_feed
 
 
 def test_each_microbatch_s_rows_are_fetched_once_the_previous_forward_is_issued():
@@ -19,3 +19,20 @@ def test_each_microbatch_s_rows_are_fetched_once_the_previous_forward_is_issued(
         feed.start_next()
     assert events == ["fetch 0", "forward 0", "fetch 1", "forward 1", "fetch 2", "forward 2"]
     assert feed.started == 3
+
+
+def test_the_engines_feed_starts_lookups_only_for_batches_with_host_tokens():
+    """`microbatch_feed`, the one feed both engines walk a step with: batches without host tokens pass
+    through as they are (``start_next`` does nothing), batches with them get their lookups one ahead."""
+    started = []
+    plain = [{"tokens": torch.randint(0, 9, (1, 4))} for _ in range(2)]
+    feed = microbatch_feed(plain, lambda tokens: started.append(tokens) or {})
+    handed = []
+    for batch in feed:
+        handed.append(batch)
+        feed.start_next()
+    assert handed == plain and started == [] and feed.started == 0
+    hosted = [{HOST_TOKENS: torch.full((1, 4), index)} for index in range(2)]
+    feed = microbatch_feed(hosted, lambda tokens: {"rows of": int(tokens[0, 0])})
+    assert [batch[MEMORY_LOOKUPS]["rows of"] for batch in feed] == [0, 1]
+    assert list(microbatch_feed([], lambda tokens: {})) == []
