@@ -10,26 +10,30 @@ threads than at one (benchmarks/RESULTS.md, "busy host").
 
 `ThreadChoice` picks, for one kind of work, between one thread and torch's count:
 
-* work below `SMALL_WORK` elements runs on one thread: splitting it saves less than one wait costs;
+* work below `SMALL_WORK` elements runs on one thread (torch's own operators do not split it either);
 * larger work runs at the count whose measured time per element is lower, each count's time an
-  exponential average of its runs; every `PROBE_EVERY`-th run tries the other count, so the choice
-  follows the host's load as it changes.
+  exponential average of its runs.  The other count is tried again after `FIRST_PROBE` runs, and
+  after twice as many each time it loses again (up to `LAST_PROBE`), so the choice follows the
+  host's load as it changes while a losing count costs few runs.
 
 The thread count changes no result: the table kernels' reductions run in a fixed order whatever the
 threads (`fe_megatron.ops`), and torch's gathers, copies and row-wise sums are element-wise per row.
-Only work on CPU tensors is affected; a GPU's work is not.
+Only work on CPU tensors, in the main thread, is affected: a GPU's work is not, nor the host tier's
+worker thread's (torch's thread count is the process's to set, so only the main thread changes it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import torch
 
-SMALL_WORK = 1 << 20  # elements (rows x width) below which the work runs on one thread
-PROBE_EVERY = 16  # runs between tries of the count not chosen
+SMALL_WORK = 1 << 15  # elements (rows x width) below which the work runs on one thread (torch's grain size)
+FIRST_PROBE, LAST_PROBE = 16, 512  # runs between tries of the count not chosen: first, and at most
 SMOOTHING = 0.3  # weight of the newest run in a count's average time per element
+_MAIN_THREAD = threading.main_thread()
 
 
 class ThreadChoice:
@@ -39,6 +43,8 @@ class ThreadChoice:
         self.name = name
         self.seconds_per_element: dict = {}  # thread count -> average
         self.runs = 0
+        self.best = None  # the count chosen last, outside a probe
+        self.probe_interval, self.next_probe = FIRST_PROBE, FIRST_PROBE
 
     def choose(self, elements: int, available: int) -> int:
         if available <= 1 or elements < SMALL_WORK:
@@ -48,7 +54,11 @@ class ThreadChoice:
         if untried:
             return untried[0]
         best = min(counts, key=self.seconds_per_element.get)
-        if self.runs % PROBE_EVERY == PROBE_EVERY - 1:
+        if best != self.best:  # a probe won, or the first choice: probe soon again
+            self.best, self.probe_interval, self.next_probe = best, FIRST_PROBE, self.runs + FIRST_PROBE
+        if self.runs >= self.next_probe:  # try the other count; if it loses again, wait twice as long
+            self.probe_interval = min(2 * self.probe_interval, LAST_PROBE)
+            self.next_probe = self.runs + self.probe_interval
             return counts[0] if best == counts[1] else counts[1]
         return best
 
@@ -63,8 +73,8 @@ class ThreadChoice:
     def threads_for(self, elements: int, device: torch.device):
         """Run the block's CPU work on the chosen count of threads (``device`` a GPU: as it is)."""
         available = torch.get_num_threads()
-        if torch.device(device).type != "cpu" or available <= 1:
-            yield
+        if torch.device(device).type != "cpu" or available <= 1 or threading.current_thread() is not _MAIN_THREAD:
+            yield  # the host tier's worker thread keeps torch's count: its thread count is not its own to change
             return
         threads = self.choose(elements, available)
         if threads != available:

@@ -19,16 +19,18 @@ def test_small_work_runs_on_one_thread_and_large_work_on_the_faster_count():
     choice.record(1, large, 2.0)
     assert choice.choose(large, available=4) == 4
     choice.record(4, large, 1.0)
-    assert choice.choose(large, 4) == 4
-    seen = []
-    for _ in range(threads.PROBE_EVERY):  # the faster count, and one probe of the other
-        seen.append(choice.choose(large, 4))
-        choice.record(seen[-1], large, 1.0 if seen[-1] == 4 else 2.0)
-    assert seen.count(1) == 1 and seen.count(4) == threads.PROBE_EVERY - 1
-    for _ in range(2 * threads.PROBE_EVERY):  # the host got busy: 4 threads now take longer than 1
+    picks = []
+    for _ in range(20 * threads.FIRST_PROBE):  # the faster count, and probes of the other ever further apart
+        picks.append(choice.choose(large, 4))
+        choice.record(picks[-1], large, 1.0 if picks[-1] == 4 else 2.0)
+    probes = [run for run, picked in enumerate(picks) if picked == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    assert len(probes) < len(picks) / 16
+    for _ in range(4 * threads.LAST_PROBE):  # the host got busy: 4 threads now take longer than 1
         picked = choice.choose(large, 4)
         choice.record(picked, large, 5.0 if picked == 4 else 2.0)
-    assert choice.choose(large, 4) == 1 or choice.runs % threads.PROBE_EVERY == threads.PROBE_EVERY - 1
+    assert choice.best == 1
     assert choice.choose(large, available=1) == 1
 
 
