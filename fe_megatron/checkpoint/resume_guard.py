@@ -13,6 +13,7 @@ from typing import Optional
 
 from fe_megatron.tables.update_rules import RULES
 
+
 def _state_words(layout: Optional[tuple]) -> str:
     """A rule's optimizer state (`UpdateRule.state_layout`) in words."""
     if layout is None:

@@ -33,6 +33,7 @@ from fe_megatron.tables.threads import UPDATE
 from fe_megatron.ops import reference
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class StateEntry:
 
     def bytes_per_parameter(self, width: int, state_dtype: str) -> float:
         """Bytes per table parameter (rows of ``width`` columns on a rank)."""
-        return 4 / width if self.per_row else torch.finfo(STATE_DTYPES[state_dtype]).bits // 8
+        return 4 / width if self.per_row else DTYPE_BYTES[state_dtype]
 
 
 class TableOptimizerBase(torch.optim.Optimizer):

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fe_megatron.tables.optimizer import DTYPE_BYTES
 from fe_megatron.tables.update_rules import UpdateRule, update_rule
 
 ENGINE, STORES = "engine", "stores"
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
 @dataclass(frozen=True)

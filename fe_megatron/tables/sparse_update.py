@@ -98,6 +98,16 @@ class SparseTableOptimizer(TableOptimizerBase):
     def _update(self, param, ids, grad, state: dict, step: int, group: dict) -> None:
         raise NotImplementedError
 
+    def _move_rows(self, param, ids, numerator: torch.Tensor, denominator: torch.Tensor, step_size: float,
+                   group: dict, step: int) -> None:
+        """The touched rows' update every rule ends with: ``w_r (1 - lr wd) - step_size numerator / denominator``
+        (decoupled weight decay, on these rows only), written back in the table's dtype."""
+        rows = param.index_select(0, ids).float()
+        if group["weight_decay"]:
+            rows.mul_(1.0 - group["lr"] * group["weight_decay"])
+        rows.addcdiv_(numerator, denominator, value=-step_size)
+        self._write(param, ids, rows, param, 0, step)
+
     def _write(self, tensor: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, param, which: int,
                step: int) -> None:
         """``tensor[ids] = values`` (fp32), stochastically rounded where ``tensor`` is bf16 (`TableAdamW`'s keys:
@@ -130,59 +140,51 @@ class RowwiseAdagrad(SparseTableOptimizer):
         momentum = state["momentum"]
         accumulated = momentum.index_select(0, ids) + self.row_mean_square(param, grad)
         momentum.index_copy_(0, ids, accumulated)
-        rows = param.index_select(0, ids).float()
-        if group["weight_decay"]:
-            rows.mul_(1.0 - group["lr"] * group["weight_decay"])
-        rows.addcdiv_(grad, (accumulated.sqrt() + group["eps"]).unsqueeze(1), value=-group["lr"])
-        self._write(param, ids, rows, param, 0, step)
+        self._move_rows(param, ids, grad, (accumulated.sqrt() + group["eps"]).unsqueeze(1), group["lr"], group, step)
 
 
-class LazyAdam(SparseTableOptimizer):
-    """Adam on the touched rows, `torch.optim.SparseAdam`'s formula (the module docstring)."""
-
-    state_entries = (StateEntry("exp_avg"), StateEntry("exp_avg_sq"))
+class SparseAdamRule(SparseTableOptimizer):
+    """What the sparse Adam rules share: their settings and the first moment, per parameter in
+    ``state_dtype``, updated and written back for the touched rows."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  state_dtype: str = "fp32", seed: int = 0, row_group: Optional[dist.ProcessGroup] = None):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), state_dtype,
                          seed, row_group)
 
+    def _first_moment(self, param, ids, grad, state: dict, step: int, beta1: float) -> torch.Tensor:
+        """``m = b1 m + (1 - b1) g`` of the touched rows (fp32), stored back."""
+        exp_avg = state["exp_avg"].index_select(0, ids).float().mul_(beta1).add_(grad, alpha=1 - beta1)
+        self._write(state["exp_avg"], ids, exp_avg, param, 1, step)
+        return exp_avg
+
+
+class LazyAdam(SparseAdamRule):
+    """Adam on the touched rows, `torch.optim.SparseAdam`'s formula (the module docstring)."""
+
+    state_entries = (StateEntry("exp_avg"), StateEntry("exp_avg_sq"))
+
     def _update(self, param, ids, grad, state, step, group):
         beta1, beta2 = group["betas"]
-        exp_avg = state["exp_avg"].index_select(0, ids).float().mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg = self._first_moment(param, ids, grad, state, step, beta1)
         exp_avg_sq = state["exp_avg_sq"].index_select(0, ids).float().mul_(beta2).addcmul_(grad, grad,
                                                                                            value=1 - beta2)
-        self._write(state["exp_avg"], ids, exp_avg, param, 1, step)
         self._write(state["exp_avg_sq"], ids, exp_avg_sq, param, 2, step)
         step_size = group["lr"] * math.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)
-        rows = param.index_select(0, ids).float()
-        if group["weight_decay"]:
-            rows.mul_(1.0 - group["lr"] * group["weight_decay"])
-        rows.addcdiv_(exp_avg, exp_avg_sq.sqrt_().add_(group["eps"]), value=-step_size)
-        self._write(param, ids, rows, param, 0, step)
+        self._move_rows(param, ids, exp_avg, exp_avg_sq.sqrt_().add_(group["eps"]), step_size, group, step)
 
 
-class PartialRowwiseAdam(SparseTableOptimizer):
+class PartialRowwiseAdam(SparseAdamRule):
     """FBGEMM's partial row-wise Adam on the touched rows (the module docstring): the first moment per
     element in ``state_dtype``, the second per row in fp32."""
 
     state_entries = (StateEntry("exp_avg"), StateEntry("exp_avg_sq", per_row=True))
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 state_dtype: str = "fp32", seed: int = 0, row_group: Optional[dist.ProcessGroup] = None):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), state_dtype,
-                         seed, row_group)
-
     def _update(self, param, ids, grad, state, step, group):
         beta1, beta2 = group["betas"]
-        exp_avg = state["exp_avg"].index_select(0, ids).float().mul_(beta1).add_(grad, alpha=1 - beta1)
-        self._write(state["exp_avg"], ids, exp_avg, param, 1, step)
+        exp_avg = self._first_moment(param, ids, grad, state, step, beta1)
         exp_avg_sq = state["exp_avg_sq"].index_select(0, ids).mul_(beta2).add_(self.row_mean_square(param, grad),
                                                                               alpha=1 - beta2)
         state["exp_avg_sq"].index_copy_(0, ids, exp_avg_sq)
         denominator = (exp_avg_sq / (1 - beta2 ** step)).sqrt_().add_(group["eps"]).unsqueeze(1)
-        rows = param.index_select(0, ids).float()
-        if group["weight_decay"]:
-            rows.mul_(1.0 - group["lr"] * group["weight_decay"])
-        rows.addcdiv_(exp_avg, denominator, value=-group["lr"] / (1 - beta1 ** step))
-        self._write(param, ids, rows, param, 0, step)
+        self._move_rows(param, ids, exp_avg, denominator, group["lr"] / (1 - beta1 ** step), group, step)

@@ -36,7 +36,6 @@ class UpdateRule:
     name: str
     optimizer: type  # a fe_megatron.tables.optimizer.TableOptimizerBase
     sparse: bool  # only the touched rows, from row gradients
-    summary: str  # what the rule does, in a line
     state_words: str  # its state, for fe-plan ({state_dtype}: optimizer.table_state_dtype)
 
     @property
@@ -80,17 +79,13 @@ class UpdateRule:
 
 
 RULES = {rule.name: rule for rule in (
-    UpdateRule("adamw", TableAdamW, sparse=False, summary="AdamW over every row, every step (the paper's)",
+    UpdateRule("adamw", TableAdamW, sparse=False,
                state_words="Adam moments"),
     UpdateRule("rowwise_adagrad", RowwiseAdagrad, sparse=True,
-               summary="FBGEMM's exact row-wise AdaGrad on the touched rows: one fp32 accumulator per row",
                state_words="rowwise_adagrad's one fp32 state per row"),
     UpdateRule("lazy_adam", LazyAdam, sparse=True,
-               summary="Adam on the touched rows only (torch.optim.SparseAdam's formula)",
                state_words="{state_dtype} Adam moments (lazy_adam)"),
     UpdateRule("partial_rowwise_adam", PartialRowwiseAdam, sparse=True,
-               summary="FBGEMM's partial row-wise Adam on the touched rows: first moment per parameter, "
-                       "second moment per row",
                state_words="{state_dtype} first moments and one fp32 second moment per row (partial_rowwise_adam)"),
 )}
 TABLE_UPDATES = tuple(RULES)

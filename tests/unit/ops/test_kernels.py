@@ -289,24 +289,31 @@ def test_cuda_and_triton_sum_in_the_same_order(out_dtype):
     assert torch.equal(outs["cuda"], outs["triton"])
 
 
-@pytest.mark.parametrize("backend", COMPILED)
-def test_autograd_gradient_of_a_table(backend):
-    """Two microbatches' dense gradients add up to the reference's (Megatron's accumulation into
-    ``main_grad`` is the adapter's: tests/unit/megatron/test_main_grad.py)."""
-    device = device_of(backend)
+def two_microbatches_of_a_table(backend: str, device) -> tuple:
+    """``(weight, backward, expected)``: a fresh random table [97, 40], ``backward()`` running two
+    microbatches' lookups of duplicate-heavy rows through ``backend`` and back, and the gradient the torch
+    reference gives them (``weight.grad`` is left empty)."""
     rows, width = 97, 40
     weight = torch.randn(rows, width, device=device, requires_grad=True)
     batches = [duplicate_heavy_indices(rows, small(backend, 3000, 300), device).view(-1, 3) for _ in range(2)]
     upstream = [torch.randn(*b.shape, width, device=device) for b in batches]
 
-    with ops.use_backend("torch"):
-        for idx, up in zip(batches, upstream):
-            (ops.gather_rows(weight, idx) * up).sum().backward()
-    expected = weight.grad.clone()
-    weight.grad = None
-    with ops.use_backend(backend):
-        for idx, up in zip(batches, upstream):
-            (ops.gather_rows(weight, idx) * up).sum().backward()
+    def backward(through: str = backend) -> None:
+        with ops.use_backend(through):
+            for idx, up in zip(batches, upstream):
+                (ops.gather_rows(weight, idx) * up).sum().backward()
+
+    backward("torch")
+    expected, weight.grad = weight.grad.clone(), None
+    return weight, backward, expected
+
+
+@pytest.mark.parametrize("backend", COMPILED)
+def test_autograd_gradient_of_a_table(backend):
+    """Two microbatches' dense gradients add up to the reference's (Megatron's accumulation into
+    ``main_grad`` is the adapter's: tests/unit/megatron/test_main_grad.py)."""
+    weight, backward, expected = two_microbatches_of_a_table(backend, device_of(backend))
+    backward()
     torch.testing.assert_close(weight.grad, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
 
 
