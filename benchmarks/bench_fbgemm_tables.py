@@ -91,8 +91,8 @@ class OurTables:
 
         self.offsets = torch.tensor([sum(rows[:b]) for b in range(len(rows))])
         self.store = TableStore(torch.cat(weights), "device")
-        self.store.weight.row_gradients = self.store.allocate_row_gradients()
-        self.optimizer = RowwiseAdagrad([self.store.weight], lr=LR, eps=EPS)
+        self.store.allocate_row_gradients()
+        self.optimizer = RowwiseAdagrad([self.store], lr=LR, eps=EPS)
 
     def step(self, ids: torch.Tensor, grad: torch.Tensor) -> None:
         from fe_megatron.tables.store import StoreLookup

@@ -24,8 +24,8 @@ class _DeepSpeedWeights:
     """The consolidated fp32 tensors of one checkpoint folder, by Hugging Face name."""
 
     def __init__(self, folder: str, info: dict, memory):
-        from fe_megatron.deepspeed.engine import table_mode
         from fe_megatron.deepspeed.tables import tables_file
+        from fe_megatron.tables.plan import TablePlan
 
         layout = info["layout"]
         self.world = layout["world"]
@@ -39,9 +39,8 @@ class _DeepSpeedWeights:
                                                              lazy_mode=True)
         self.state, self.memory, self._partitions = state, memory, {}
         self.table_files = []
-        config = info["config"]
-        mode = table_mode(layout.get("table_sharding"), config.get("memory"), config.get("optimizer") or {})
-        if mode != "zero" and memory is not None:  # the tables were outside ZeRO, in their own files
+        mode = TablePlan.saved_mode(info)
+        if mode not in (None, "zero") and memory is not None:  # the tables were outside ZeRO, in their own files
             ranks = self.world if mode == "rows" else 1  # whole tables: rank 0's file
             self.table_files = [tables_file(folder, rank) for rank in range(ranks)]
             missing = [path for path in self.table_files if not os.path.isfile(path)]

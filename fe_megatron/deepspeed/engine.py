@@ -241,31 +241,18 @@ def saved_data_parallel_size(saved_info, default: int) -> int:
     return int(((saved_info or {}).get("layout") or {}).get("data", default))
 
 
-def table_mode(table_sharding: str, memory: dict, optimizer: dict) -> str:
-    """How this engine keeps the tables (`TablePlan.mode`): ``zero`` (ZeRO's parameters), ``rows``
-    (row-sharded outside ZeRO) or ``replicated`` (whole, in stores outside ZeRO;
-    `fe_megatron.deepspeed.tables`), for a config's ``memory`` and ``optimizer`` sections as
-    dicts (a saved run's; ``memory`` None: no memory)."""
-    if memory is None:
-        return ROW_SHARDED if table_sharding == ROW_SHARDED else "zero"
-    return TablePlan.resolve("deepspeed", memory.get("table_dtype", "fp32"), optimizer.get("table_state_dtype", "fp32"),
-                             memory.get("table_placement", "device"), table_sharding,
-                             optimizer.get("table_update", "adamw")).mode
-
-
-def refuse_table_mode_change(folder: str, saved_info, tables_mode: str) -> None:
+def refuse_table_mode_change(folder: str, saved_info, plan) -> None:
     """Under DeepSpeed the tables are ZeRO parameters, or outside ZeRO with their own files; a
-    checkpoint resumes in the mode that wrote it (the data-parallel size may change)."""
-    layout, config = (saved_info or {}).get("layout") or {}, (saved_info or {}).get("config") or {}
-    sharding = layout.get("table_sharding")
-    if sharding is None or config.get("memory") is None:
+    checkpoint resumes in the mode that wrote it (`TablePlan.saved_mode` against this run's ``plan``;
+    the data-parallel size may change)."""
+    saved = TablePlan.saved_mode(saved_info)
+    if saved is None or plan is None or saved == plan.mode:
         return
-    saved = table_mode(sharding, config["memory"], config.get("optimizer") or {})
-    if saved != tables_mode:
-        raise CheckpointError(f"{folder} was saved with its tables {_TABLE_MODES[saved]}, and this run keeps them "
-                              f"{_TABLE_MODES[tables_mode]}: resume with the table settings it was saved with "
-                              f"(parallel.table_sharding={sharding}), or start a new run from its weights "
-                              "(fe-convert deepspeed-to-hf, then --load the output)")
+    sharding = ((saved_info or {}).get("layout") or {}).get("table_sharding")
+    raise CheckpointError(f"{folder} was saved with its tables {_TABLE_MODES[saved]}, and this run keeps them "
+                          f"{_TABLE_MODES[plan.mode]}: resume with the table settings it was saved with "
+                          f"(parallel.table_sharding={sharding}), or start a new run from its weights "
+                          "(fe-convert deepspeed-to-hf, then --load the output)")
 
 
 _TABLE_MODES = {"zero": "as ZeRO parameters (parallel.table_sharding zero, or replicated with fp32 tables)",
@@ -393,7 +380,7 @@ def _init_distributed(timeout_minutes: float) -> None:
                                              timeout=timedelta(minutes=timeout_minutes))
 
 
-def build_engine(deepspeed, cfg, ds_config: dict, plan, tables_mode: str, hf_weights: str = None) -> tuple:
+def build_engine(deepspeed, cfg, ds_config: dict, plan, hf_weights: str = None) -> tuple:
     """``(engine, tables, parameters)``: the DeepSpeed engine around the run's model (with the weights
     of the Hugging Face directory ``hf_weights``, when given), the tables' stores outside ZeRO when
     the plan keeps them there (`StoredTables`; None otherwise), and the model's parameter count."""
@@ -401,13 +388,12 @@ def build_engine(deepspeed, cfg, ds_config: dict, plan, tables_mode: str, hf_wei
 
     t, o = cfg.training, cfg.optimizer
     torch.manual_seed(t.seed)
-    outside_zero = tables_mode != "zero" and cfg.memory is not None
-    model = build_model(cfg, dist.group.WORLD if tables_mode == ROW_SHARDED and cfg.memory is not None else None)
+    outside_zero = plan is not None and plan.mode != "zero"
+    model = build_model(cfg, dist.group.WORLD if plan is not None and plan.mode == ROW_SHARDED else None)
     if hf_weights is not None:
         load_hf_weights(model, hf_weights)
     # before .to(device): tables in host memory never reach the GPU
-    tables = StoredTables(model, o, plan.state_dtype, current_device(), seed=t.seed, update=plan.update,
-                          placement=plan.placement) if outside_zero else None
+    tables = StoredTables(model, o, plan, current_device(), seed=t.seed) if outside_zero else None
     model.to(current_device())
     if t.recompute == "full":
         model.gradient_checkpointing_enable()
@@ -454,17 +440,16 @@ def set_up(cfg) -> DeepSpeedRun:
     ds_config = resolve(cfg, dp, bf16)
     stage = zero_stage(ds_config)
     plan = table_plan(cfg)
-    tables_mode = plan.mode if plan is not None else table_mode(p.table_sharding, None, {})
     start = start_run(cfg, "deepspeed", dp, plan, {"engine": "deepspeed", "zero_stage": stage},
                       find_deepspeed_checkpoint(cfg),
-                      lambda folder, saved, _info: refuse_table_mode_change(folder, saved, tables_mode))
+                      lambda folder, saved, _info: refuse_table_mode_change(folder, saved, plan))
     kind, where, info = start.start_at.kind, start.start_at.folder, start.info
     resized = kind == "checkpoint" and needs_universal_copy(where, saved_data_parallel_size(start.start_at.saved, dp),
                                                             dp)
     if resized:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
-    engine, tables, parameters = build_engine(deepspeed, cfg, ds_config, plan, tables_mode,
+    engine, tables, parameters = build_engine(deepspeed, cfg, ds_config, plan,
                                               hf_weights=where if kind == "hf" else None)
     step = 0
     if kind == "checkpoint":
@@ -479,14 +464,14 @@ def set_up(cfg) -> DeepSpeedRun:
                        num_microbatches=microbatches_per_rank(t, dp),
                        metrics=MetricsWriter(cfg.save, cfg.tensorboard_dir, step), start_step=step,
                        parameters=parameters, step_index=step)
-    where_tables = {"zero": "tables as ZeRO parameters", ROW_SHARDED: "tables row-sharded outside ZeRO",
-                    "replicated": "tables whole outside ZeRO"}[tables_mode]
+    where_tables = "no memory tables"
     if plan is not None:
-        where_tables += "; " + plan.describe()
+        where_tables = {"zero": "tables as ZeRO parameters", ROW_SHARDED: "tables row-sharded outside ZeRO",
+                        "replicated": "tables whole outside ZeRO"}[plan.mode] + "; " + plan.describe()
     if tables is not None and cfg.optimizer.clip_grad > 0:
         where_tables += "; " + clipping.describe()
     begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, {where_tables}",
-          world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=tables_mode)
+          world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=plan.mode if plan is not None else None)
     return run
 
 

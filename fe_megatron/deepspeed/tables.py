@@ -13,7 +13,7 @@ every rank holds whole tables, whose gradients are all-reduced over the ranks.  
 on the device and fp32 state, ``replicated`` keeps meaning what it always did under this engine:
 the tables are ZeRO's parameters, as with ``zero``.)
 
-Either way `StoredTables` trains them with `fe_megatron.tables.managed.ManagedTables`, as the
+Either way `StoredTables` trains them with `fe_megatron.tables.stage_tables.StageTables`, as the
 Megatron engine trains tables in stores: each table's rows leave the module's parameters for its
 store, which no framework moves, casts, partitions or updates, and which DeepSpeed's module
 checkpoint leaves out (the rows are saved in files of their own, below); in stores on the device
@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron.memory.branch import memory_branches
-from fe_megatron.tables.managed import ManagedTables
+from fe_megatron.tables.plan import TablePlan
+from fe_megatron.tables.stage_tables import StageTables
 
 
 def tables_file(folder: str, rank: int) -> str:
@@ -44,12 +45,11 @@ def tables_file(folder: str, rank: int) -> str:
 
 
 class StoredTables:
-    """The tables of ``model`` (Hugging Face names), trained in stores outside ZeRO (on ``device``,
-    or the host per ``memory.table_placement``) by rule ``update``
-    (``optimizer.table_update``); ``group``: the data-parallel ranks (default: all)."""
+    """The tables of ``model`` (Hugging Face names), trained in stores outside ZeRO as ``plan`` says (on
+    ``device``, or the host), by one `StageTables`; ``group``: the data-parallel ranks (default: all)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer_args, state_dtype: str = "fp32", device=None,
-                 group=None, seed: int = 0, update: str = "adamw", placement: str = None):
+    def __init__(self, model: torch.nn.Module, optimizer_args, plan: TablePlan, device=None, group=None,
+                 seed: int = 0):
         self.group = group
         branches = memory_branches(model)
         if not branches:
@@ -57,11 +57,10 @@ class StoredTables:
         self.row_sharded = any(branch.row_partition is not None for branch in branches.values())
         ranks = group if group is not None else dist.group.WORLD
         # whole tables: the ranks are replicas, their gradients summed; row shards: each rank's rows are its own
-        self.tables = ManagedTables(branches, optimizer_args, state_dtype, device,
-                                    replica_group=None if self.row_sharded else ranks,
-                                    norm_groups=[ranks] if self.row_sharded else [],
-                                    gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed, update=update,
-                                    in_state_dict=False, placement=placement)
+        self.tables = StageTables(branches, optimizer_args, plan, device,
+                                  replica_group=None if self.row_sharded else ranks,
+                                  norm_groups=[ranks] if self.row_sharded else [],
+                                  gradient_scale=1.0 / dist.get_world_size(ranks), seed=seed)
         self.optimizer = self.tables.optimizer
         self.clip_grad = optimizer_args.clip_grad
 

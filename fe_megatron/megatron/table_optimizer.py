@@ -32,8 +32,8 @@ from fe_megatron.megatron import compat
 from fe_megatron.megatron.parallel import table_row_group
 from fe_megatron.memory.branch import memory_branches
 from fe_megatron.memory.sharding import ROW_SHARDED
-from fe_megatron.tables.managed import ManagedTables
 from fe_megatron.tables.plan import TablePlan
+from fe_megatron.tables.stage_tables import StageTables
 from fe_megatron.tables.update_rules import UpdateRule
 
 
@@ -48,12 +48,10 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
     from fe_megatron.checkpoint.files import CheckpointError
 
     saved_info = saved_info or {}
-    saved = saved_info.get("tables", "parameters")  # runs before table stores: parameters
+    saved, current = TablePlan.saved_mode(saved_info), TablePlan.saved_mode(info)
     distributed = [bool(((i.get("config") or {}).get("parallel") or {}).get("distributed_optimizer"))
                    for i in (saved_info, info)]
-    current = info.get("tables", "parameters")
-    if (saved_info.get("config") or {}).get("memory") is None or saved == current \
-            or not any(distributed):
+    if saved is None or current is None or saved == current or not any(distributed):
         return
     where = {"stores": "in table stores (row-sharded tables, bf16 tables, the host tier, bf16 state, a sparse "
                        "update, a bf16 run, an expert-parallel backbone, or a pipeline stage without memory)",
@@ -69,7 +67,7 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
                           "its weights (fe-convert mcore-to-hf, then hf-to-mcore, and --load the output)")
 
 
-def manage_tables(model, optimizer_args, plan: TablePlan, device, seed: int) -> ManagedTables:
+def manage_tables(model, optimizer_args, plan: TablePlan, device, seed: int) -> StageTables:
     """Every memory branch of this pipeline stage's ``model`` in a store, kept and trained as the run's
     ``plan`` says (its placement, sharding, state dtype, update rule, and whether the model's state dict
     keeps the tables), with the groups and averaging of Megatron's layout."""
@@ -78,19 +76,18 @@ def manage_tables(model, optimizer_args, plan: TablePlan, device, seed: int) -> 
     rows = plan.sharding == ROW_SHARDED
     if rows:  # every rank of the tables' row group holds other rows
         norm_groups.append(table_row_group())
-    return ManagedTables(memory_branches(model), optimizer_args, plan.state_dtype, device,
-                         replica_group=None if rows else data_parallel, norm_groups=norm_groups,
-                         gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed,
-                         update=plan.update, row_group=parallel_state.get_tensor_model_parallel_group(),
-                         in_state_dict=plan.tables_in_model_state_dict, placement=plan.placement)
+    return StageTables(memory_branches(model), optimizer_args, plan, device,
+                       replica_group=None if rows else data_parallel, norm_groups=norm_groups,
+                       gradient_scale=1.0 / torch.distributed.get_world_size(data_parallel), seed=seed,
+                       row_group=parallel_state.get_tensor_model_parallel_group())
 
 
 class TableOptimizer(compat.fp32_optimizer_class()):
-    """`ManagedTables` as a member of Megatron's optimizer chain (see the module docstring).  A
+    """`StageTables` as a member of Megatron's optimizer chain (see the module docstring).  A
     pipeline stage without memory layers holds one over no tables, so that every stage takes
     part in the norm's reductions."""
 
-    def __init__(self, tables: ManagedTables, config, table_lr_mult: float = 1.0, table_weight_decay_mult: float = 1.0):
+    def __init__(self, tables: StageTables, config, table_lr_mult: float = 1.0, table_weight_decay_mult: float = 1.0):
         super().__init__(tables.optimizer, config, init_state_fn=lambda optimizer, _: optimizer.initialize_state())
         self.tables = tables
         self.global_grad_norm = None  # set by TableChainedOptimizer.get_grad_norm
@@ -167,7 +164,7 @@ class TableOptimizer(compat.fp32_optimizer_class()):
             for (index, key), value in per_row.items():
                 name = UpdateRule.checkpoint_key(key, per_row=True)
                 state_dict["state"][index][name] = row_state_sharding(
-                    value, tables[index], self.tables.weights[index].table_layout, name)
+                    value, tables[index], self.tables.layouts[index], name)
         state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
         return state_dict
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from fe_megatron import ops
+from fe_megatron.tables.layout import TableLayout
 from fe_megatron.tables.storage import ROW_SCALE, STORAGE, dequantize_rows, has_row_scale, quantize_table
 from fe_megatron.tables.store import StartedLookup, StoreLookup, TableStore
 
@@ -95,11 +96,13 @@ class NgramTables(nn.Module):
         raise AttributeError("this table's rows are in a TableStore, trained by fe_megatron's table optimizer; "
                              "they stay there for the module's life")
 
-    def manage(self, placement: str, device=None, in_state_dict: bool = True) -> TableStore:
+    def manage(self, placement: str, device=None, in_state_dict: bool = True,
+               layout: Optional[TableLayout] = None) -> TableStore:
         """Hand the rows to a `TableStore` in ``placement`` ("device": on ``device``, default where
-        they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16); the parameter is
-        dropped.  ``in_state_dict``: whether the module's state dict keeps the rows (under the same
-        name), or an engine saves them in files of its own.  Idempotent."""
+        they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16), with ``layout`` (where
+        they sit in the whole table); the parameter is dropped.  ``in_state_dict``: whether the module's
+        state dict keeps the rows (under the same name), or an engine saves them in files of its own.
+        Idempotent.  `fe_megatron.tables.stage_tables.StageTables` calls it, and owns the store."""
         if self.store is not None:
             return self.store
         mapped = "weight" in self._buffers  # release_for_mapping: a placeholder, or a view of a checkpoint file
@@ -111,7 +114,7 @@ class NgramTables(nn.Module):
         if placement == "device" and device is not None:
             weight = weight.to(device)
         del self._parameters["weight"]
-        self.store, self.store_in_state_dict = TableStore(weight, placement), in_state_dict
+        self.store, self.store_in_state_dict = TableStore(weight, placement, layout), in_state_dict
         return self.store
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

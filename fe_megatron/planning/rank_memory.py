@@ -6,7 +6,7 @@ reported):
 * the tables: weights, gradients and Adam's two moments.  Held by the engine's optimizer (fp32
   tables and state, device memory, fp32 precision) that is 4 + 4 + 8 = 16 bytes per parameter,
   with the moments of whole tables split over the data-parallel ranks by the distributed
-  optimizer.  In table stores (`fe_megatron.tables.managed`: bf16 tables, bf16 state, the
+  optimizer.  In table stores (`fe_megatron.tables.stage_tables`: bf16 tables, bf16 state, the
   host tier, every bf16 run, and every run with a pipeline stage that holds no memory layer) it
   is the table dtype's bytes + the state dtype's for the gradient and each moment: 16 (fp32, fp32
   state), 14 (bf16 tables), 8 (bf16 tables and bf16 state), and the distributed optimizer does

@@ -7,8 +7,12 @@
 * `row_exchange`: tables sharded by rows, looked up by all-to-all, one layer (`row_lookup`) or a
   whole pipeline stage at a time (`StageRowExchange`);
 * `lookahead`: the host tier's lookups started one microbatch ahead;
-* `optimizer` (`TableAdamW`, every row) and `sparse_update` (row-wise AdaGrad and lazy Adam, the
-  touched rows only), and `managed` (`ManagedTables`: reduce, norm, clip and update them for an engine).
+* `layout`: `TableLayout`, where a rank's rows and columns sit in the whole table;
+* `optimizer` (`TableAdamW`, every row) and `sparse_update` (the row-wise and lazy rules, the touched
+  rows only), one entry each in `update_rules`;
+* `stage_tables` (`StageTables`: the one owner of a pipeline stage's tables in stores, their rows,
+  gradients, optimizer state and checkpoint layout; it reduces, norms, clips and updates them for an
+  engine).
 
 The memory branches (`fe_megatron.memory`) read their rows through this package; it imports
 nothing from them.

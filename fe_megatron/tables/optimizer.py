@@ -9,9 +9,10 @@ drop them.
 
 Optimizer state precision (``state_dtype``, ``optimizer.table_state_dtype``): fp32 moments, as
 FBGEMM's and TorchRec's low-precision tables keep by default (8 bytes per table parameter), or
-bf16 moments (4 bytes), stochastically rounded like the rows.  The gradient is read from
-``main_grad`` (the accumulator of `fe_megatron.tables.store.TableStore`) when the
-parameter has one, else from ``grad``; it may be fp32 or bf16.
+bf16 moments (4 bytes), stochastically rounded like the rows.  The optimizers train
+`fe_megatron.tables.store.TableStore`s: the gradient is the store's (its dense ``main_grad``, fp32
+or bf16, or its ``row_gradients`` for the sparse rules), and so is the `TableLayout`; nothing is
+read from attributes of the rows' tensor.
 
 The rounding's random bits are a counter-based function of the training seed, the table, the
 step, and each element's global coordinates (`TableLayout`): a table is rounded the same at every
@@ -23,37 +24,18 @@ with no generator state to checkpoint.  The state dict has torch AdamW's layout 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from fe_megatron import ops
+from fe_megatron.tables.layout import TableLayout
 from fe_megatron.tables.storage import rounding_keys
+from fe_megatron.tables.store import TableStore
 from fe_megatron.tables.threads import UPDATE
 from fe_megatron.ops import reference
 
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-
-
-@dataclass(frozen=True)
-class TableLayout:
-    """Where a (local) table's rows and columns sit in the whole table: what the rounding of each
-    element is keyed by.  ``row_slices``: ``[(global_first_row, rows, local_first_row)]``."""
-
-    table: int  # the table's identity, the same at every layout (its layer index)
-    row_slices: tuple
-    column_offset: int
-    global_width: int
-
-    @classmethod
-    def whole(cls, table: int, weight: torch.Tensor) -> "TableLayout":
-        return cls(table, ((0, weight.shape[0], 0),), 0, weight.shape[1])
-
-    def global_rows(self) -> torch.Tensor:
-        """The global row of every local row ([local rows] int64)."""
-        return torch.cat([torch.arange(first, first + rows, dtype=torch.int64) for first, rows, _ in
-                          sorted(self.row_slices, key=lambda entry: entry[2])])
 
 
 @dataclass(frozen=True)
@@ -72,10 +54,13 @@ class StateEntry:
 
 class TableOptimizerBase(torch.optim.Optimizer):
     """What every table optimizer shares (`TableAdamW` here, the sparse rules of
-    `fe_megatron.tables.sparse_update`): tables [rows, width] in fp32 or bf16, each with a
-    `TableLayout` (whole, unless the caller set one), state of ``state_entries`` created for a table
-    that has none (`initialize_state`: what a checkpoint is loaded into) and kept in its own dtype
-    when loaded, and the global row of every local row, for the rounding's keys."""
+    `fe_megatron.tables.sparse_update`): it trains `TableStore`s (``tables``: a list of them, or torch's
+    parameter groups whose ``params`` are stores), each [rows, width] in fp32 or bf16, with the store's
+    gradient and `TableLayout` (whole, at its index, where the store has none); state of
+    ``state_entries`` created for a table that has none (`initialize_state`: what a checkpoint is loaded
+    into) and kept in its own dtype when loaded; and the global row of every local row, for the
+    rounding's keys.  Its parameter groups and state are keyed by the stores' rows, as torch's are by
+    parameters, so its state dict is torch's."""
 
     state_entries: tuple = ()  # StateEntry of every state tensor
 
@@ -83,18 +68,22 @@ class TableOptimizerBase(torch.optim.Optimizer):
     def state_keys(self) -> tuple:
         return tuple(entry.key for entry in self.state_entries)
 
-    def __init__(self, params, defaults: dict, state_dtype: str = "fp32", seed: int = 0):
-        super().__init__(params, defaults)
+    def __init__(self, tables, defaults: dict, state_dtype: str = "fp32", seed: int = 0):
+        groups = store_groups(tables, type(self).__name__)
+        super().__init__([dict(group, params=[store.weight for store in group["params"]]) for group in groups],
+                         defaults)
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype {state_dtype!r} is not one of {tuple(STATE_DTYPES)}")
         self.state_dtype, self.seed = STATE_DTYPES[state_dtype], seed
         self._global_rows = {}
-        for index, param in enumerate(self._params()):
+        self.stores, self.layouts = {}, {}  # the rows (torch's key) -> their store, and its layout
+        stores = [store for group in groups for store in group["params"]]
+        for index, (param, store) in enumerate(zip(self._params(), stores)):
             if param.dtype not in (torch.float32, torch.bfloat16) or param.dim() != 2:
                 raise TypeError(f"{type(self).__name__} updates fp32 or bf16 tables [rows, width]; got a "
-                                f"{param.dtype} parameter of shape {tuple(param.shape)}")
-            if getattr(param, "table_layout", None) is None:
-                param.table_layout = TableLayout.whole(index, param)
+                                f"{param.dtype} table of shape {tuple(param.shape)}")
+            self.stores[param] = store
+            self.layouts[param] = store.layout if store.layout is not None else TableLayout.whole(index, param)
 
     def _params(self) -> list:
         return [param for group in self.param_groups for param in group["params"]]
@@ -143,8 +132,23 @@ class TableOptimizerBase(torch.optim.Optimizer):
         """The global row of each of ``param``'s local rows (on its device), cached."""
         rows = self._global_rows.get(id(param))
         if rows is None:
-            rows = self._global_rows[id(param)] = param.table_layout.global_rows().to(param.device)
+            rows = self._global_rows[id(param)] = self.layouts[param].global_rows().to(param.device)
         return rows
+
+
+def store_groups(tables, optimizer: str) -> list:
+    """``tables`` as torch's parameter groups of `TableStore`s; anything else is refused by name."""
+    tables = list(tables)
+    groups = [dict(group, params=list(group["params"])) for group in tables] \
+        if tables and isinstance(tables[0], dict) else [{"params": tables}]
+    for group in groups:
+        for store in group["params"]:
+            if not isinstance(store, TableStore):
+                raise TypeError(f"{optimizer} trains TableStores (fe_megatron.tables.store.TableStore: the rows, their "
+                                f"gradient and their layout); got a {type(store).__name__}. Hand it the table as "
+                                "TableStore(weight, 'device'), or train the tables through "
+                                "fe_megatron.tables.stage_tables.StageTables")
+    return groups
 
 
 class TableAdamW(TableOptimizerBase):
@@ -155,16 +159,11 @@ class TableAdamW(TableOptimizerBase):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay), state_dtype,
                          seed)
 
-    @staticmethod
-    def gradient(param: torch.Tensor) -> Optional[torch.Tensor]:
-        main_grad = getattr(param, "main_grad", None)
-        return main_grad if main_grad is not None else param.grad
-
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for param in group["params"]:
-                grad = self.gradient(param)
+                grad = self.stores[param].main_grad
                 if grad is None:
                     continue
                 self.initialize_state([param])
@@ -179,7 +178,7 @@ class TableAdamW(TableOptimizerBase):
         """One table's update: torch's AdamW a block of rows at a time for fp32 tables and state (to
         the bit), else the fused kernel (`fe_megatron.ops.table_adamw_`: on host memory the C++ one),
         each bf16 tensor written back with stochastic rounding keyed by its elements' global ids."""
-        layout, global_rows = param.table_layout, self.global_rows(param)
+        layout, global_rows = self.layouts[param], self.global_rows(param)
         keys = torch.tensor([rounding_keys((self.seed, layout.table, step, which)) for which in range(3)])
         settings = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                         weight_decay=group["weight_decay"], step=step)

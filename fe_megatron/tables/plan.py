@@ -4,7 +4,7 @@ A run's tables can be kept and trained several ways: fp32 or bf16 rows, fp32 or 
 state, on the device or in host memory, whole or row-sharded, updated by AdamW over every row
 or by a sparse rule over the touched rows.  Three mechanisms train them: the Megatron engine's
 optimizer (the tables as its parameters), ZeRO (the DeepSpeed engine's parameters), or fe_megatron's
-own table optimizer over `fe_megatron.tables.store.TableStore`s (`fe_megatron.tables.managed`).
+own table optimizer over `fe_megatron.tables.store.TableStore`s (`fe_megatron.tables.stage_tables.StageTables`).
 `TablePlan.resolve` is the one place that decides which, from the configuration and the parallel
 layout; both engines, the resume guards and ``fe-plan`` read its answer, and a run prints it at
 start-up (`describe`).
@@ -92,6 +92,26 @@ class TablePlan:
         return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
                            p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert,
                            sharded_backbone)
+
+    @classmethod
+    def saved_mode(cls, info: dict):
+        """The table `mode` of the run that wrote a checkpoint (its run info, ``fe_run.json``), None for a
+        run without memory: the mode it recorded (``info["tables"]``), or, for a run saved before runs
+        recorded it, the plan of its saved config (under DeepSpeed, where the config decides it alone) or
+        ``parameters`` (under Megatron: before table stores, the tables were the engine's parameters)."""
+        info = info or {}
+        config, layout = info.get("config") or {}, info.get("layout") or {}
+        if config.get("memory") is None:
+            return None
+        if info.get("tables") is not None:
+            return info["tables"]
+        engine = layout.get("engine", "megatron")
+        if engine != "deepspeed":
+            return "parameters"
+        memory, optimizer = config["memory"], config.get("optimizer") or {}
+        return cls.resolve(engine, memory.get("table_dtype", "fp32"), optimizer.get("table_state_dtype", "fp32"),
+                           memory.get("table_placement", "device"), layout.get("table_sharding", "replicated"),
+                           optimizer.get("table_update", "adamw")).mode
 
     @property
     def in_stores(self) -> bool:

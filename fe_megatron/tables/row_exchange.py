@@ -148,7 +148,7 @@ class StageRowExchange:
                 what = "has no store" if store is None else f"is a {type(store).__name__}"
                 raise TypeError(f"the row exchange reads row-sharded tables from their TableStores; layer {layer}'s "
                                 f"shard {what}. Row-sharded tables train from stores: "
-                                "fe_megatron.tables.managed.ManagedTables (or NgramTables.manage) moves them there")
+                                "fe_megatron.tables.stage_tables.StageTables moves them there")
         self.stores = list(stores)
         self.weights = [store.weight for store in self.stores]
         widths, dtypes = {w.shape[1] for w in self.weights}, {w.dtype for w in self.weights}

@@ -31,7 +31,7 @@ Weight decay, where the run sets it (``optimizer.weight_decay x table_weight_dec
 decoupled (``w -= lr * wd * w``, as AdamW's) and applied to the touched rows only: the rows a
 step did not read are left as they are, the rule FBGEMM's and TorchRec's sparse optimizers follow.
 
-The gradient is the step's `fe_megatron.tables.store.RowGradients` (``param.row_gradients``:
+The gradient is the step's `fe_megatron.tables.store.RowGradients` (the store's ``row_gradients``:
 sorted local row ids and their fp32 sums, after the replicas' reduction and the clip).  bf16
 tables (and bf16 per-parameter moments) are read as fp32, updated, and written back with
 stochastic rounding keyed as `TableAdamW`'s, by the seed, the table, the step and the element's
@@ -58,7 +58,7 @@ class SparseTableOptimizer(TableOptimizerBase):
     the row-wise mean square over the whole row, and writing updated rows back in the table's dtype.
 
     ``row_group``: the ranks holding the other columns of the same rows (tensor parallelism), over
-    which a row's squared gradient is summed; ``param.table_layout.global_width`` is the row's
+    which a row's squared gradient is summed; the table's layout's ``global_width`` is the row's
     whole width."""
 
     def __init__(self, params, defaults: dict, state_dtype: str = "fp32", seed: int = 0,
@@ -76,13 +76,13 @@ class SparseTableOptimizer(TableOptimizerBase):
         squares = grad.square().sum(dim=1)
         if self.row_group is not None and dist.get_world_size(self.row_group) > 1:
             dist.all_reduce(squares, group=self.row_group)
-        return squares / param.table_layout.global_width
+        return squares / self.layouts[param].global_width
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
             for param in group["params"]:
-                gradients = getattr(param, "row_gradients", None)
+                gradients = self.stores[param].row_gradients
                 if gradients is None:
                     continue
                 self.initialize_state([param])
@@ -115,7 +115,7 @@ class SparseTableOptimizer(TableOptimizerBase):
         if tensor.dtype == torch.bfloat16:
             if values.dim() != 2:
                 raise TypeError("only [rows, width] tensors are stored in bf16; row-wise state is kept in fp32")
-            layout = param.table_layout
+            layout = self.layouts[param]
             key1, key2 = rounding_keys((self.seed, layout.table, step, which))
             element_ids = (self.global_rows(param)[ids].unsqueeze(1) * layout.global_width + layout.column_offset
                            + torch.arange(values.shape[1], device=values.device))

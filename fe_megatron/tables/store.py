@@ -1,6 +1,6 @@
 """TableStore: a trained table kept outside the module's parameters, where its storage puts it.
 
-The tables that fe_megatron's own optimizer trains (`fe_megatron.tables.managed`: bf16
+The tables that fe_megatron's own optimizer trains (`fe_megatron.tables.stage_tables`: bf16
 tables, the host tier, bf16 optimizer state) are not parameters of the training framework, whose
 optimizers would keep fp32 copies of bf16 weights and whose wrappers would move every parameter to
 the accelerator.  A `TableStore` holds such a table instead:
@@ -42,6 +42,7 @@ import torch
 
 from fe_megatron import ops
 from fe_megatron.tables.dedup import sum_per_row, unique_row_sums, unique_rows
+from fe_megatron.tables.layout import TableLayout
 from fe_megatron.tables.threads import GATHER, GRADIENT
 
 _COPY_STREAMS: dict = {}
@@ -138,15 +139,16 @@ class RowGradients:
 
 
 class TableStore:
-    """One layer's table (or this rank's row shard of it) and its gradient, in ``placement``."""
+    """One layer's table (or this rank's row shard of it) and its gradient, in ``placement``, and where its
+    rows and columns sit in the whole table (``layout``, a `TableLayout`; None: the whole table)."""
 
-    def __init__(self, weight: torch.Tensor, placement: str):
+    def __init__(self, weight: torch.Tensor, placement: str, layout: Optional[TableLayout] = None):
         if placement not in ("device", "host"):
             raise ValueError(f"placement {placement!r} is not one of ('device', 'host')")
         if placement == "host":
             weight = weight.detach().cpu()
         self.weight = weight.detach()
-        self.placement = placement
+        self.placement, self.layout = placement, layout
         self.main_grad: Optional[torch.Tensor] = None
         self.row_gradients: Optional[RowGradients] = None
         self.anchor = torch.zeros(0, requires_grad=True)
@@ -190,7 +192,7 @@ class TableStore:
         unique, as the lookups pass them, or summed per unique row first)."""
         if self.main_grad is None and self.row_gradients is None:
             raise RuntimeError("this table has no gradient accumulator: training allocates one "
-                               "(fe_megatron.tables.managed.ManagedTables)")
+                               "(fe_megatron.tables.stage_tables.StageTables)")
         if not self.on_host:
             with GRADIENT.threads_for(grad_rows.numel(), grad_rows.device):
                 if self.sparse:

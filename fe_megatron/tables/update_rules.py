@@ -67,12 +67,12 @@ class UpdateRule:
         words = self.state_words.format(state_dtype=state_dtype)
         return f"gradients of the touched rows only, {words}" if self.sparse else f"{state_dtype} gradients and {words}"
 
-    def build(self, weights: list, optimizer_args, state_dtype: str, seed: int,
+    def build(self, tables: list, optimizer_args, state_dtype: str, seed: int,
               row_group: Optional[dist.ProcessGroup] = None):
-        """The rule's optimizer over the table ``weights``, with the run's optimizer section (``lr``,
-        betas, eps, weight decay and the tables' multipliers)."""
+        """The rule's optimizer over ``tables`` (`fe_megatron.tables.store.TableStore`s), with the run's
+        optimizer section (``lr``, betas, eps, weight decay and the tables' multipliers)."""
         o = optimizer_args
-        group = {"params": weights, "lr_mult": o.table_lr_mult, "wd_mult": o.table_weight_decay_mult}
+        group = {"params": tables, "lr_mult": o.table_lr_mult, "wd_mult": o.table_weight_decay_mult}
         return self.optimizer.for_tables([group], lr=o.lr * o.table_lr_mult, betas=(o.beta1, o.beta2), eps=o.eps,
                                          weight_decay=o.weight_decay * o.table_weight_decay_mult,
                                          state_dtype=state_dtype, seed=seed, row_group=row_group)

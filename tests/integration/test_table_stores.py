@@ -1,11 +1,11 @@
-"""Training from table stores (`fe_megatron.tables.store`, `managed`) in runs: bf16 tables, bf16
+"""Training from table stores (`fe_megatron.tables.store`, `stage_tables`) in runs: bf16 tables, bf16
 optimizer state, the host tier, and every table of a bf16 run.
 
 Trained through Megatron (the equivalence script tests/distributed/check_row_sharding.py) fp32 tables
 in host memory give the losses, gradient norms, weights and checkpoints of tables held as Megatron's
 parameters, at DP=1 and DP=2 with rows; bf16 tables round alike at every layout; fe-pretrain trains
 bf16 runs and host-tier runs, resumes them at another size and converts them.  A store in one
-process is tests/unit/tables/test_managed.py's; the DeepSpeed engine's stores are tested in
+process is tests/unit/tables/test_stage_tables.py's; the DeepSpeed engine's stores are tested in
 tests/integration/test_deepspeed.py."""
 
 import os

@@ -18,14 +18,16 @@ def test_tables_outside_zero_are_clipped_by_the_norm_of_every_gradient(small_dat
 
     from fe_megatron.deepspeed.engine import build_model
     from fe_megatron.deepspeed.tables import StoredTables
+    from fe_megatron.tables.plan import TablePlan
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        cfg = load_train_config(CONFIG, overrides(small_data, **{"parallel.table_sharding": "rows",
+        cfg = load_train_config(CONFIG, overrides(small_data, **{"training.engine": "deepspeed",
+                                                                 "parallel.table_sharding": "rows",
                                                                  "optimizer.clip_grad": 0.5,
                                                                  "optimizer.weight_decay": 0.0}))
         model = build_model(cfg, dist.group.WORLD)
-        tables = StoredTables(model, cfg.optimizer)
+        tables = StoredTables(model, cfg.optimizer, TablePlan.for_run(cfg))
         assert not any(name.endswith("tables.weight") for name, _ in model.named_parameters())  # outside ZeRO
         assert not any(name.endswith("tables.weight") for name in model.state_dict())  # ZeRO saves none either
         stores = tables.tables.stores
@@ -53,3 +55,22 @@ def test_tables_outside_zero_are_clipped_by_the_norm_of_every_gradient(small_dat
                 assert not store.main_grad.any()  # zeroed for the next step
     finally:
         dist.destroy_process_group()
+
+
+def test_a_checkpoint_resumes_only_in_the_table_mode_that_wrote_it():
+    """The DeepSpeed resume guard reads both modes from the plan: the saved run's (its run info) and this
+    run's; a run saved before run infos recorded the mode is read from its config."""
+    from fe_megatron.checkpoint.files import CheckpointError
+    from fe_megatron.deepspeed.engine import refuse_table_mode_change
+    from fe_megatron.tables.plan import TablePlan
+
+    old = {"config": {"memory": {"layers": [1], "table_dtype": "fp32"}, "optimizer": {}},
+           "layout": {"engine": "deepspeed", "table_sharding": "zero"}}
+    assert TablePlan.saved_mode(old) == "zero"
+    refuse_table_mode_change("ckpt", old, TablePlan.resolve("deepspeed", sharding="replicated"))  # fp32: ZeRO's too
+    with pytest.raises(CheckpointError, match=r"ckpt was saved with its tables as ZeRO parameters .*, and this run "
+                                              r"keeps them row-sharded outside ZeRO .*parallel.table_sharding=zero"):
+        refuse_table_mode_change("ckpt", old, TablePlan.resolve("deepspeed", sharding="rows"))
+    recorded = dict(old, tables="rows")
+    refuse_table_mode_change("ckpt", recorded, TablePlan.resolve("deepspeed", sharding="rows"))
+    refuse_table_mode_change("ckpt", {"config": {"memory": None}}, TablePlan.resolve("deepspeed", sharding="rows"))

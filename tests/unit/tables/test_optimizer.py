@@ -6,25 +6,37 @@ import pytest
 import torch
 
 from fe_megatron import ops
-from fe_megatron.tables.optimizer import TableAdamW, TableLayout
+from fe_megatron.tables.layout import TableLayout
+from fe_megatron.tables.optimizer import TableAdamW
+from fe_megatron.tables.store import TableStore
 from fe_megatron.tables.storage import rounding_keys
 from fe_megatron.ops.reference import counter_noise, stochastic_round_to_bf16
 from fe_megatron.ops import reference
 
 
+def trained(weight: torch.Tensor, grad: torch.Tensor = None) -> TableStore:
+    """``weight`` in a store with a dense gradient (``grad``, or zeros to fill)."""
+    store = TableStore(weight, "device")
+    store.allocate_gradient(torch.float32)
+    if grad is not None:
+        store.main_grad.copy_(grad)
+    return store
+
+
 def test_fp32_tables_take_torchs_adamw_update_to_the_bit():
     torch.manual_seed(0)
-    ours = [torch.randn(50, 8), torch.randn(30, 4)]
+    stores = [trained(torch.randn(50, 8)), trained(torch.randn(30, 4))]
+    ours = [store.weight for store in stores]
     theirs = [p.clone() for p in ours]
     settings = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
-    opt = TableAdamW([{"params": ours[:1], "weight_decay": 0.1}, {"params": ours[1:], "weight_decay": 0.0}],
+    opt = TableAdamW([{"params": stores[:1], "weight_decay": 0.1}, {"params": stores[1:], "weight_decay": 0.0}],
                      **settings)
     ref = torch.optim.AdamW([{"params": theirs[:1], "weight_decay": 0.1}, {"params": theirs[1:], "weight_decay": 0.0}],
                             foreach=False, **settings)
     for _ in range(5):
-        for a, b in zip(ours, theirs):
-            a.grad = torch.randn_like(a)
-            b.grad = a.grad.clone()
+        for store, b in zip(stores, theirs):
+            store.main_grad.copy_(torch.randn_like(store.weight))
+            b.grad = store.main_grad.clone()
         opt.step()
         ref.step()
     for a, b in zip(ours, theirs):
@@ -34,23 +46,29 @@ def test_fp32_tables_take_torchs_adamw_update_to_the_bit():
     assert torch.equal(ref.state[theirs[0]]["exp_avg"], opt.state[ours[0]]["exp_avg"])
 
 
-def test_main_grad_is_the_gradient_when_a_table_has_one():
-    weight = torch.zeros(4, 2, dtype=torch.bfloat16)
-    weight.main_grad = torch.ones(4, 2)
-    TableAdamW([weight], lr=0.5, weight_decay=0.0).step()
-    assert torch.equal(weight.float(), torch.full((4, 2), -0.5))  # Adam's first step: -lr * sign(grad)
+def test_the_store_s_gradient_is_the_gradient_and_nothing_hangs_on_the_rows():
+    store = trained(torch.zeros(4, 2, dtype=torch.bfloat16), torch.ones(4, 2))
+    store.weight.grad = torch.full((4, 2), -1.0, dtype=torch.bfloat16)  # not the table optimizer's: ignored
+    optimizer = TableAdamW([store], lr=0.5, weight_decay=0.0)
+    optimizer.step()
+    assert torch.equal(store.weight.float(), torch.full((4, 2), -0.5))  # Adam's first step: -lr * sign(main_grad)
+    assert vars(store.weight) == {}  # no gradient, layout or state set as an attribute of the tensor
+    assert optimizer.layouts[store.weight] == TableLayout.whole(0, store.weight)
+    with pytest.raises(TypeError, match=r"TableAdamW trains TableStores .*; got a Tensor. Hand it the table as "
+                                        r"TableStore\(weight, 'device'\)"):
+        TableAdamW([torch.zeros(4, 2)])
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])
 def test_moments_are_kept_in_the_state_dtype_and_reload_without_loss(state_dtype):
     torch.manual_seed(2)
-    weight = torch.randn(64, 8).to(torch.bfloat16)
-    weight.main_grad = torch.randn(64, 8)
-    opt = TableAdamW([weight], lr=1e-3, state_dtype=state_dtype)
+    store = trained(torch.randn(64, 8).to(torch.bfloat16), torch.randn(64, 8))
+    weight = store.weight
+    opt = TableAdamW([store], lr=1e-3, state_dtype=state_dtype)
     opt.step()
     expected = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
     assert {opt.state[weight][key].dtype for key in ("exp_avg", "exp_avg_sq")} == {expected}
-    again = TableAdamW([weight], lr=1e-3, state_dtype=state_dtype)
+    again = TableAdamW([store], lr=1e-3, state_dtype=state_dtype)
     again.load_state_dict(opt.state_dict())  # torch would cast fp32 moments to the bf16 table's dtype
     for key in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(again.state[weight][key], opt.state[weight][key])
@@ -61,13 +79,12 @@ def drift_of_tiny_updates(backend: str, state_dtype: str = "fp32") -> float:
     ``backend``: the mean of the rows minus where exact arithmetic puts them (0.97)."""
     if backend not in ops.available_backends():
         pytest.skip(f"the {backend} kernels are not built")
-    weight = torch.ones(8192, 1, dtype=torch.bfloat16)
-    weight.grad = torch.ones(8192, 1, dtype=torch.bfloat16)
-    opt = TableAdamW([weight], lr=1e-4, weight_decay=0.0, state_dtype=state_dtype, seed=3)
+    store = trained(torch.ones(8192, 1, dtype=torch.bfloat16), torch.ones(8192, 1))
+    opt = TableAdamW([store], lr=1e-4, weight_decay=0.0, state_dtype=state_dtype, seed=3)
     with ops.use_backend(backend):
         for _ in range(300):
             opt.step()
-    return float(weight.float().mean()) - (1.0 - 300 * 1e-4)
+    return float(store.weight.float().mean()) - (1.0 - 300 * 1e-4)
 
 
 # Each of the 300 roundings of a row moves it by at most one bf16 step (1/128) with zero mean:
@@ -122,11 +139,11 @@ def test_a_row_shard_rounds_as_its_rows_of_the_whole_table():
     grads = [torch.randn(64, 6) for _ in range(3)]
     shard_rows = torch.cat([torch.arange(10, 20), torch.arange(40, 50)])
     shard = whole[shard_rows].clone()
-    whole.table_layout = TableLayout.whole(7, whole)
-    shard.table_layout = TableLayout(7, ((10, 10, 0), (40, 10, 10)), 0, 6)
-    optimizers = [TableAdamW([whole], lr=1e-2, seed=1), TableAdamW([shard], lr=1e-2, seed=1)]
+    whole_store = TableStore(whole, "device", TableLayout.whole(7, whole))
+    shard_store = TableStore(shard, "device", TableLayout(7, ((10, 10, 0), (40, 10, 10)), 0, 6))
+    optimizers = [TableAdamW([whole_store], lr=1e-2, seed=1), TableAdamW([shard_store], lr=1e-2, seed=1)]
     for grad in grads:
-        whole.main_grad, shard.main_grad = grad, grad[shard_rows]
+        whole_store.main_grad, shard_store.main_grad = grad, grad[shard_rows]
         for opt in optimizers:
             opt.step()
     assert torch.equal(shard, whole[shard_rows])
@@ -138,11 +155,12 @@ def test_a_resumed_optimizer_rounds_as_the_uninterrupted_one():
     grads = [torch.randn(100, 4).to(torch.bfloat16) for _ in range(4)]
 
     def run(steps, weight, state=None):
-        opt = TableAdamW([weight], lr=1e-3, state_dtype="bf16", seed=7)
+        store = TableStore(weight, "device")
+        opt = TableAdamW([store], lr=1e-3, state_dtype="bf16", seed=7)
         if state is not None:
             opt.load_state_dict(state)
         for grad in steps:
-            weight.grad = grad
+            store.main_grad = grad
             opt.step()
         return opt
 
@@ -156,7 +174,7 @@ def test_a_resumed_optimizer_rounds_as_the_uninterrupted_one():
 
 def test_other_dtypes_and_shapes_are_refused_by_name():
     with pytest.raises(TypeError, match=r"TableAdamW updates fp32 or bf16 tables \[rows, width\]; got a "
-                                        r"torch.float16 parameter"):
-        TableAdamW([torch.zeros(2, 2, dtype=torch.float16)])
+                                        r"torch.float16 table"):
+        TableAdamW([TableStore(torch.zeros(2, 2, dtype=torch.float16), "device")])
     with pytest.raises(ValueError, match=r"state_dtype 'fp16' is not one of \('fp32', 'bf16'\)"):
-        TableAdamW([torch.zeros(2, 2)], state_dtype="fp16")
+        TableAdamW([TableStore(torch.zeros(2, 2), "device")], state_dtype="fp16")

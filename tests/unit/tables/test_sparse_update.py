@@ -3,14 +3,14 @@
 Each rule is checked against a plain implementation of its formula (and ``lazy_adam`` against
 `torch.optim.SparseAdam` itself), on fresh random gradients over a few steps with repeated rows; the
 rules leave untouched rows and their state as they are.  Through a memory branch they are
-tests/unit/tables/test_managed.py's; across parallel layouts and checkpoints
+tests/unit/tables/test_stage_tables.py's; across parallel layouts and checkpoints
 tests/integration/test_table_update.py's."""
 
 import pytest
 import torch
 
 from fe_megatron.tables.sparse_update import LazyAdam, PartialRowwiseAdam, RowwiseAdagrad
-from fe_megatron.tables.store import RowGradients
+from fe_megatron.tables.store import TableStore
 
 
 ROWS, WIDTH = 50, 8
@@ -34,16 +34,16 @@ def dense_gradient(ids, rows):
 
 
 def run_sparse(optimizer_class, weight, steps, **settings):
-    weight = weight.clone()
-    weight.row_gradients = RowGradients(WIDTH, weight.device)
-    optimizer = optimizer_class([weight], **settings)
+    store = TableStore(weight.clone(), "device")
+    gradients = store.allocate_row_gradients()
+    optimizer = optimizer_class([store], **settings)
     for ids, rows in steps:
-        weight.row_gradients.clear()
+        gradients.clear()
         half = len(ids) // 2  # two microbatches' pieces
-        weight.row_gradients.add(ids[:half], rows[:half])
-        weight.row_gradients.add(ids[half:], rows[half:])
+        gradients.add(ids[:half], rows[:half])
+        gradients.add(ids[half:], rows[half:])
         optimizer.step()
-    return weight, optimizer
+    return store.weight, optimizer
 
 
 def test_lazy_adam_is_torch_sparse_adam():

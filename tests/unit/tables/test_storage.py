@@ -3,7 +3,7 @@
 The quantization error stays within each format's rounding bound, a quantized branch gathers
 exactly the dequantized rows of its stored table, and a quantized model initializes to the
 quantized values of the fp32 model's draw.  The storage settings training accepts are
-tests/unit/training/test_config.py's; training from table stores is tests/unit/tables/test_managed.py's
+tests/unit/training/test_config.py's; training from table stores is tests/unit/tables/test_stage_tables.py's
 and tests/integration/test_table_stores.py's."""
 
 import pytest
@@ -47,7 +47,7 @@ def test_a_quantized_branch_gathers_its_stored_rows(table_dtype):
     quantized.reset_parameters(seed=11)  # the same draw, then stored
     stored = quantize_table(full.tables.weight, table_dtype)
     assert torch.equal(quantized.tables.weight.float(), stored["weight"].float())
-    assert not quantized.tables.weight.requires_grad  # trained bf16 tables live in stores (tables/managed.py)
+    assert not quantized.tables.weight.requires_grad  # trained bf16 tables live in stores (tables/stage_tables.py)
     indices = torch.randint(0, full.tables.weight.shape[0], (3, 17, small_config().num_branches))
     flat = indices.reshape(-1)
     expected = dequantize_rows(stored["weight"][flat], stored["row_scale"][flat] if table_dtype == "fp8" else None)

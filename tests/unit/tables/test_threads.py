@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from fe_megatron.tables import threads
-from fe_megatron.tables.optimizer import TableLayout
 from fe_megatron.tables.store import StoreLookup, TableStore
 from fe_megatron.tables.update_rules import update_rule
 from fe_megatron.training.config import OptimizerArgs
@@ -43,11 +42,10 @@ def table_step(rule_name: str, thread_count: int) -> torch.Tensor:
     store = TableStore(weight, "device")
     rule = update_rule(rule_name)
     if rule.sparse:
-        store.weight.row_gradients = store.allocate_row_gradients()
+        store.allocate_row_gradients()
     else:
-        store.weight.main_grad = store.allocate_gradient(torch.float32)
-    store.weight.table_layout = TableLayout.whole(0, store.weight)
-    optimizer = rule.build([store.weight], OptimizerArgs(lr=1e-2, weight_decay=0.1), "fp32", seed=0)
+        store.allocate_gradient(torch.float32)
+    optimizer = rule.build([store], OptimizerArgs(lr=1e-2, weight_decay=0.1), "fp32", seed=0)
     previous = torch.get_num_threads()
     torch.set_num_threads(thread_count)
     try:

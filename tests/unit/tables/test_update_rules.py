@@ -9,9 +9,8 @@ import torch
 
 from fe_megatron.checkpoint.resume_guard import compare
 from fe_megatron.planning.rank_memory import TableStorage
-from fe_megatron.tables.optimizer import TableLayout
 from fe_megatron.tables.plan import TablePlan
-from fe_megatron.tables.store import RowGradients
+from fe_megatron.tables.store import TableStore
 from fe_megatron.tables.update_rules import RULES, TABLE_UPDATES, update_rule
 from fe_megatron.training.config import OptimizerArgs
 
@@ -21,18 +20,16 @@ ROWS, WIDTH = 40, 16
 def stepped_optimizer(rule, state_dtype: str):
     """The rule's optimizer over one random table, after one step of fresh random gradients."""
     gen = torch.Generator().manual_seed(7)
-    weight = torch.randn(ROWS, WIDTH, generator=gen)
-    weight.table_layout = TableLayout.whole(0, weight)
+    store = TableStore(torch.randn(ROWS, WIDTH, generator=gen), "device")
     ids = torch.randint(0, ROWS, (24,), generator=gen)
     grad = torch.randn(24, WIDTH, generator=gen)
     if rule.sparse:
-        weight.row_gradients = RowGradients(WIDTH, weight.device)
-        weight.row_gradients.add(ids, grad)
+        store.allocate_row_gradients().add(ids, grad)
     else:
-        weight.main_grad = torch.zeros(ROWS, WIDTH).index_add_(0, ids, grad)
-    optimizer = rule.build([weight], OptimizerArgs(lr=1e-2), state_dtype, seed=0)
+        store.allocate_gradient(torch.float32).index_add_(0, ids, grad)
+    optimizer = rule.build([store], OptimizerArgs(lr=1e-2), state_dtype, seed=0)
     optimizer.step()
-    return optimizer, weight
+    return optimizer, store.weight
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "bf16"])

@@ -1,27 +1,39 @@
-"""ManagedTables: a model's tables trained by fe_megatron's own optimizer instead of the engine's.
+"""StageTables: the one owner of a pipeline stage's tables when fe_megatron's optimizer trains them.
 
 The engines' optimizers hold every parameter in device memory and, for bf16 weights, keep an fp32
 copy beside them: 18 bytes per table parameter where the tables are most of the model.  When the
-storage asks for what they cannot hold, or the update rule is a sparse one (the table plan,
-`fe_megatron.tables.plan.TablePlan`: bf16 tables, tables in host memory, bf16 optimizer state, a
-sparse ``optimizer.table_update``; docs/tables.md) every memory branch's table moves into a `TableStore`
-(`fe_megatron.tables.store`) and is trained here:
+table plan (`fe_megatron.tables.plan.TablePlan`) keeps the tables in stores (bf16 tables, tables in
+host memory, bf16 optimizer state, a sparse ``optimizer.table_update``, row sharding; docs/tables.md),
+`StageTables` is built from the plan over the memory branches of one pipeline stage, and it alone
+holds, for every table:
 
-1. the lookups' backward adds row gradients into each store's ``main_grad`` (fp32, or bf16 with
-   ``state_dtype="bf16"``; in host memory for the host tier);
+* its rows: a `TableStore` (`fe_megatron.tables.store`) in the plan's placement, which the module
+  reads through (`fe_megatron.memory.tables.NgramTables.weight`);
+* their gradient: the store's dense ``main_grad`` (fp32, or bf16 with ``state_dtype="bf16"``), or,
+  for a sparse rule, its `RowGradients`;
+* the optimizer state: one optimizer of the plan's rule (`fe_megatron.tables.update_rules`) over
+  the stores;
+* the checkpoint sharding: each table's `TableLayout` (which global rows and columns the local ones
+  are) and `RowPartition` (how the rows are split over the row group), which both engines'
+  checkpoints shard by.
+
+Nothing of it hangs on the rows' tensors: the optimizer asks the store for the gradient and layout.
+Per step, for an engine:
+
+1. the lookups' backward adds row gradients into each store (in host memory for the host tier);
 2. `reduce_gradients` (once per step) waits for the host tier's additions, all-reduces the
    gradients of whole tables over ``replica_group`` (the ranks holding the same rows: the row
    exchange already delivered row-sharded gradients to their owners) and multiplies them by
    ``gradient_scale``, the engine's averaging over data-parallel ranks;
 3. `grad_norm` sums the squares over ``norm_groups`` (the groups whose ranks hold different rows,
    columns or layers), so the engine can clip everything by one global norm (`clip`);
-4. `step` runs the table update where the tables live (``optimizer.table_update``: `TableAdamW`
-   over every row, or a sparse rule over the touched rows, `fe_megatron.tables.sparse_update`),
-   and `zero_grad` clears the accumulators.
+4. `step` runs the table update where the tables live (`TableAdamW` over every row, or a sparse
+   rule over the touched rows, `fe_megatron.tables.sparse_update`), and `zero_grad` clears the
+   gradients.
 
-With a sparse rule the gradients are kept by row (`fe_megatron.tables.store.RowGradients`): step 2
-reduces whole tables' touched rows over the replicas (each replica's row ids are gathered, and the
-sums of their union all-reduced), and steps 3-4 read and scale those rows only.
+With a sparse rule step 2 reduces whole tables' touched rows over the replicas (each replica's row
+ids are gathered, and the sums of their union all-reduced), and steps 3-4 read and scale those rows
+only.
 
 Per table parameter a rank holds weight + gradient + two moments: 4+4+8 = 16 bytes for fp32 tables
 with fp32 state (the engine's own layout), 2+4+8 = 14 for bf16 tables, 2+2+4 = 8 for bf16 tables
@@ -38,51 +50,51 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from fe_megatron.tables.optimizer import STATE_DTYPES, TableLayout
-from fe_megatron.tables.update_rules import update_rule
+from fe_megatron.tables.layout import TableLayout
+from fe_megatron.tables.optimizer import STATE_DTYPES
+from fe_megatron.tables.plan import TablePlan
 
 REDUCE_CHUNK = 1 << 24  # elements of a gradient all-reduced at a time (host-resident: through the device)
 NORM_CHUNK = 1 << 22  # elements of a gradient normed at a time, in float64 (a 32 MB scratch)
 
 
-class ManagedTables:
-    """The tables of ``branches`` (``{name: MemoryBranch}``), moved into stores on ``device`` or the
-    host per each branch's ``table_placement``, with one `TableAdamW` over them.
+class StageTables:
+    """The tables of ``branches`` (``{name: MemoryBranch}``, one pipeline stage's), moved into stores and
+    trained as ``plan`` says (its placement, state dtype, update rule, and whether the model's state
+    dict keeps the rows or the engine saves them in files of its own).
 
     ``optimizer_args``: the run's optimizer section (lr, betas, eps, weight decay, table multipliers).
-    ``replica_group``: the group whose ranks hold the same (whole) tables, or None.
-    ``norm_groups``: the groups to sum squared norms over.  ``gradient_scale``: multiplies the
-    reduced gradients (the engine's averaging).  ``seed``: part of the rounding's key.  ``update``:
-    the rule (``optimizer.table_update``); ``row_group``: the tensor-parallel ranks holding the
-    other columns of the same rows (what ``rowwise_adagrad`` sums a row's squares over);
-    ``in_state_dict``: whether the model's state dict keeps the tables (Megatron's checkpoints) or
-    the engine saves them in files of their own (the DeepSpeed engine's ``tables_rank_*.pt``).
-    ``placement``: ``device`` or ``host`` (the plan's; default: each branch's ``table_placement``).
-    """
+    ``device``: where stores in device memory live.  ``replica_group``: the group whose ranks hold the
+    same (whole) tables, or None.  ``norm_groups``: the groups to sum squared norms over.
+    ``gradient_scale``: multiplies the reduced gradients (the engine's averaging).  ``seed``: part of the
+    rounding's key.  ``row_group``: the tensor-parallel ranks holding the other columns of the same rows
+    (what the row-wise rules sum a row's squares over).
 
-    def __init__(self, branches: dict, optimizer_args, state_dtype: str = "fp32", device=None,
+    Readers ask it: ``stores`` (by the table's parameter name), ``partitions`` (their `RowPartition`, or
+    None for whole tables), ``weights`` and ``layouts`` (in the optimizer's order), ``rule``."""
+
+    def __init__(self, branches: dict, optimizer_args, plan: TablePlan, device=None,
                  replica_group: Optional[dist.ProcessGroup] = None, norm_groups: tuple = (),
-                 gradient_scale: float = 1.0, seed: int = 0, update: str = "adamw",
-                 row_group: Optional[dist.ProcessGroup] = None, in_state_dict: bool = True,
-                 placement: Optional[str] = None):
+                 gradient_scale: float = 1.0, seed: int = 0, row_group: Optional[dist.ProcessGroup] = None):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.plan, self.rule = plan, plan.rule
         self.replica_group, self.norm_groups, self.gradient_scale = replica_group, tuple(norm_groups), gradient_scale
-        self.update, self.rule = update, update_rule(update)
         self.sparse = self.rule.sparse
         self.stores, self.partitions = {}, {}
         for name, branch in branches.items():
-            store = branch.tables.manage(placement or branch.config.table_placement, self.device, in_state_dict)
+            layout = TableLayout(branch.layer_index, tuple(branch.global_row_slices("tables.weight")),
+                                 branch.parallel.tensor_parallel_rank * branch.tables.weight.shape[1],
+                                 branch.config.branch_width)
+            store = branch.tables.manage(plan.placement, self.device, plan.tables_in_model_state_dict, layout)
             if self.sparse:
-                store.weight.row_gradients = store.allocate_row_gradients()
+                store.allocate_row_gradients()
             else:
-                store.weight.main_grad = store.allocate_gradient(STATE_DTYPES[state_dtype])
-            store.weight.table_layout = TableLayout(
-                branch.layer_index, tuple(branch.global_row_slices("tables.weight")),
-                branch.parallel.tensor_parallel_rank * store.weight.shape[1], branch.config.branch_width)
+                store.allocate_gradient(STATE_DTYPES[plan.state_dtype])
             self.stores[f"{name}.tables.weight"] = store
             self.partitions[f"{name}.tables.weight"] = branch.row_partition
         self.weights = [store.weight for store in self.stores.values()]
-        self.optimizer = self.rule.build(self.weights, optimizer_args, state_dtype, seed, row_group)
+        self.layouts = [store.layout for store in self.stores.values()]
+        self.optimizer = self.rule.build(list(self.stores.values()), optimizer_args, plan.state_dtype, seed, row_group)
         self._reduced = False
         self.steps = 0  # updates applied, also by a pipeline stage without tables: the step count checkpoints keep
 

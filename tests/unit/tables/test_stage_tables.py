@@ -1,6 +1,7 @@
-"""Training from table stores (`fe_megatron.tables.managed`, `store`): a store gathers and accumulates
-exactly what the table parameter would, casts and moves leave it as it is, and a sparse update's row
-gradients, norm and clipping are the dense ones on the touched rows."""
+"""Training from table stores (`fe_megatron.tables.stage_tables`, `store`): a store gathers and accumulates
+exactly what the table parameter would, casts and moves leave it as it is, a sparse update's row
+gradients, norm and clipping are the dense ones on the touched rows, and the owner alone holds the
+tables' rows, gradients, layouts and optimizer state (nothing hangs on a tensor)."""
 
 import copy
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 
 from fe_megatron.memory import FactorEngram
-from fe_megatron.tables.managed import ManagedTables
+from fe_megatron.tables.plan import TablePlan
+from fe_megatron.tables.stage_tables import StageTables
 from fe_megatron.tables.sparse_update import LazyAdam, RowwiseAdagrad
-from fe_megatron.tables.store import RowGradients
+from fe_megatron.tables.store import TableStore
 from fe_megatron.training.config import OptimizerArgs
 from tests.helpers.configs import small_config
 
@@ -36,9 +38,8 @@ def backward(branch, hidden, ids):
 def test_a_store_gathers_and_accumulates_what_the_parameter_would(placement):
     branch, hidden, ids = branch_and_inputs()
     stored = copy.deepcopy(branch)
-    stored.config = stored.config.replace(table_placement=placement)
     expected = backward(branch, hidden, ids)
-    tables = ManagedTables({"branch": stored}, OptimizerArgs(), "fp32")
+    tables = StageTables({"branch": stored}, OptimizerArgs(), TablePlan.resolve(placement=placement))
     got = backward(stored, hidden, ids)
     tables.reduce_gradients()
     store = stored.tables.store
@@ -55,7 +56,8 @@ def test_a_store_gathers_and_accumulates_what_the_parameter_would(placement):
 
 def test_module_casts_and_moves_leave_a_store_as_it_is():
     branch, hidden, ids = branch_and_inputs(table_dtype="bf16", table_placement="host")
-    ManagedTables({"branch": branch}, OptimizerArgs(), "bf16")
+    StageTables({"branch": branch}, OptimizerArgs(), TablePlan.resolve(dtype="bf16", state_dtype="bf16",
+                                                                        placement="host"))
     rows = branch.tables.weight
     branch.to(torch.float64)
     assert branch.tables.weight.dtype == torch.bfloat16 and branch.dictionary.dtype == torch.float64
@@ -86,16 +88,16 @@ def test_a_branch_s_row_gradients_are_autograd_s_on_the_touched_rows(update, pla
     with torch.no_grad():
         branch.value_proj.weight.normal_(std=0.05)
     stored = copy.deepcopy(branch)
-    stored.config = stored.config.replace(table_placement=placement)
     args = OptimizerArgs(lr=0.05, weight_decay=0.1)
-    tables = ManagedTables({"branch": stored}, args, update=update)
+    tables = StageTables({"branch": stored}, args, TablePlan.resolve(placement=placement, update=update))
     before = stored.tables.weight.clone()
     reference = branch.tables.weight
-    reference_optimizer = (RowwiseAdagrad([reference], lr=0.05, eps=args.eps, weight_decay=0.1)
+    reference_store = TableStore(reference, "device")  # the same rows: the update lands in the parameter
+    reference_gradients = reference_store.allocate_row_gradients()
+    reference_optimizer = (RowwiseAdagrad([reference_store], lr=0.05, eps=args.eps, weight_decay=0.1)
                            if update == "rowwise_adagrad" else
-                           LazyAdam([reference], lr=0.05, betas=(args.beta1, args.beta2), eps=args.eps,
+                           LazyAdam([reference_store], lr=0.05, betas=(args.beta1, args.beta2), eps=args.eps,
                                     weight_decay=0.1))
-    reference.row_gradients = RowGradients(reference.shape[1], reference.device)
     for step in range(3):
         hidden = torch.randn(2, 16, config.hidden_size)
         ids = torch.randint(0, config.vocab_size, (2, 16))
@@ -104,8 +106,8 @@ def test_a_branch_s_row_gradients_are_autograd_s_on_the_touched_rows(update, pla
             memory, l1 = model(hidden, ids)
             (memory.square().sum() + l1.sum()).backward()
         touched = reference.grad.abs().sum(dim=1).nonzero().flatten()
-        reference.row_gradients.clear()
-        reference.row_gradients.add(touched, reference.grad[touched])
+        reference_gradients.clear()
+        reference_gradients.add(touched, reference.grad[touched])
         reference_optimizer.step()
         reference.grad = None
         tables.step()
@@ -121,8 +123,8 @@ def test_the_sparse_gradient_norm_and_clip_are_the_dense_ones():
     with torch.no_grad():
         branch.value_proj.weight.normal_(std=0.05)
     dense, sparse = copy.deepcopy(branch), copy.deepcopy(branch)
-    dense_tables = ManagedTables({"b": dense}, OptimizerArgs())
-    sparse_tables = ManagedTables({"b": sparse}, OptimizerArgs(), update="rowwise_adagrad")
+    dense_tables = StageTables({"b": dense}, OptimizerArgs(), TablePlan.resolve())
+    sparse_tables = StageTables({"b": sparse}, OptimizerArgs(), TablePlan.resolve(update="rowwise_adagrad"))
     hidden, ids = torch.randn(2, 16, config.hidden_size), torch.randint(0, config.vocab_size, (2, 16))
     for model in (dense, sparse):
         memory, l1 = model(hidden, ids)
@@ -131,3 +133,24 @@ def test_the_sparse_gradient_norm_and_clip_are_the_dense_ones():
     sparse_tables.clip(0.5)
     ids_, rows = sparse.tables.store.row_gradients.coalesce()
     torch.testing.assert_close(rows, 0.5 * dense.tables.store.main_grad[ids_])
+
+
+@pytest.mark.parametrize("update", ["adamw", "rowwise_adagrad", "partial_rowwise_adam"])
+def test_the_owner_alone_holds_the_tables_state(update):
+    """After a step the rows' tensor carries nothing (no gradient, layout or row gradients as
+    attributes); the owner answers for the rows, the gradient, the layout and the optimizer state, all
+    from its plan."""
+    branch, hidden, ids = branch_and_inputs()
+    plan = TablePlan.resolve(update=update, placement="host")
+    tables = StageTables({"branch": branch}, OptimizerArgs(), plan)
+    backward(branch, hidden, ids)
+    tables.step()
+    name = "branch.tables.weight"
+    store = tables.stores[name]
+    assert vars(store.weight) == {} and store.weight.grad is None
+    assert store.placement == plan.placement and tables.rule is plan.rule
+    assert tables.layouts == [store.layout] and store.layout.table == branch.layer_index
+    assert tables.optimizer.stores[store.weight] is store and tables.optimizer.layouts[store.weight] is store.layout
+    assert set(tables.optimizer.state[store.weight]) == {"step", *(entry.key for entry in plan.rule.state)}
+    assert (store.row_gradients is not None) == plan.sparse and (store.main_grad is None) == plan.sparse
+    assert branch.tables.weight is store.weight  # the module reads the owner's rows
