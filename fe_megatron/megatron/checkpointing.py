@@ -136,7 +136,7 @@ def _read_row_states_as_saved(folder: str, optimizer) -> None:
     from fe_megatron.megatron.table_optimizer import TableOptimizer
 
     members = [m for m in compat.optimizer_members(optimizer) if isinstance(m, TableOptimizer)]
-    if not members or members[0].tables.update != "rowwise_adagrad":
+    if not members or members[0].tables.plan.update != "rowwise_adagrad":
         return
     repeated = False
     if folder is not None:  # the keys from torch's own metadata (megatron-core 0.19's reader of it fails on torch 2.15)

@@ -104,6 +104,8 @@ class NgramTables(nn.Module):
         state dict keeps the rows (under the same name), or an engine saves them in files of its own.
         Idempotent.  `fe_megatron.tables.stage_tables.StageTables` calls it, and owns the store."""
         if self.store is not None:
+            if layout is not None:
+                self.store.layout = layout
             return self.store
         mapped = "weight" in self._buffers  # release_for_mapping: a placeholder, or a view of a checkpoint file
         if self.table_dtype not in ("fp32", "bf16") or mapped:
