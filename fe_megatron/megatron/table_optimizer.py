@@ -48,7 +48,7 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
     from fe_megatron.checkpoint.files import CheckpointError
 
     saved_info = saved_info or {}
-    saved, current = TablePlan.saved_mode(saved_info), TablePlan.saved_mode(info)
+    saved, current = TablePlan.saved_mode(saved_info), info.get("tables")  # this run's plan.mode, None without memory
     distributed = [bool(((i.get("config") or {}).get("parallel") or {}).get("distributed_optimizer"))
                    for i in (saved_info, info)]
     if saved is None or current is None or saved == current or not any(distributed):
