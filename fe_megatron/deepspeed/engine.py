@@ -471,7 +471,8 @@ def set_up(cfg) -> DeepSpeedRun:
     if tables is not None and cfg.optimizer.clip_grad > 0:
         where_tables += "; " + clipping.describe()
     begin(run, f"DeepSpeed ZeRO-{stage} over {dp} ranks, {where_tables}",
-          world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage, tables=plan.mode if plan is not None else None)
+          world_size=dp, dp=dp, tp=1, pp=1, engine="deepspeed", zero_stage=stage,
+          tables=plan.mode if plan is not None else None)
     return run
 
 

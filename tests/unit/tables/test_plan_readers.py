@@ -4,10 +4,7 @@ reader, once with the registry as shipped and once with ``adamw``'s entry change
 per-row state (partial row-wise Adam's class); a reader that decided anything from its own copy of the rule
 fails its case."""
 
-import dataclasses
-
 import pytest
-import torch
 
 from fe_megatron.tables import update_rules
 from fe_megatron.tables.plan import TablePlan
