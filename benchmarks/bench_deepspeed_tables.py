@@ -2,7 +2,7 @@
 outside ZeRO (``rows``, fp32 tables, and ``rows-bf16``, bf16 tables with fp32 Adam moments), and
 what ZeRO-3's whole-table all-gather costs at the 340M shapes.
 
-    python benchmarks/bench_deepspeed_tables.py [--size small] [--steps 5] [--nproc 2]
+    python benchmarks/bench_deepspeed_tables.py [--size small] [--steps 5] [--nproc 2] [--checkpoint-dir DIR]
 
 It starts ``torchrun --nproc_per_node N`` once per mode (ZeRO-3 keeps global state, so each mode
 gets fresh processes) and once for the collective timing, and prints markdown rows:
@@ -13,7 +13,9 @@ gets fresh processes) and once for the collective timing, and prints markdown ro
 * all-gather: one ``factorengram-340m`` memory layer's tables (12 branches, 545M rows x s_b
   values in all, fp32), partitioned over N ranks as ZeRO-3 holds them, all-gathered as ZeRO-3
   does before the layer's forward (and again before its backward), and its gradient
-  reduce-scattered.
+  reduce-scattered;
+* with ``--checkpoint-dir``: the seconds to save and to load the tables outside ZeRO (rows modes),
+  the best of 3, and the megabytes one save writes.
 """
 
 import argparse
@@ -54,7 +56,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
 
 
-def train_worker(size_name: str, mode: str, steps: int) -> None:
+def train_worker(size_name: str, mode: str, steps: int, checkpoint_dir: str = None) -> None:
     import deepspeed
     import torch.distributed as dist
 
@@ -79,7 +81,7 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
                                             global_batch_size=size["micro_batch"] * size["microbatches"] * world),
                       deepspeed={"zero_optimization": {"stage": 3}})
     plan = TablePlan.for_run(cfg)  # fe-pretrain's own set-up (fe_megatron.deepspeed.engine.set_up), without data
-    engine, row_tables, _ = build_engine(deepspeed, cfg, resolve(cfg, world, False), plan, plan.mode)
+    engine, row_tables, _ = build_engine(deepspeed, cfg, resolve(cfg, world, False), plan)
     info = {"schedule": schedule_in_force(None, {"config": dataclasses.asdict(cfg)})}
     run = DeepSpeedRun(cfg=cfg, info=info, engine=engine, tables=row_tables, clipping=JointClipping(engine, row_tables),
                        datasets=(), metrics=None,
@@ -100,11 +102,34 @@ def train_worker(size_name: str, mode: str, steps: int) -> None:
     seconds = time.perf_counter() - start
     memory = [None] * world
     dist.all_gather_object(memory, (rss_mb(), peak_rss_mb()))
+    saved = save_and_load_tables(row_tables, checkpoint_dir) if checkpoint_dir and row_tables is not None else {}
     if rank == 0:
         tokens = steps * size["micro_batch"] * size["microbatches"] * world * seq
         print(json.dumps({"tables": mode, "tokens_per_s": tokens / seconds, "rss_mb": [m[0] for m in memory],
-                          "peak_rss_mb": [m[1] for m in memory]}))
+                          "peak_rss_mb": [m[1] for m in memory], **saved}))
     shut_down()  # fe-pretrain's shutdown: the engine, then the groups, joined before Python exits
+
+
+def save_and_load_tables(tables, directory: str, repeats: int = 3) -> dict:
+    """The best of ``repeats`` saves and loads of the tables outside ZeRO (`StoredTables.save` and
+    ``load``, every rank at once) into folders under ``directory``, and the bytes one save writes."""
+    import torch.distributed as dist
+
+    best = {"table_save_s": float("inf"), "table_load_s": float("inf")}
+    for repeat in range(repeats):
+        folder = os.path.join(directory, f"save_{repeat}")
+        if dist.get_rank() == 0:
+            os.makedirs(folder)
+        for key, action in (("table_save_s", tables.save), ("table_load_s", tables.load)):
+            dist.barrier()
+            start = time.perf_counter()
+            action(folder)
+            dist.barrier()
+            best[key] = min(best[key], time.perf_counter() - start)
+    first = os.path.join(directory, "save_0")
+    best["table_checkpoint_mb"] = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(first)
+                                      for name in names) / 2 ** 20
+    return best
 
 
 def gather_worker(repeats: int) -> None:
@@ -160,18 +185,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["zero", "rows", "rows-bf16"], choices=MODES)
     parser.add_argument("--no-gather", action="store_true", help="skip the all-gather timing")
+    parser.add_argument("--checkpoint-dir", help="also time saving and loading the tables outside ZeRO "
+                        "(StoredTables.save and load) in folders under this empty directory, on one file system")
     parser.add_argument("--worker", choices=MODES + ["gather"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "gather":
         return gather_worker(args.repeats)
     if args.worker:
-        return train_worker(args.size, args.worker, args.steps)
-    results = {mode: launch(args.nproc, ["--worker", mode, "--size", args.size, "--steps", str(args.steps)])
-               for mode in args.modes}
+        return train_worker(args.size, args.worker, args.steps, args.checkpoint_dir)
+    results = {}
+    for mode in args.modes:
+        extra = ["--checkpoint-dir", os.path.join(args.checkpoint_dir, mode)] if args.checkpoint_dir else []
+        results[mode] = launch(args.nproc, ["--worker", mode, "--size", args.size, "--steps", str(args.steps)] + extra)
     print("| size | tables | tok/s | rss MB per rank (max) | peak rss MB per rank (max) |\n|---|---|---:|---:|---:|")
     for mode, result in results.items():
         print(f"| {args.size} | {mode} | {result['tokens_per_s']:,.0f} | {max(result['rss_mb']):,.0f} "
               f"| {max(result['peak_rss_mb']):,.0f} |")
+    if args.checkpoint_dir:
+        print("| size | tables | save s (best of 3) | load s (best of 3) | MB written |\n|---|---|---:|---:|---:|")
+        for mode, result in results.items():
+            if "table_save_s" in result:
+                print(f"| {args.size} | {mode} | {result['table_save_s']:.3f} | {result['table_load_s']:.3f} "
+                      f"| {result['table_checkpoint_mb']:,.1f} |")
     if "rows" in results and "zero" in results:
         print(f"rows / zero tokens/s: {results['rows']['tokens_per_s'] / results['zero']['tokens_per_s']:.2f}x")
     if not args.no_gather:

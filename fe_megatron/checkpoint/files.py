@@ -32,12 +32,19 @@ from typing import Optional
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "fe_manifest.json"
 RUN_INFO = "fe_run.json"
-TABLES_BESIDE = "fe_tables"  # fe_megatron.megatron_lm.fsdp_checkpoint
+# the tables' checkpoint beside an engine's own (fe_megatron.megatron.table_checkpoint: the DeepSpeed
+# engine's; fe_megatron.megatron_lm.fsdp_checkpoint: Megatron-FSDP's)
+TABLES_BESIDE = "fe_tables"
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, damaged, or does not fit the run that loads it."""
+
+
+def has_tables_beside(folder: str) -> bool:
+    """Whether checkpoint folder ``folder`` holds the tables' checkpoint in ``fe_tables/``."""
+    return os.path.isfile(os.path.join(folder, TABLES_BESIDE, "metadata.json"))
 
 
 def iteration_dir(run_dir: str, iteration: int) -> str:

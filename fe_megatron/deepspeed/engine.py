@@ -26,7 +26,8 @@ client optimizer, which ZeRO wraps.  Table modes:
   rank, outside ZeRO.
 
 Checkpoints are DeepSpeed's (``engine.save_checkpoint``, tag ``iter_NNNNNNN``), with
-``fe_run.json`` and, for tables outside ZeRO, ``tables_rank_NNNNN.pt`` files in the same folder,
+``fe_run.json`` and, for tables outside ZeRO, the tables' checkpoint of every engine (``fe_tables/``,
+`fe_megatron.megatron.table_checkpoint`) in the same folder,
 committed as the Megatron engine's are (`fe_megatron.checkpoint.commit`) before ``latest`` and the
 tracker name them.  They resume at any data-parallel size (`fe_megatron.deepspeed.resize`).
 ``--load`` also accepts a Hugging Face model directory: its weights start the run at step 0.

@@ -16,16 +16,19 @@ the tables are ZeRO's parameters, as with ``zero``.)
 Either way `StoredTables` trains them with `fe_megatron.tables.stage_tables.StageTables`, as the
 Megatron engine trains tables in stores: each table's rows leave the module's parameters for its
 store, which no framework moves, casts, partitions or updates, and which DeepSpeed's module
-checkpoint leaves out (the rows are saved in files of their own, below); in stores on the device
+checkpoint leaves out (the rows are saved in a checkpoint of their own, below); in stores on the device
 or on the host, their gradients averaged as DeepSpeed averages its own, with `TableAdamW` and the
 optimizer section's learning-rate and weight-decay multipliers.
 
 Gradient clipping: one global norm over DeepSpeed's parameters and the tables, as Megatron's
 engine clips (`fe_megatron.deepspeed.clipping`: DeepSpeed's norm is widened by the tables').
 
-Checkpoints: ``tables_rank_NNNNN.pt`` per rank beside DeepSpeed's files (whole tables: rank 0's
-only), holding the rows and their `TableAdamW` state; `StoredTables.load` reads them at any
-data-parallel size.
+Checkpoints: the tables' format of every engine (`fe_megatron.megatron.table_checkpoint`): a ``torch_dist``
+checkpoint in ``fe_tables/`` beside DeepSpeed's files, by global row, under the Megatron engine's
+names, which resumes at any data-parallel size and row split and which ``fe-convert``, ``fe-eval`` and
+``fe-inspect`` read as they read the Megatron engine's.  Checkpoints written before it hold
+``tables_rank_NNNNN.pt`` files (one per rank, rank 0's alone for whole tables); `StoredTables.load`
+still reads them, at any data-parallel size.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ import os
 import torch
 import torch.distributed as dist
 
+from fe_megatron.checkpoint.files import has_tables_beside
 from fe_megatron.memory.branch import memory_branches
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.tables.stage_tables import StageTables
 
 
 def tables_file(folder: str, rank: int) -> str:
+    """A ``tables_rank_NNNNN.pt`` file of ``folder`` (checkpoints written before ``fe_tables/``)."""
     return os.path.join(folder, f"tables_rank_{rank:05d}.pt")
 
 
@@ -79,24 +84,29 @@ class StoredTables:
         return norm
 
     def save(self, folder: str) -> None:
-        """This rank's rows (whole tables: rank 0's) and their optimizer state, in ``folder``
-        (written to a temporary file and renamed, so a crash leaves no half file)."""
-        rank = dist.get_rank(self.group)
-        if not self.row_sharded and rank != 0:
-            return
-        state = {"world_size": dist.get_world_size(self.group) if self.row_sharded else 1, "rank": rank,
-                 "row_sharded": self.row_sharded,
-                 "tables": {name: store.weight.detach().cpu() for name, store in self.tables.stores.items()},
-                 "optimizer": self.optimizer.state_dict()}
-        path = tables_file(folder, rank)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        """The rows and their optimizer state, by global row, in ``folder``'s ``fe_tables/``: the
+        tables' checkpoint format of every engine (`fe_megatron.megatron.table_checkpoint`); every rank takes
+        part, each writing the rows it holds (whole tables: the first rank)."""
+        from fe_megatron.megatron.table_checkpoint import save_tables
+
+        save_tables(folder, self.tables)
 
     def load(self, folder: str) -> None:
-        """The rows and their moments from the ``tables_rank_*.pt`` files of ``folder``, saved at any
-        number of ranks: the files are memory-mapped and only the rows this rank owns under its
-        partition are read (`RowPartition.gather_from`), so a run restarted on fewer (or more)
-        nodes continues with the same tables and optimizer state."""
+        """The rows and their optimizer state from ``folder``, saved at any number of ranks and row
+        split: from its ``fe_tables/``, or, for a checkpoint written before the engines shared that
+        format, from its ``tables_rank_*.pt`` files (`load_rank_files`)."""
+        if has_tables_beside(folder):
+            from fe_megatron.megatron.table_checkpoint import load_tables
+
+            load_tables(folder, self.tables)
+        else:
+            self.load_rank_files(folder)
+
+    def load_rank_files(self, folder: str) -> None:
+        """The rows and their moments from the ``tables_rank_*.pt`` files of ``folder`` (one per rank
+        under ``rows``, rank 0's alone for whole tables: what this engine wrote before its tables were
+        saved as every engine's), saved at any number of ranks: the files are memory-mapped and only the
+        rows this rank owns under its partition are read (`RowPartition.gather_from`)."""
         saved = _read_saved_shards(folder)
         if bool(saved[0].get("row_sharded", True)) != self.row_sharded:
             raise ValueError(f"{folder} holds {'row-sharded' if self.row_sharded else 'whole'} tables' files "

@@ -1,8 +1,10 @@
 """A trained model for evaluation: load it from a run directory or a transformers directory, and
 score token sequences with it.
 
-A run directory's checkpoint (any TP/PP/DP layout and table sharding: its tensors are stored
-whole by global name) is read tensor by tensor into `fe_megatron.hf.FactorEngramForCausalLM`,
+A run directory's checkpoint, of either engine (the Megatron engine's at any TP/PP/DP layout and
+table sharding: its tensors are stored whole by global name; the DeepSpeed engine's consolidated from
+ZeRO's partitions, its tables by global row in the format both engines write), is read tensor by
+tensor into `fe_megatron.hf.FactorEngramForCausalLM`,
 the same function as the Megatron model (tested to 1e-5 in ``tests/integration/test_hf_conversion.py``); no optimizer
 is built.  The tokenizer is the run's, found through ``fe_run.json`` and checked by checksum.
 """
@@ -50,13 +52,13 @@ class EvalModel:
     @classmethod
     def _from_run(cls, path: str, iteration: Optional[int], tokenizer: Optional[str]) -> "EvalModel":
         from fe_megatron.checkpoint.files import read_run_info
-        from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder
+        from fe_megatron.checkpoint.reader import configs_of, find_checkpoint_folder, run_engine
         from fe_megatron.convert.common import run_tokenizer
-        from fe_megatron.convert.megatron_reader import open_checkpoint, split_checkpoint_tensor
         from fe_megatron.data.tokenizer import load_tokenizer
         from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
 
-        folder = find_checkpoint_folder(path, iteration)
+        engine = run_engine(path)
+        folder = find_checkpoint_folder(path, iteration, engine=engine)
         info = read_run_info(folder)
         backbone, memory = configs_of(info)
         try:
@@ -66,13 +68,14 @@ class EvalModel:
         tok = load_tokenizer(run_tokenizer(info, tokenizer))
         model = FactorEngramForCausalLM(config)
         params = model.state_dict()
-        checkpoint = open_checkpoint(folder)
         filled = set()
         with torch.no_grad():
-            for name in checkpoint.weight_names():
-                for hf_name, tensor in split_checkpoint_tensor(name, checkpoint.load(name), backbone):
-                    params[hf_name].copy_(tensor)
-                    filled.add(hf_name)
+            for hf_name, tensor in _run_weights(folder, info, backbone, memory, engine):
+                if hf_name not in params:
+                    raise ValueError(f"{folder} holds {hf_name}, which is no weight of the model its fe_run.json "
+                                     "describes")
+                params[hf_name].copy_(tensor)
+                filled.add(hf_name)
         missing = sorted(set(params) - filled - ({"lm_head.weight"} if backbone.tie_embeddings else set()))
         if missing:
             raise ValueError(f"{folder} lacks weights {missing[:5]} of the model its fe_run.json describes")
@@ -121,3 +124,23 @@ class EvalModel:
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                   do_sample=False, pad_token_id=0)
         return out[0, len(ids):].tolist()
+
+
+def _run_weights(folder: str, info: dict, backbone, memory, engine: str):
+    """``(Hugging Face name, tensor)`` of every weight of checkpoint ``folder``, one at a time, read as
+    ``fe-convert`` reads it: a Megatron-engine checkpoint through its reader
+    (`fe_megatron.convert.megatron_reader.open_checkpoint`), a DeepSpeed one consolidated from ZeRO's
+    partitions with its tables from the tables' checkpoint (`fe_megatron.convert.deepspeed_to_hf.
+    DeepSpeedWeights`)."""
+    if engine == "deepspeed":
+        from fe_megatron.convert.deepspeed_to_hf import DeepSpeedWeights
+
+        source = DeepSpeedWeights(folder, info, memory)
+        for name in source.names():
+            yield name, source.get(name)
+        return
+    from fe_megatron.convert.megatron_reader import open_checkpoint, split_checkpoint_tensor
+
+    checkpoint = open_checkpoint(folder)
+    for name in checkpoint.weight_names():
+        yield from split_checkpoint_tensor(name, checkpoint.load(name), backbone)

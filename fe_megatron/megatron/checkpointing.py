@@ -45,6 +45,16 @@ def _writer_queue_dies_with_trainer() -> None:
     compat.install_checkpoint_writer_queue(make_queue)
 
 
+def prepare_dist_checkpointing() -> None:
+    """What megatron-core's ``dist_checkpointing`` needs before a save or load in any engine's process:
+    its writer's queue dying with the trainer (`_writer_queue_dies_with_trainer`), and on a host without
+    CUDA the CPU backend (`fe_megatron.megatron.cpu_backend`), which answers its CUDA calls."""
+    from fe_megatron.megatron.cpu_backend import enable_cpu_backend
+
+    _writer_queue_dies_with_trainer()
+    enable_cpu_backend()
+
+
 def _state(model_chunks, optimizer, scheduler, iteration, is_loading: bool, distributed_optimizer: bool):
     """What a checkpoint holds; weights only when ``optimizer`` is None (a converted checkpoint)."""
     model = getattr(model_chunks[0], "module", model_chunks[0])

@@ -9,8 +9,8 @@ rule without an edit:
 * sharding: per-parameter state is sharded as the table is (rows, tensor-parallel columns); per-row
   state by rows, the tensor-parallel ranks of a row holding replicas of one value (the squares are
   summed over the whole row);
-* checkpoint keys: `UpdateRule.checkpoint_key` (Megatron's dist-checkpoint names, by global row; the
-  DeepSpeed engine's files keep torch's state-dict keys);
+* checkpoint keys: `UpdateRule.checkpoint_key` (Megatron's dist-checkpoint names, by global row, which
+  both engines write);
 * which checkpoints carry over: `UpdateRule.state_layout` (the resume guard refuses a change of rule
   that changes it).
 

@@ -132,16 +132,20 @@ def test_zero_0_1_and_2_match_the_megatron_engine(start, megatron_run, rows3, st
     assert_same_curve(losses(save), losses(megatron_run))
     assert grad_norms(save) == pytest.approx(grad_norms(megatron_run), rel=1e-4)
     if sharding == "rows":
-        for got, expected in zip(table_moments(save), table_moments(rows3)):
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-9)
+        got, expected = table_moments(save), table_moments(rows3)
+        assert got.keys() == expected.keys() and expected
+        for name, values in expected.items():
+            torch.testing.assert_close(got[name], values, rtol=1e-4, atol=1e-9, msg=name)
 
 
-def table_moments(save: str, step: int = STEPS) -> list:
-    """Each rank's first Adam moments of its tables' rows at ``step`` (``tables_rank_*.pt``), in rank order."""
-    shards = [torch.load(path, weights_only=True)
-              for path in sorted(glob.glob(os.path.join(save, f"iter_{step:07d}", "tables_rank_*.pt")))]
-    return [{name: shard["optimizer"]["state"][index]["exp_avg"] for index, name in enumerate(shard["tables"])}
-            for shard in shards]
+def table_moments(save: str, step: int = STEPS) -> dict:
+    """The tables' first Adam moments at ``step``, whole, by Hugging Face name: read from the tables'
+    checkpoint of every engine (``fe_tables/``, by global row), as fe-convert reads it."""
+    from fe_megatron.convert.megatron_reader import DistCheckpoint
+
+    tables = DistCheckpoint(os.path.join(save, f"iter_{step:07d}", "fe_tables"))
+    return {f"model.{name[len('decoder.'):]}": tables.load(f"optimizer.state.exp_avg.{name}")
+            for name in tables.weight_names()}
 
 
 @pytest.mark.distributed
@@ -183,9 +187,10 @@ def test_a_checkpoint_resumes_on_fewer_ranks(start, zero3, rows3, mode):
     assert "at iteration 2, saved by 2 data-parallel ranks" in proc.stdout
     assert_same_curve(losses(half), losses(source)[2:])
     assert ".fe_universal" not in os.listdir(half)  # the universal copy is gone once loaded
-    if mode != "zero":
-        assert [f for f in os.listdir(os.path.join(half, "iter_0000004")) if f.startswith("tables_rank_")] == \
-            ["tables_rank_00000.pt"]
+    if mode != "zero":  # the tables by global row, whatever split wrote or reads them
+        assert "fe_tables" in os.listdir(os.path.join(half, "iter_0000004"))
+        for name, values in table_moments(source).items():
+            torch.testing.assert_close(table_moments(half)[name], values, rtol=1e-4, atol=1e-9, msg=name)
     else:  # the other table mode is refused by name, before any loading
         refused = run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS,
                                 "deepspeed={zero_optimization: {stage: 3}}"]
@@ -209,14 +214,30 @@ def test_rows_mode_matches_the_megatron_engine_with_clipping(start, megatron_run
     parameters: the Megatron engine's curve."""
     save = rows3
     assert_same_curve(losses(save), losses(megatron_run))
-    files = sorted(f for f in os.listdir(os.path.join(save, "iter_0000004")) if f.startswith("tables_rank_"))
-    assert files == ["tables_rank_00000.pt", "tables_rank_00001.pt"]
-    # each rank holds half of every branch's rows (rounded), never a whole table
+    folder = os.path.join(save, "iter_0000004")
+    assert not [f for f in os.listdir(folder) if f.startswith("tables_rank_")]
+    # one format: the tables and their moments under the Megatron engine's names, with its values
+    from fe_megatron.convert.megatron_reader import DistCheckpoint
+
+    ours = DistCheckpoint(os.path.join(folder, "fe_tables"))
+    theirs = DistCheckpoint(os.path.join(megatron_run, "iter_0000004"))
+    assert set(ours.metadata) - {"common"} >= {name for name in theirs.metadata if "memory.tables" in name} != set()
+    for name in ours.metadata:
+        if "memory.tables" in name:
+            torch.testing.assert_close(ours.load(name), theirs.load(name), rtol=1e-4, atol=1e-5, msg=name)
+    # each rank wrote half of every branch's rows (rounded), never a whole table
     from fe_megatron.hf.safetensors_stream import SafetensorsSource
 
-    shard = torch.load(os.path.join(save, "iter_0000004", files[0]), weights_only=False)["tables"]
     whole = SafetensorsSource(start["hf"])
-    assert shard and all(rows.shape[0] <= whole.shape(name)[0] // 2 + 6 for name, rows in shard.items())
+    chunks = {}  # {(table, writing rank): rows}; a rank writes files __<rank>_<thread>.distcp
+    metadata = ours.reader.read_metadata()
+    for index, storage in metadata.storage_data.items():
+        if index.fqn.endswith("memory.tables.weight") and not index.fqn.startswith("optimizer."):
+            chunk = next(c for c in metadata.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
+            key = (index.fqn, storage.relative_path[2:].split("_")[0])
+            chunks[key] = chunks.get(key, 0) + chunk.sizes[0]
+    assert len(chunks) == 2 * len(whole_tables := [n for n in ours.weight_names()]) and whole_tables
+    assert all(rows <= whole.shape(f"model.{name[len('decoder.'):]}")[0] // 2 + 6 for (name, _), rows in chunks.items())
 
 
 @pytest.mark.distributed
@@ -231,10 +252,10 @@ def test_tables_outside_zero_are_clipped_as_tables_inside_it(zero3, rows3, tmp_p
     write_universal(os.path.join(zero3, "iter_0000004"), universal)
     inside = {os.path.basename(folder): torch.load(os.path.join(folder, "exp_avg.pt"), weights_only=True)
               for folder in glob.glob(os.path.join(universal, "zero", "*tables.weight"))}
-    shards = table_moments(rows3)
-    assert inside and len(shards) == 2
+    outside_moments = table_moments(rows3)
+    assert inside and len(outside_moments) == len(inside)
     for name, moments in inside.items():
-        outside = torch.cat([shard[name].reshape(-1) for shard in shards])
+        outside = outside_moments[name].reshape(-1)
         expected = moments.reshape(-1)
         assert outside.numel() == expected.numel()
         torch.testing.assert_close(outside.sort().values, expected.sort().values, rtol=1e-4,
@@ -266,7 +287,7 @@ def test_the_bf16_optimizers_clip_the_tables_by_one_norm_too(start):
         assert not [line for line in proc.stdout.splitlines() if line.startswith(("MA ", "CPU Virtual Memory"))]
         norms[optimizer] = grad_norms(save)
         assert len(norms[optimizer]) == 2 and min(norms[optimizer]) > CLIP, norms
-        moments[optimizer] = table_moments(save, step=2)[0]
+        moments[optimizer] = table_moments(save, step=2)
     expected = moments.pop("DeepSpeedZeroOptimizer")
     for optimizer, got in moments.items():  # the reported norms are the joint one, as ZeRO-2's
         assert norms[optimizer] == pytest.approx(norms["DeepSpeedZeroOptimizer"], rel=1e-3), norms
@@ -292,6 +313,11 @@ def test_deepspeed_checkpoints_convert_to_the_megatron_run_model(megatron_run, z
         got = FactorEngramForCausalLM.from_pretrained(ours).eval()(input_ids=ids).logits
         expected = FactorEngramForCausalLM.from_pretrained(theirs).eval()(input_ids=ids).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    # fe-eval and fe-inspect read the DeepSpeed run itself, as fe-convert does
+    from fe_megatron.evaluation.model import EvalModel
+
+    with torch.no_grad():
+        torch.testing.assert_close(EvalModel.load(source).model(input_ids=ids).logits, got, rtol=0, atol=0)
     # hf-to-mcore carries the DeepSpeed run's settings into a config the Megatron engine accepts
     from fe_megatron.convert.to_mcore import hf_to_mcore
 
@@ -323,9 +349,12 @@ def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, rows3_bf1
 
     bf16, save = BF16_ROWS, rows3_bf16
     assert_same_curve(losses(save), losses(rows3), rel=1e-3)
-    shard = torch.load(os.path.join(save, "iter_0000004", "tables_rank_00001.pt"), weights_only=True)
-    assert {t.dtype for t in shard["tables"].values()} == {torch.bfloat16}
-    assert {s["exp_avg"].dtype for s in shard["optimizer"]["state"].values()} == {torch.float32}
+    from fe_megatron.convert.megatron_reader import DistCheckpoint
+
+    tables = DistCheckpoint(os.path.join(save, "iter_0000004", "fe_tables"))
+    assert {tables.dtype(name) for name in tables.weight_names()} == {torch.bfloat16}
+    assert {tables.dtype(f"optimizer.state.{key}.{name}") for name in tables.weight_names()
+            for key in ("exp_avg", "exp_avg_sq")} == {torch.float32}
     half = str(start["base"] / "rows3_bf16_resumed")
     step_2_alone(save, half)
     run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
@@ -349,8 +378,10 @@ def test_whole_bf16_tables_outside_zero_round_as_row_sharded_ones(start, rows3_b
 
     save = deepspeed_run(start, "whole3_bf16", 3, **dict(BF16_ROWS, **{"parallel.table_sharding": "replicated"}))
     assert_same_curve(losses(save), losses(rows3_bf16), rel=1e-5)
-    assert sorted(f for f in os.listdir(os.path.join(save, "iter_0000004")) if f.startswith("tables_")) == \
-        ["tables_rank_00000.pt"]
+    from fe_megatron.convert.megatron_reader import DistCheckpoint
+
+    storage = DistCheckpoint(os.path.join(save, "iter_0000004", "fe_tables")).reader.read_metadata().storage_data
+    assert {info.relative_path[:4] for index, info in storage.items() if "memory.tables" in index.fqn} == {"__0_"}
     ours, theirs = (FactorEngramForCausalLM.from_pretrained(deepspeed_to_hf(run, str(tmp_path / name))).eval()
                     for name, run in (("whole", save), ("rows", rows3_bf16)))
     ids = torch.randint(0, 512, (2, 32))

@@ -46,3 +46,33 @@ def test_a_checkpoint_of_an_earlier_main_resumes_and_logs_its_values_again(corpu
         logged = dict(zip(("lm_loss", "sparsity_loss", "val_loss"), (got[int(step)].get(i) for i in range(3))))
         for name, value in values.items():
             assert logged[name] == pytest.approx(value, rel=1e-5), f"{mode}, step {step}: {name}"
+
+
+def test_deepspeed_table_files_of_an_earlier_main_are_read_by_global_row():
+    """A DeepSpeed checkpoint written before the tables' checkpoint of every engine holds one
+    ``tables_rank_*.pt`` per rank; fe-eval (and with it fe-inspect and fe-convert deepspeed-to-hf,
+    which read through the same `DeepSpeedWeights`) reads them into whole tables, each rank's rows
+    at the global rows its row partition names."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
+    import torch
+
+    from fe_megatron.checkpoint.reader import configs_of
+    from fe_megatron.checkpoint.files import read_run_info
+    from fe_megatron.evaluation.model import EvalModel
+    from fe_megatron.ngram import NgramHasher
+    from fe_megatron.tables.row_exchange import RowPartition
+
+    run = os.path.join(DATA, "deepspeed_rows")
+    folder = os.path.join(run, "iter_0000002")
+    _, memory = configs_of(read_run_info(folder))
+    model = EvalModel.load(run, tokenizer=os.path.join(DATA, "tokenizer.model")).model
+    shards = [torch.load(os.path.join(folder, f"tables_rank_{rank:05d}.pt"), weights_only=True)["tables"]
+              for rank in range(2)]
+    for layer in memory.layers:
+        name = f"model.layers.{layer}.memory.tables.weight"
+        whole = model.state_dict()[name]
+        layout = NgramHasher(memory, layer).layouts[0]
+        assert whole.shape[0] == sum(layout.moduli) and whole.shape[0] > shards[0][name].shape[0]
+        for rank, shard in enumerate(shards):
+            for first, rows, local in RowPartition(layout.moduli, layout.offsets, 2, rank).slices():
+                assert torch.equal(whole[first:first + rows], shard[name][local:local + rows]), (name, rank, first)
