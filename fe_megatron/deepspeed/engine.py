@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from fe_megatron.checkpoint.commit import agree_on_failure, commit, find_checkpoint, start_save
-from fe_megatron.checkpoint.files import CheckpointError, write_run_info
+from fe_megatron.checkpoint.files import CheckpointError, has_tables_beside, write_run_info
 from fe_megatron.checkpoint.reader import DEEPSPEED_LATEST, find_checkpoint_folder
 from fe_megatron.checkpoint.resume import start_run
 from fe_megatron.deepspeed.clipping import JointClipping
@@ -243,11 +243,16 @@ def saved_data_parallel_size(saved_info, default: int) -> int:
 
 
 def refuse_table_mode_change(folder: str, saved_info, plan) -> None:
-    """Under DeepSpeed the tables are ZeRO parameters, or outside ZeRO with their own files; a
+    """Under DeepSpeed the tables are ZeRO parameters, or outside ZeRO in a checkpoint of their own; a
     checkpoint resumes in the mode that wrote it (`TablePlan.saved_mode` against this run's ``plan``;
-    the data-parallel size may change)."""
+    the data-parallel size may change).  Outside ZeRO, row-sharded and whole tables load each other's
+    checkpoints when those are by global row (``fe_tables/``, `fe_megatron.megatron.table_checkpoint`);
+    the per-rank files written before them are read in the mode that wrote them."""
     saved = TablePlan.saved_mode(saved_info)
     if saved is None or plan is None or saved == plan.mode:
+        return
+    outside_zero = {ROW_SHARDED, "replicated"}
+    if {saved, plan.mode} <= outside_zero and has_tables_beside(folder):
         return
     sharding = ((saved_info or {}).get("layout") or {}).get("table_sharding")
     raise CheckpointError(f"{folder} was saved with its tables {_TABLE_MODES[saved]}, and this run keeps them "

@@ -372,7 +372,8 @@ def test_bf16_tables_train_checkpoint_resume_and_convert(start, rows3, rows3_bf1
 def test_whole_bf16_tables_outside_zero_round_as_row_sharded_ones(start, rows3_bf16, tmp_path):
     """table_sharding=replicated with bf16 tables: whole tables on both ranks, outside ZeRO, their
     gradients all-reduced.  The rounding depends on each element's global coordinates only, so the
-    curve is the row-sharded run's; rank 0 alone writes the tables, which convert as trained."""
+    curve is the row-sharded run's; rank 0 alone writes the tables, which convert as trained; and the
+    row-sharded run's checkpoint resumes with whole tables."""
     from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
     from fe_megatron.hf import FactorEngramForCausalLM
 
@@ -382,6 +383,14 @@ def test_whole_bf16_tables_outside_zero_round_as_row_sharded_ones(start, rows3_b
 
     storage = DistCheckpoint(os.path.join(save, "iter_0000004", "fe_tables")).reader.read_metadata().storage_data
     assert {info.relative_path[:4] for index, info in storage.items() if "memory.tables" in index.fqn} == {"__0_"}
+    # the tables' checkpoint is by global row: whole tables resume the row-sharded run's step 2 and go on
+    # as the whole tables' own run did
+    whole = dict(BF16_ROWS, **{"parallel.table_sharding": "replicated"})
+    half = str(start["base"] / "rows3_bf16_resumed_whole")
+    step_2_alone(rows3_bf16, half)
+    run_pretrain(["--config", CONFIG, "--load", half, "--save", half, DS, "deepspeed={zero_optimization: {stage: 3}}"]
+                 + overrides(start["data"], **whole), nproc=2, ends_cleanly=True)
+    assert_same_curve(losses(half), losses(save)[2:], rel=1e-5)
     ours, theirs = (FactorEngramForCausalLM.from_pretrained(deepspeed_to_hf(run, str(tmp_path / name))).eval()
                     for name, run in (("whole", save), ("rows", rows3_bf16)))
     ids = torch.randint(0, 512, (2, 32))

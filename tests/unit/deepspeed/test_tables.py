@@ -57,9 +57,11 @@ def test_tables_outside_zero_are_clipped_by_the_norm_of_every_gradient(small_dat
         dist.destroy_process_group()
 
 
-def test_a_checkpoint_resumes_only_in_the_table_mode_that_wrote_it():
+def test_a_checkpoint_resumes_only_in_the_table_mode_that_wrote_it(tmp_path):
     """The DeepSpeed resume guard reads both modes from the plan: the saved run's (its run info) and this
-    run's; a run saved before run infos recorded the mode is read from its config."""
+    run's; a run saved before run infos recorded the mode is read from its config.  Outside ZeRO, whole
+    and row-sharded tables load each other's checkpoints by global row (``fe_tables/``), not the per-rank
+    files written before those."""
     from fe_megatron.checkpoint.files import CheckpointError
     from fe_megatron.deepspeed.engine import refuse_table_mode_change
     from fe_megatron.tables.plan import TablePlan
@@ -74,3 +76,15 @@ def test_a_checkpoint_resumes_only_in_the_table_mode_that_wrote_it():
     recorded = dict(old, tables="rows")
     refuse_table_mode_change("ckpt", recorded, TablePlan.resolve("deepspeed", sharding="rows"))
     refuse_table_mode_change("ckpt", {"config": {"memory": None}}, TablePlan.resolve("deepspeed", sharding="rows"))
+    whole, rows = TablePlan.resolve("deepspeed", sharding="replicated", dtype="bf16"), \
+        TablePlan.resolve("deepspeed", sharding="rows", dtype="bf16")
+    assert (whole.mode, rows.mode) == ("replicated", "rows")
+    by_global_row = tmp_path / "by_global_row"
+    (by_global_row / "fe_tables").mkdir(parents=True)
+    (by_global_row / "fe_tables" / "metadata.json").write_text("{}")
+    for saved, now in ((rows, whole), (whole, rows)):
+        refuse_table_mode_change(str(by_global_row), dict(old, tables=saved.mode), now)
+        with pytest.raises(CheckpointError, match="resume with the table settings it was saved with"):
+            refuse_table_mode_change(str(tmp_path / "rank_files"), dict(old, tables=saved.mode), now)
+    with pytest.raises(CheckpointError, match="as ZeRO parameters"):  # ZeRO's own files hold them
+        refuse_table_mode_change(str(by_global_row), dict(old, tables="rows"), TablePlan.resolve("deepspeed"))
