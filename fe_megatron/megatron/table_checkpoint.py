@@ -31,8 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from fe_megatron.checkpoint.files import TABLES_BESIDE as TABLES_FOLDER
-from fe_megatron.checkpoint.files import CheckpointError
+from fe_megatron.checkpoint.files import TABLES_BESIDE, CheckpointError
 from fe_megatron.megatron.checkpointing import prepare_dist_checkpointing
 from fe_megatron.tables.update_rules import UpdateRule
 
@@ -66,10 +65,10 @@ def sharded_state_dict(tables) -> dict:
     replica_index = dist.get_rank(tables.replica_group) if replicated else 0
     rows, state, steps = {}, {}, {}
     entries = tables.rule.state
-    for store, partition in zip(tables.stores.values(), tables.partitions.values()):
+    for stored_name, store in tables.stores.items():
         layout = store.layout
         name = table_name(layout)
-        global_rows = sum(partition.branch_rows) if partition is not None else store.weight.shape[0]
+        global_rows = tables.global_rows(stored_name)
         column_rank = layout.column_offset // store.weight.shape[1]
         # a rank's columns are its own; whole tables are held alike by every replica, the first writes them
         rows[name] = _pieces(name, store.weight, layout, global_rows, (replica_index, 0), False)
@@ -89,7 +88,7 @@ def save_tables(folder: str, tables) -> None:
     from megatron.core import dist_checkpointing
 
     prepare_dist_checkpointing()
-    target = os.path.join(folder, TABLES_FOLDER)
+    target = os.path.join(folder, TABLES_BESIDE)
     if dist.get_rank() == 0:
         os.makedirs(target, exist_ok=True)
     dist.barrier()
@@ -102,7 +101,7 @@ def load_tables(folder: str, tables) -> None:
     from megatron.core import dist_checkpointing
 
     prepare_dist_checkpointing()
-    source = os.path.join(folder, TABLES_FOLDER)
+    source = os.path.join(folder, TABLES_BESIDE)
     sharded = sharded_state_dict(tables)
     problem = _missing_tensors(source, sharded)
     if problem:

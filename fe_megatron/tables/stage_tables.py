@@ -98,10 +98,14 @@ class StageTables:
         self._reduced = False
         self.steps = 0  # updates applied, also by a pipeline stage without tables: the step count checkpoints keep
 
+    def global_rows(self, name: str) -> int:
+        """The rows of table ``name`` in the whole model (every rank's, when its rows are sharded)."""
+        partition = self.partitions[name]
+        return sum(partition.branch_rows) if partition is not None else self.stores[name].weight.shape[0]
+
     def numel(self) -> int:
         """Table parameters of the whole model (every rank's rows; this rank's columns)."""
-        return sum((sum(p.branch_rows) if p is not None else store.weight.shape[0]) * store.weight.shape[1]
-                   for p, store in zip(self.partitions.values(), self.stores.values()))
+        return sum(self.global_rows(name) * store.weight.shape[1] for name, store in self.stores.items())
 
     def zero_grad(self) -> None:
         for store in self.stores.values():

@@ -142,10 +142,10 @@ def table_moments(save: str, step: int = STEPS) -> dict:
     """The tables' first Adam moments at ``step``, whole, by Hugging Face name: read from the tables'
     checkpoint of every engine (``fe_tables/``, by global row), as fe-convert reads it."""
     from fe_megatron.convert.megatron_reader import DistCheckpoint
+    from fe_megatron.hf.weights import hf_names
 
     tables = DistCheckpoint(os.path.join(save, f"iter_{step:07d}", "fe_tables"))
-    return {f"model.{name[len('decoder.'):]}": tables.load(f"optimizer.state.exp_avg.{name}")
-            for name in tables.weight_names()}
+    return {hf_names(name)[0]: tables.load(f"optimizer.state.exp_avg.{name}") for name in tables.weight_names()}
 
 
 @pytest.mark.distributed
@@ -236,8 +236,10 @@ def test_rows_mode_matches_the_megatron_engine_with_clipping(start, megatron_run
             chunk = next(c for c in metadata.state_dict_metadata[index.fqn].chunks if c.offsets == index.offset)
             key = (index.fqn, storage.relative_path[2:].split("_")[0])
             chunks[key] = chunks.get(key, 0) + chunk.sizes[0]
-    assert len(chunks) == 2 * len(whole_tables := [n for n in ours.weight_names()]) and whole_tables
-    assert all(rows <= whole.shape(f"model.{name[len('decoder.'):]}")[0] // 2 + 6 for (name, _), rows in chunks.items())
+    from fe_megatron.hf.weights import hf_names
+
+    assert ours.weight_names() and len(chunks) == 2 * len(ours.weight_names())
+    assert all(rows <= whole.shape(hf_names(name)[0])[0] // 2 + 6 for (name, _), rows in chunks.items())
 
 
 @pytest.mark.distributed
