@@ -3,9 +3,11 @@
 The baseline keeps one ``nn.Embedding`` per branch and concatenates the lookups with
 ``torch.cat`` (how a first implementation usually looks); everything after ``z`` is the
 same code.  Both are measured in the same run, on the same inputs, after checking that
-they produce identical outputs.
+they produce identical outputs.  ``--serving bf16 fp8`` also times the forward alone (no gradient,
+as a served model runs) of the same module with its tables stored in those formats
+(`fe_megatron.tables.storage`, read-only), against the baseline's forward.
 
-    python benchmarks/bench_memory.py [--sizes small medium] [--steps 10]
+    python benchmarks/bench_memory.py [--sizes small medium] [--steps 10] [--serving bf16 fp8]
 """
 
 import argparse
@@ -62,10 +64,32 @@ def time_fwd_bwd(module, h, ids, steps):
     return (time.perf_counter() - start) / steps
 
 
+@torch.no_grad()
+def time_forward(module, h, ids, steps):
+    for _ in range(2):  # warm-up
+        module(h, ids)
+    start = time.perf_counter()
+    for _ in range(steps):
+        module(h, ids)
+    return (time.perf_counter() - start) / steps
+
+
+def served_copy(module: FactorEngram, table_dtype: str) -> FactorEngram:
+    """``module`` with its tables stored in the serving format ``table_dtype``."""
+    config = MemoryConfig.from_dict(dict(module.config.to_dict(), table_dtype=table_dtype))
+    served = FactorEngram(config, module.layer_index)
+    state = module.state_dict()
+    served.load_state_dict({k: v for k, v in state.items() if k != "tables.weight"}, strict=False)
+    served.tables.store_(state["tables.weight"])
+    return served
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", nargs="+", default=list(SIZES))
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--serving", nargs="*", default=[], choices=["bf16", "fp8"],
+                        help="serving formats whose forward to time against the baseline's forward")
     args = parser.parse_args()
     print(f"# {platform.node()} {platform.processor() or platform.machine()}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
@@ -82,6 +106,14 @@ def main():
         t_naive = time_fwd_bwd(naive, h, ids, args.steps)
         print(json.dumps(dict(size=name, tokens=tokens, fused_tokens_per_s=round(tokens / t_fused),
                               naive_tokens_per_s=round(tokens / t_naive), speedup=round(t_naive / t_fused, 3))))
+        for table_dtype in args.serving:
+            served = served_copy(fused, table_dtype)
+            t_served = time_forward(served, h, ids, args.steps)
+            t_naive = time_forward(naive, h, ids, args.steps)
+            print(json.dumps(dict(size=name, tokens=tokens, forward_only=True, tables=table_dtype,
+                                  served_tokens_per_s=round(tokens / t_served),
+                                  naive_fp32_tokens_per_s=round(tokens / t_naive),
+                                  ratio=round(t_naive / t_served, 3))))
 
 
 if __name__ == "__main__":

@@ -74,8 +74,8 @@ def count_parameters(model) -> int:
             expert = not getattr(param, "allreduce", True) and not getattr(param, "is_memory_table", False)
             local[1 if getattr(param, "row_sharded", False) else 2 if expert else 0] += param.numel()
     for branch in memory_branches(model).values():  # tables in stores are no parameters (table_optimizer.py)
-        if branch.tables.store is not None:
-            local[0 if branch.row_partition is None else 1] += branch.tables.weight.numel()
+        outside = sum(tensor.numel() for tensor in branch.tables.holder.outside_module.values())
+        local[0 if branch.row_partition is None else 1] += outside
     torch.distributed.all_reduce(local[1:2], group=table_row_group())
     torch.distributed.all_reduce(local[2:], group=parallel_state.get_expert_model_parallel_group())
     torch.distributed.all_reduce(local, group=parallel_state.get_model_parallel_group())

@@ -104,18 +104,11 @@ class MemoryBranch(nn.Module):
         exactly its slice of what a single process would hold."""
         seed = draw_seed() if seed is None else seed
         initial = self.initial_values()
-        tables = self.tables
         for name, param in self.named_parameters():
             if not name.startswith("tables."):
                 self._draw(name, param, initial[name], seed)
-        if tables.weight.is_meta:  # released tables get mapped, not drawn
-            return
-        if tables.table_dtype == "fp8":  # drawn in fp32, then stored with each row's scale
-            values = torch.empty(tables.weight.shape, device=tables.weight.device)
-            self._draw("tables.weight", values, initial["tables.weight"], seed)
-            tables.store_(values)
-        else:  # fp32, or bf16 rounded to nearest block by block (no fp32 copy of the table)
-            self._draw("tables.weight", tables.weight, initial["tables.weight"], seed)
+        # in the tables' format, by their holder (fe_megatron.tables.holders); mapped tables are not drawn
+        self.tables.initialize(lambda target: self._draw("tables.weight", target, initial["tables.weight"], seed))
 
     def _draw(self, name: str, target: torch.Tensor, value, seed: int) -> None:
         """Fill ``target`` (parameter ``name``'s local values) with a constant or its slices of a

@@ -172,6 +172,26 @@ class TableStore:
     def sparse(self) -> bool:
         return self.row_gradients is not None
 
+    # ----------------------------------------------------------------- the holders' interface (tables/holders.py)
+    read_only = False
+
+    @property
+    def outside_module(self) -> dict:
+        """The rows, which are no parameter or buffer of the module that reads them."""
+        return {"weight": self.weight}
+
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        """The rows of ``indices`` in fp32, on the indices' device, differentiable through the store."""
+        return StoreLookup(self, indices, indices.device).rows()
+
+    def start_lookup(self, indices: torch.Tensor, device) -> "StoreLookup":
+        """A whole store's lookup of ``indices``, started now (`StoreLookup`)."""
+        return StoreLookup(self, indices, device)
+
+    @torch.no_grad()
+    def initialize(self, draw) -> None:
+        draw(self.weight)
+
     # ----------------------------------------------------------------- reading rows
     def fetch(self, ids: torch.Tensor, device: torch.device) -> RowsInFlight:
         """Rows ``ids`` ([M] int64, on any device) in the stored dtype, on their way to ``device``."""
@@ -241,8 +261,8 @@ class StartedLookup:
     ids it looks up, ``[..., branches]``) and `rows` (those rows, ``[..., branches, width]``, differentiable
     in a trained table; fp32 from a store). A lookup started ahead is read once. `StoreLookup` here (a whole
     `TableStore`), `LayerRowLookup` (a layer's part of a row exchange) in `fe_megatron.tables.row_exchange`,
-    and `TableLookup` (tables the module holds) in `fe_megatron.memory.tables`. Which starts when:
-    `fe_megatron.memory.inputs`."""
+    and `ModuleLookup` (rows the module holds: the engine's parameter, read-only serving rows) in
+    `fe_megatron.tables.holders`. Which starts when: `fe_megatron.memory.inputs`."""
 
     indices: torch.Tensor
 

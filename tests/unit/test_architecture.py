@@ -119,6 +119,21 @@ def test_the_core_does_not_implement_megatron_s_gradient_protocol():
     assert not found, "\n".join(found)
 
 
+# Who holds a table's rows (docs/architecture.md, "Who decides how the tables are kept"): the module that
+# picks the holder names it, and nothing else asks which kind it is.
+HOLDER_KINDS = ("EngineParameter", "ReadOnlyRows", "is_meta")
+PICKS_THE_HOLDER = {"fe_megatron.tables.holders", "fe_megatron.memory.tables"}
+
+
+def test_no_module_asks_which_kind_of_holder_keeps_a_table():
+    """A table's rows are read, drawn, handed to a store and saved through its holder's interface
+    (fe_megatron/tables/holders.py); a module that tested for a kind (or for an unset placeholder) would
+    branch on what kind of object a weight is."""
+    found = [f"{name} names {kind}" for name, path in sorted(modules().items()) if name not in PICKS_THE_HOLDER
+             for kind in HOLDER_KINDS if kind in open(path).read()]
+    assert not found, "\n".join(found)
+
+
 def test_inside_the_core_the_tables_sit_below_the_memory_branches(graph):
     _, edges = graph
 

@@ -8,7 +8,7 @@ import torch
 
 from fe_megatron.memory import FactorEngram
 from fe_megatron.memory.inputs import MemoryInputs, schedule_lookups, start_lookups
-from fe_megatron.memory.tables import TableLookup
+from fe_megatron.tables.holders import ModuleLookup
 from fe_megatron.tables.store import StartedLookup, StoreLookup
 from tests.helpers.configs import small_config
 from tests.helpers.memory import randomize
@@ -30,7 +30,7 @@ def test_every_kind_of_table_answers_the_same_protocol_with_the_same_rows(placem
         branch.tables.manage(placement)
     lookup = branch.start_lookup(addresses)
     assert isinstance(lookup, StartedLookup)
-    assert isinstance(lookup, TableLookup if placement == "parameter" else StoreLookup)
+    assert isinstance(lookup, ModuleLookup if placement == "parameter" else StoreLookup)
     assert torch.equal(lookup.indices, addresses)
     torch.testing.assert_close(lookup.rows().detach(), expected, rtol=0, atol=0)
 
