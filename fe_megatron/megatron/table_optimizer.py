@@ -67,6 +67,21 @@ def refuse_table_optimizer_change(folder: str, saved_info: dict, info: dict) -> 
                           "its weights (fe-convert mcore-to-hf, then hf-to-mcore, and --load the output)")
 
 
+def refuse_tables_left_to_ddp(memory_config, table_sharding: str, model_config: str) -> None:
+    """The guard of a model built without its tables moved into stores (``model_config``'s
+    ``tables_into_stores`` unset): the table plan of what the model's configuration says (its tables' dtype
+    and placement, its ``table_sharding``; the optimizer's settings take their defaults) must leave the tables
+    to the engine's optimizer.  Otherwise DDP would all-reduce row shards as if they were whole tables, or no
+    optimizer would train bf16 or host-memory tables."""
+    plan = TablePlan.resolve("megatron", memory_config.table_dtype, placement=memory_config.table_placement,
+                             sharding=table_sharding)
+    if plan.in_stores:
+        raise ValueError(f"the table plan keeps these tables in stores ({', '.join(plan.reasons)}), which must hold "
+                         f"them before DDP wraps the model: set {model_config}.tables_into_stores and add the table "
+                         "optimizer to the chain, as fe_megatron.megatron_lm.run does (TrainerState.take_tables, "
+                         "add_table_member)")
+
+
 def manage_tables(model, optimizer_args, plan: TablePlan, device, seed: int) -> StageTables:
     """Every memory branch of this pipeline stage's ``model`` in a store, kept and trained as the run's
     ``plan`` says (its placement, sharding, state dtype, update rule, and whether the model's state dict

@@ -30,6 +30,7 @@ from megatron.training.models.hybrid import HybridModelBuilder, HybridModelConfi
 from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
+from fe_megatron.megatron.table_optimizer import refuse_tables_left_to_ddp
 from fe_megatron.megatron.transformer_layer import memory_layer_spec
 
 
@@ -121,12 +122,8 @@ class FactorEngramGPTModelBuilder(GPTModelBuilder):
             model = super().build_model(pg_collection, pre_process, post_process, vp_stage)
         if config.tables_into_stores is not None:
             config.tables_into_stores(model)
-        elif config.table_sharding == "rows":
-            raise ValueError("table_sharding='rows' needs the tables in stores before DDP wraps the model (DDP would "
-                             "all-reduce rows that differ on every data-parallel rank): set "
-                             "FactorEngramGPTModelConfig.tables_into_stores and add the table optimizer to the "
-                             "chain, as fe_megatron.megatron_lm.run does (TrainerState.take_tables, "
-                             "add_table_member)")
+        else:
+            refuse_tables_left_to_ddp(config.memory_config, config.table_sharding, "FactorEngramGPTModelConfig")
         return model
 
 
@@ -183,7 +180,6 @@ class FactorEngramHybridModelBuilder(HybridModelBuilder):
             model = super().build_model(pg_collection, pre_process, post_process, vp_stage)
         if config.tables_into_stores is not None:
             config.tables_into_stores(model)
-        elif config.table_sharding == "rows":
-            raise ValueError("table_sharding='rows' needs the tables in stores before DDP wraps the model: set "
-                             "FactorEngramHybridModelConfig.tables_into_stores, as fe_megatron.megatron_lm.run does")
+        else:
+            refuse_tables_left_to_ddp(config.memory_config, config.table_sharding, "FactorEngramHybridModelConfig")
         return model

@@ -84,7 +84,21 @@ def read_megatron_lm() -> dict:
     return {"sparse": plan.in_stores and plan.sparse, "state_bytes": plan.state_bytes_per_parameter(WIDTH)}
 
 
-READERS = [read_plan, read_fe_plan, read_stage_tables, read_resume_guard, read_deepspeed_guard, read_megatron_lm]
+def read_model_guard() -> dict:
+    """The guard of a Megatron-LM model built without its tables in stores
+    (`fe_megatron.megatron.table_optimizer.refuse_tables_left_to_ddp`): it refuses where the plan keeps them there."""
+    from fe_megatron.megatron.table_optimizer import refuse_tables_left_to_ddp
+    from tests.helpers.configs import small_config
+
+    try:
+        refuse_tables_left_to_ddp(small_config(), "replicated", "FactorEngramGPTModelConfig")
+    except ValueError as error:
+        return {"sparse": "optimizer.table_update=adamw" in str(error)}
+    return {"sparse": False}
+
+
+READERS = [read_plan, read_fe_plan, read_stage_tables, read_resume_guard, read_deepspeed_guard, read_megatron_lm,
+           read_model_guard]
 
 
 @pytest.mark.parametrize("reader", READERS, ids=lambda reader: reader.__name__)
