@@ -35,11 +35,16 @@ around its forward runs: ZeRO-3 gathers a partitioned parameter there.
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from fe_megatron import ops
 from fe_megatron.tables.storage import ROW_SCALE, dequantize_rows, has_row_scale, quantize_table
 from fe_megatron.tables.store import StartedLookup
+
+
+NOTHING_OUTSIDE = types.MappingProxyType({})  # the rows are the module's own parameter or buffer
 
 
 def _registered(tables, name: str) -> torch.Tensor:
@@ -54,7 +59,7 @@ class EngineParameter:
     """fp32 rows in the module's parameter ``weight``, trained by the engine's optimizer."""
 
     read_only = False
-    outside_module: dict = {}
+    outside_module = NOTHING_OUTSIDE
 
     def __init__(self, tables):
         self.tables = tables
@@ -84,7 +89,7 @@ class ReadOnlyRows:
     placeholder."""
 
     read_only = True
-    outside_module: dict = {}
+    outside_module = NOTHING_OUTSIDE
 
     def __init__(self, tables, table_dtype: str, mapped: bool = False):
         self.tables, self.table_dtype, self.mapped = tables, table_dtype, mapped
