@@ -14,7 +14,7 @@ through exactly one holder, and never ask which kind it is:
   (`fe_megatron.hf.mmap_tables`; until a file is mapped, an unset placeholder).  A lookup gathers the rows and
   dequantizes only those, to fp32.
 
-The interface (``TableStore`` answers it too):
+The interface (``TableStore`` answers it too, all but ``rows_for_store``: its rows are in a store already):
 
 * ``weight``: the rows, [rows, width];
 * ``gather(indices)``: the rows of ``indices`` ([..., branches] -> [..., branches, width]), now (the module's
