@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from fe_megatron.tables.holders import EngineParameter, ReadOnlyRows
 from fe_megatron.tables.layout import TableLayout
-from fe_megatron.tables.storage import ROW_SCALE, STORAGE, has_row_scale, quantize_table
+from fe_megatron.tables.storage import STORAGE, has_row_scale, quantize_table
 from fe_megatron.tables.store import StartedLookup, TableStore
 
 
@@ -149,5 +149,5 @@ class NgramTables(nn.Module):
     @torch.no_grad()
     def store_(self, weight: torch.Tensor) -> None:
         """Store the fp32 rows ``weight`` in this table's format."""
-        for name, tensor in quantize_table(weight, self.table_dtype).items():
-            getattr(self, "weight" if name == "weight" else ROW_SCALE).copy_(tensor)
+        for name, tensor in quantize_table(weight, self.table_dtype).items():  # "weight", and fp8's "row_scale"
+            getattr(self, name).copy_(tensor)

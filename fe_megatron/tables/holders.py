@@ -40,7 +40,7 @@ import types
 import torch
 
 from fe_megatron import ops
-from fe_megatron.tables.storage import ROW_SCALE, dequantize_rows, has_row_scale, quantize_table
+from fe_megatron.tables.storage import ROW_SCALE, dequantize_rows, has_row_scale
 from fe_megatron.tables.store import StartedLookup
 
 
@@ -55,10 +55,9 @@ def _registered(tables, name: str) -> torch.Tensor:
     raise AttributeError(name)
 
 
-class EngineParameter:
-    """fp32 rows in the module's parameter ``weight``, trained by the engine's optimizer."""
+class _ModuleRows:
+    """Rows held in the module's own tensors (``tables``: the `NgramTables`), read when asked."""
 
-    read_only = False
     outside_module = NOTHING_OUTSIDE
 
     def __init__(self, tables):
@@ -68,12 +67,16 @@ class EngineParameter:
     def weight(self) -> torch.Tensor:
         return _registered(self.tables, "weight")
 
+    def start_lookup(self, indices: torch.Tensor, device) -> StartedLookup:
+        return ModuleLookup(self.tables, indices.to(device))
+
+
+class EngineParameter(_ModuleRows):
+    """fp32 rows in the module's parameter ``weight``, trained by the engine's optimizer."""
+
     def gather(self, indices: torch.Tensor) -> torch.Tensor:
         """Differentiable, in the parameter's dtype."""
         return ops.gather_rows(self.weight, indices)
-
-    def start_lookup(self, indices: torch.Tensor, device) -> StartedLookup:
-        return ModuleLookup(self.tables, indices.to(device))
 
     @torch.no_grad()
     def initialize(self, draw) -> None:
@@ -83,20 +86,14 @@ class EngineParameter:
         return self.weight.detach()
 
 
-class ReadOnlyRows:
+class ReadOnlyRows(_ModuleRows):
     """Serving rows, in the module's ``weight`` (and, for fp8, ``row_scale``) in the format ``table_dtype``;
     ``mapped``: the rows come from a checkpoint file, mapped by `fe_megatron.hf.mmap_tables` into an unset
     placeholder."""
 
-    read_only = True
-    outside_module = NOTHING_OUTSIDE
-
     def __init__(self, tables, table_dtype: str, mapped: bool = False):
-        self.tables, self.table_dtype, self.mapped = tables, table_dtype, mapped
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return _registered(self.tables, "weight")
+        super().__init__(tables)
+        self.table_dtype, self.mapped = table_dtype, mapped
 
     def row_scales(self, flat: torch.Tensor):
         """The scales of rows ``flat`` (fp8), or None."""
@@ -111,9 +108,6 @@ class ReadOnlyRows:
         rows = ops.gather_rows_forward(self.weight, flat)
         return dequantize_rows(rows, self.row_scales(flat)).view(*indices.shape, -1)
 
-    def start_lookup(self, indices: torch.Tensor, device) -> StartedLookup:
-        return ModuleLookup(self.tables, indices.to(device))
-
     @torch.no_grad()
     def initialize(self, draw) -> None:
         if self.mapped:  # the rows come from a file
@@ -121,8 +115,7 @@ class ReadOnlyRows:
         if has_row_scale(self.table_dtype):  # drawn in fp32, then stored with each row's scale
             values = torch.empty(self.weight.shape, device=self.weight.device)
             draw(values)
-            for name, tensor in quantize_table(values, self.table_dtype).items():
-                _registered(self.tables, name).copy_(tensor)
+            self.tables.store_(values)
         else:  # bf16 rounded to nearest block by block, by the draw (no fp32 copy of the table)
             draw(self.weight)
 

@@ -173,8 +173,6 @@ class TableStore:
         return self.row_gradients is not None
 
     # ----------------------------------------------------------------- the holders' interface (tables/holders.py)
-    read_only = False
-
     @property
     def outside_module(self) -> dict:
         """The rows, which are no parameter or buffer of the module that reads them."""
