@@ -87,6 +87,16 @@ def _fresh_seed(request):
     yield
 
 
+@pytest.fixture
+def process_group(tmp_path):
+    """torch.distributed's default group of this one process (gloo), for code that takes part in collectives."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def megatron_world():
     """megatron.core's process groups for one process (gloo, the CPU backend on a CPU machine), for

@@ -7,17 +7,9 @@ rename survives a power loss) and before the tracker names the new checkpoint.""
 import os
 
 import pytest
-import torch.distributed as dist
 
 from fe_megatron.checkpoint import commit as commit_module
 from fe_megatron.checkpoint.files import MANIFEST, TRACKER, CheckpointError, read_manifest, read_tracker
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_rename_is_synced_before_the_tracker_names_it(tmp_path, process_group, monkeypatch):

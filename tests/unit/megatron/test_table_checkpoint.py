@@ -4,7 +4,6 @@ and the settings to keep. Across ranks, layouts and engines: tests/integration/t
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fe_megatron.checkpoint.files import CheckpointError
 from fe_megatron.memory import FactorEngram
@@ -14,13 +13,6 @@ from fe_megatron.training.config import OptimizerArgs
 from tests.helpers.configs import small_config
 
 pytest.importorskip("megatron.core", reason="megatron-core is installed by the project's set-up (make setup)")
-
-
-@pytest.fixture
-def process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def stage_tables(update: str, seed: int) -> StageTables:
