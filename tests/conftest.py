@@ -35,7 +35,7 @@ NEWEST_STACK_SUBSET = (
     "tests/unit/megatron/test_transformer_layer.py",
     "tests/unit/megatron/test_layer_specs.py",
     "tests/unit/megatron/test_cpu_backend.py",
-    "tests/unit/megatron/test_megatron_lm_spec.py",
+    "tests/integration/test_fresh_interpreter.py::test_megatron_lm_spec_module_reads_the_environment",
     "tests/unit/megatron/test_hybrid_specs.py",
     "tests/unit/megatron/test_hybrid_model.py",
     "tests/unit/test_hybrid_pattern.py",
@@ -44,7 +44,7 @@ NEWEST_STACK_SUBSET = (
     "tests/integration/test_row_sharding.py::test_the_hybrid_model_s_rows_at_dp2_match_its_whole_tables_at_dp1",
     "tests/integration/test_row_sharding.py::test_a_stage_s_layers_share_one_exchange[2]",
     "tests/integration/test_checkpoint_versions.py",
-    "tests/unit/test_install.py",
+    "tests/integration/test_install.py",
     "tests/integration/test_deepspeed.py::test_zero_3_matches_the_megatron_engine_and_resumes_exactly",
     "tests/unit/deepspeed/test_clipping.py::test_the_deepspeed_internals_that_clipping_wraps_are_there",
     "tests/unit/hf/test_modeling.py::test_cached_greedy_generation_equals_full_recompute",
@@ -54,17 +54,36 @@ NEWEST_STACK_SUBSET = (
     "tests/integration/test_megatron_lm_recipes.py",
     "tests/integration/test_megatron_lm_hybrid.py",
     "tests/integration/test_hybrid_train.py",
-    "tests/unit/training/test_distributed.py::test_destroying_the_groups_keeps_other_libraries_caches",
+    "tests/integration/test_fresh_interpreter.py::test_destroying_the_groups_keeps_other_libraries_caches",
 )
 
 
+# The make targets run the tests in two pytest-xdist workers (`-n 2 --dist loadgroup`): a test file goes
+# to one worker whole, so that its module-scoped fixtures (a trained run, a ZeRO-3 run) are made once.
+# Files that share a session-scoped product, or a machine-wide daemon, go to one worker together.
+SAME_WORKER = {
+    # the session's `reference` runs (tests/integration/conftest.py)
+    "tests/integration/test_row_sharding.py": "reference", "tests/integration/test_table_stores.py": "reference",
+    "tests/integration/test_table_update.py": "reference",
+    # the SLURM clusters share the machine's munged (/run/munge)
+    "tests/integration/test_slurm.py": "slurm", "tests/integration/test_multinode.py": "slurm",
+}
+
+
 def _in_newest_stack_subset(nodeid: str, entry: str) -> bool:
+    nodeid = nodeid.split("@")[0]  # under --dist loadgroup pytest-xdist adds "@<group>"
     return nodeid == entry or nodeid.startswith(entry + "::") or nodeid.startswith(entry + "[")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Mark `NEWEST_STACK_SUBSET` with ``newest_stack``; under ``-m newest_stack`` an entry that
-    matches no collected test (renamed, or removed) is an error, so the subset never shrinks silently."""
+    matches no collected test (renamed, or removed) is an error, so the subset never shrinks silently.
+    Each test gets its pytest-xdist group: its file's, or the one `SAME_WORKER` names."""
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(SAME_WORKER.get(path, path)))
     matched = set()
     for item in items:
         for entry in NEWEST_STACK_SUBSET:

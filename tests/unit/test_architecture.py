@@ -188,19 +188,6 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_training_entry_module_imports_nothing_heavy():
-    """A process that multiprocessing's spawn starts imports the parent's main module again: under
-    ``-m fe_megatron.train`` and ``fe-pretrain`` megatron-core's checkpoint writer starts its helper
-    so at the first save, which cost the trainer 1 s while the helper imported torch."""
-    import subprocess
-    import sys
-
-    script = ("import sys, fe_megatron.train; heavy = [m for m in ('torch', 'megatron', 'deepspeed', 'numpy') "
-              "if m in sys.modules]; print(heavy)")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
-
-
 ARCHITECTURE = os.path.join(os.path.dirname(PACKAGE), "docs", "architecture.md")
 
 

@@ -1,16 +1,10 @@
 """fe-demo (`fe_megatron.demo`) without its training runs: the paired throughput measurement and what the
-command refuses; the demo's short run is tests/integration/test_demo.py."""
+command refuses outside a repository; the demo's short run is tests/integration/test_demo.py, the command
+refusing zero steps tests/integration/test_commands.py."""
 
 import os
 
 import pytest
-
-from tests.helpers.commands import command, run
-
-
-def test_fe_demo_refuses_zero_steps():
-    proc = run(command("fe-demo") + ["--steps", "0"])
-    assert proc.returncode == 2 and "argument --steps: 0 is not a positive number of steps" in proc.stderr
 
 
 def test_the_demo_times_both_models_alternately_so_that_they_meet_the_same_load():

@@ -1,5 +1,5 @@
-"""fe-convert (`fe_megatron.convert`): bad input is refused by name and nothing is written, and graft's
-presets are listed."""
+"""fe-convert (`fe_megatron.convert`): bad input is refused by name and nothing is written. graft's presets,
+as the command lists them, are tests/integration/test_commands.py's."""
 
 import os
 
@@ -9,7 +9,6 @@ from fe_megatron.convert.common import ConversionError
 from fe_megatron.convert.graft import graft
 from fe_megatron.convert.to_hf import mcore_to_hf
 from fe_megatron.convert.to_mcore import hf_to_mcore
-from tests.helpers.commands import command, run
 from tests.helpers.models import tiny_model
 
 
@@ -44,12 +43,3 @@ def test_bad_input_is_refused_and_nothing_is_written(tmp_path, base_llama):
     assert not os.path.exists(tmp_path / "out4") and not os.path.exists(tmp_path / "out4.tmp")
 
     assert main(["mcore-to-hf", "--load", str(not_a_run), "--output", str(tmp_path / "out5")]) == 2
-
-
-def test_graft_lists_the_memory_presets():
-    from fe_megatron.presets import PRESETS
-
-    proc = run(command("fe-convert") + ["graft", "--help"])
-    assert "--list-presets" not in proc.stdout and "factorengram-tiny" in proc.stdout
-    proc = run(command("fe-convert") + ["graft", "--base", "x", "--memory-preset", "nope", "--output", "y"])
-    assert proc.returncode == 2 and "invalid choice: 'nope'" in proc.stderr and sorted(PRESETS)[0] in proc.stderr

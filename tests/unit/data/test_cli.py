@@ -1,5 +1,5 @@
-"""fe-data (`fe_megatron.data.cli`): its counts, its options' help, bad input refused before anything is
-written, and no third-party noise."""
+"""fe-data (`fe_megatron.data.cli`): its counts, its options' help, and bad input refused before anything is
+written. The command without third-party noise, as a user runs it, is tests/integration/test_commands.py's."""
 
 import json
 import sys
@@ -8,7 +8,6 @@ import pytest
 
 from fe_megatron.data.cli import main as fe_data
 from fe_megatron.data.sources import DataError, validate_inputs
-from tests.helpers.commands import command, run
 
 
 def test_preprocess_reports_counts(small_data, tmp_path, capsys):
@@ -65,11 +64,3 @@ def test_hf_input_without_datasets_names_the_extra_and_writes_nothing(tmp_path, 
                   small_data["tokenizer"], "--output-prefix", str(prefix), "--no-progress"])
     assert rc == 2
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
-
-
-def test_fe_data_prints_no_third_party_warnings(small_data, tmp_path):
-    proc = run(command("fe-data") + ["preprocess", "--input", small_data["subset"], "--tokenizer-model",
-                                      small_data["tokenizer"], "--output-prefix", str(tmp_path / "x"),
-                                      "--no-progress"])
-    assert proc.returncode == 0, proc.stderr
-    assert "Warning" not in proc.stderr, proc.stderr

@@ -1,10 +1,7 @@
 """The Hugging Face model (`fe_megatron.hf.modeling_fe_megatron`): torch.compile through the memory
-branch, initialization, cached generation, the decoding step's lookback, the loss, and loading
-through transformers' Auto classes and remote code."""
-
-import os
-import subprocess
-import sys
+branch, initialization, cached generation, the decoding step's lookback, the loss, and gradient
+checkpointing. Loading through transformers' Auto classes and remote code, in a fresh interpreter, is
+tests/integration/test_hf_loading.py's."""
 
 import pytest
 import torch
@@ -125,55 +122,3 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement):
     assert any(".memory.tables." in name for name in grads) and grads.keys() == grads_checkpointed.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grads_checkpointed[name], grad, rtol=0, atol=0, msg=name)
-
-
-def logits_through_remote_code(directory, ids: torch.Tensor) -> torch.Tensor:
-    """The logits for ``ids`` of the model in ``directory`` loaded with trust_remote_code, in a fresh process
-    that never imports fe_megatron.hf itself (its own model file does what it does)."""
-    torch.save(ids, os.path.join(directory, "ids.pt"))
-    code = f"""
-import torch
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained({str(directory)!r}, trust_remote_code=True)
-assert "fe_megatron.hf" not in type(model).__module__, type(model).__module__
-torch.save(model(torch.load({os.path.join(directory, 'ids.pt')!r})).logits, {os.path.join(directory, 'remote.pt')!r})
-"""
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(directory))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(os.path.join(directory, "remote.pt"))
-
-
-def test_a_folder_converted_by_the_previous_release_still_loads_its_own_model_file(tmp_path):
-    """A converted folder keeps the model file `fe-convert` copied into it, which imports the installed
-    fe_megatron: the copy written up to 2026-11-27 loads with trust_remote_code and gives the same logits."""
-    import shutil
-
-    from fe_megatron.hf import AUTO_MAP, write_modeling_files
-    from tests.helpers.paths import TEST_DATA
-
-    model = tiny_model()
-    model.config.auto_map = AUTO_MAP
-    model.save_pretrained(tmp_path)
-    write_modeling_files(str(tmp_path))
-    shutil.copyfile(os.path.join(TEST_DATA, "hf_model_file_2026_11_27", "modeling_fe_megatron.py"),
-                    tmp_path / "modeling_fe_megatron.py")
-    ids = torch.randint(3, 256, (2, 10))
-    torch.testing.assert_close(logits_through_remote_code(tmp_path, ids), model(ids).logits, rtol=0, atol=0)
-
-
-def test_loads_through_auto_registration_and_remote_code(tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from fe_megatron.hf import AUTO_MAP, write_modeling_files
-
-    model = tiny_model()
-    model.config.auto_map = AUTO_MAP
-    model.save_pretrained(tmp_path)
-    write_modeling_files(str(tmp_path))
-    assert os.path.isfile(tmp_path / "model.safetensors")
-    ids = torch.randint(3, 256, (2, 10))
-    expected = model(ids).logits
-    registered = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert type(registered).__name__ == "FactorEngramForCausalLM"
-    assert torch.equal(registered(ids).logits, expected)
-    assert torch.equal(logits_through_remote_code(tmp_path, ids), expected)

@@ -1,20 +1,17 @@
 """The converted Hugging Face tokenizer (`fe_megatron.hf.tokenizer`): sentencepiece's ids for every
-text, decoding that keeps the space between a prompt and its continuation, loading without custom
-code, and old converted directories."""
+text, decoding that keeps the space between a prompt and its continuation, and old converted
+directories. Loading without custom code, in a fresh interpreter, is tests/integration/test_hf_loading.py's."""
 
-import gzip
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers.paths import CORPUS, ROOT
+from tests.helpers.paths import ROOT
+from tests.helpers.tokenizers import converted_model_directory, train_fe_data_tokenizer
 
 # a real 32K sentencepiece model (Mistral 7B's, Apache-2.0), bundled in data/tokenizers/
 MISTRAL = os.path.join(ROOT, "data", "tokenizers",
@@ -37,21 +34,6 @@ FRAGMENTS = [" ", "  ", "   ", "\t", "\t\t", "\n", "\n\n", "\r\n", " \n ", "\u30
 # NFC "fí").  Unpaired surrogates have their own test.
 CHARACTERS = st.characters(exclude_categories=("Cs", "Mn", "Mc", "Me"))
 TEXTS = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(CHARACTERS, max_size=6)), max_size=24).map("".join)
-
-
-def train_fe_data_tokenizer(directory, vocab_size=1000, documents=40) -> str:
-    from fe_megatron.data.cli import main as fe_data
-
-    subset = os.path.join(directory, "subset.jsonl")
-    with gzip.open(CORPUS, "rt") as src, open(subset, "w") as dst:
-        for i, line in enumerate(src):
-            if i >= documents:
-                break
-            dst.write(line)
-    prefix = os.path.join(directory, "tok")
-    assert fe_data(["train-tokenizer", "--input", subset, "--output-prefix", prefix,
-                    "--vocab-size", str(vocab_size)]) == 0
-    return prefix + ".model"
 
 
 @pytest.fixture(scope="module", params=["fe-data", "mistral_32k"])
@@ -135,86 +117,11 @@ def test_prompt_plus_decoded_continuation_reads_as_the_whole_sequence(converted,
     assert sp.decode(prompt_ids) + hf.decode(new, skip_special_tokens=True) == whole
 
 
-# ----------------------------------------------------------------------------- loading
-CHECK_LOADING = textwrap.dedent("""
-    import json, logging, sys, warnings
-    directory, register = sys.argv[1], sys.argv[2] == "register"
-    if register:
-        import fe_megatron.hf
-    records = []
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-    import transformers
-    transformers.logging.get_logger().addHandler(Keep(logging.WARNING))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    print(json.dumps({"warnings": [str(w.message) for w in caught] + records,
-                      "ids": tokenizer.encode("—  They", add_special_tokens=False)}))
-""")
-
-
-def load_in_fresh_process(directory, register=False) -> dict:
-    """AutoTokenizer in a new interpreter with stdin closed (a question would fail, not wait)."""
-    proc = subprocess.run([sys.executable, "-c", CHECK_LOADING, directory, "register" if register else "-"],
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture(scope="module")
 def model_directory(tmp_path_factory):
     """A converted directory as ``fe-convert mcore-to-hf`` lays it out: config.json (model_type
     fe_megatron, auto_map to the modeling files), a tiny random model, the tokenizer."""
-    import torch
-
-    from fe_megatron.config import BackboneConfig, MemoryConfig
-    from fe_megatron.hf import (AUTO_MAP, FactorEngramConfig, FactorEngramForCausalLM, save_tokenizer,
-                                write_modeling_files)
-
-    base = tmp_path_factory.mktemp("model")
-    model_file = train_fe_data_tokenizer(str(base), vocab_size=600, documents=20)
-    directory = str(base / "hf")
-    tokenizer = save_tokenizer(model_file, directory)
-    backbone = BackboneConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_attention_heads=2,
-                              ffn_hidden_size=64, seq_length=128)
-    memory = MemoryConfig(backbone=backbone, ngram_orders=[1, 2], heads_per_order=1,
-                          table_capacity=[len(tokenizer), 997], coeff_width=16, memory_dim=16, layers=[1])
-    config = FactorEngramConfig.from_fe_megatron(
-        backbone, memory, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, architectures=["FactorEngramForCausalLM"], auto_map=AUTO_MAP)
-    torch.manual_seed(0)
-    FactorEngramForCausalLM(config).eval().save_pretrained(directory)
-    write_modeling_files(directory)
-    return directory, model_file
-
-
-def test_the_tokenizer_alone_loads_without_question_or_warning(model_directory, tmp_path):
-    from fe_megatron.hf import save_tokenizer
-
-    _, model_file = model_directory
-    save_tokenizer(model_file, str(tmp_path))
-    result = load_in_fresh_process(str(tmp_path))
-    assert result["warnings"] == [] and result["ids"] == spm.SentencePieceProcessor(model_file=model_file).encode(
-        "—  They")
-
-
-def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_once_registered(model_directory):
-    directory, model_file = model_directory
-    result = load_in_fresh_process(directory, register=True)
-    assert result["warnings"] == []
-    assert result["ids"] == spm.SentencePieceProcessor(model_file=model_file).encode("—  They")
-
-
-@pytest.mark.xfail(strict=True, reason="transformers' AutoTokenizer reads config.json (AutoConfig) before "
-                   "any tokenizer file; its auto_map to custom code asks for trust_remote_code and then warns "
-                   "'model of type fe_megatron'. The tokenizer files cannot change that: config.json can")
-def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_in_a_bare_interpreter(
-        model_directory):
-    directory, _ = model_directory
-    assert load_in_fresh_process(directory)["warnings"] == []
+    return converted_model_directory(tmp_path_factory.mktemp("model"))
 
 
 def test_an_old_converted_directory_still_loads_and_can_be_rewritten(model_directory, tmp_path):

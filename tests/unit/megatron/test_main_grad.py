@@ -7,7 +7,7 @@ import torch
 
 import fe_megatron.megatron  # noqa: F401  (registers the sink, as every use of the adapter does)
 from fe_megatron.megatron.main_grad import accumulate_into_main_grad
-from tests.unit.ops.test_kernels import COMPILED, device_of, two_microbatches_of_a_table
+from tests.helpers.kernels import COMPILED, device_of, two_microbatches_of_a_table
 
 
 @pytest.mark.parametrize("backend", ("torch",) + COMPILED)

@@ -23,27 +23,7 @@ from fe_megatron.ngram import NgramHasher
 from fe_megatron.ops import reference
 from tests.helpers.configs import small_config
 from tests.helpers.hashing import GOLDEN_CONFIG, GOLDEN_IDS, GOLDEN_INDICES
-
-COMPILED = ("cpp", "cuda", "triton")
-CUDA = torch.cuda.is_available()
-SKIP_REASON = {
-    "cpp": "the C++ extension is not built",
-    "cuda": "needs a CUDA device and the _C_cuda extension (built by setup.py where torch has CUDA)",
-    "triton": "needs Triton with a GPU, or TRITON_INTERPRET=1 on CPU",
-}
-DEVICE = {"torch": "cuda" if CUDA else "cpu", "cpp": "cpu", "cuda": "cuda", "triton": "cuda" if CUDA else "cpu"}
-
-
-def device_of(backend: str) -> torch.device:
-    if backend not in ops.available_backends():
-        pytest.skip(f"backend {backend!r}: {SKIP_REASON[backend]}")
-    return torch.device(DEVICE[backend])
-
-
-def small(backend: str, large: int, interpreted: int) -> int:
-    """Problem size: Triton's interpreter pays per program and per loop step, so it gets less."""
-    return interpreted if backend == "triton" and not CUDA else large
-
+from tests.helpers.kernels import COMPILED, CUDA, device_of, duplicate_heavy_indices, small, two_microbatches_of_a_table
 
 def random_hash_constants(branches: int, window: int, vocab: int, device):
     """Branches of random orders: odd multipliers below the int64-safe bound, zero past the order."""
@@ -135,19 +115,6 @@ def test_the_chosen_backend_is_the_process_s_and_the_backward_keeps_the_forward_
     assert calls == ["cpp"] and weight.grad is not None and weight.grad.abs().sum() > 0
 
 
-@pytest.mark.skipif(CUDA, reason="checks the message on a machine without a GPU")
-def test_triton_on_cpu_says_how_to_make_it_available():
-    import os
-    import subprocess
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from fe_megatron import ops\nwith ops.use_backend('triton'):\n    pass"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert proc.returncode != 0
-    assert "kernel backend 'triton' is not available here: it needs the triton package and a GPU; on a CPU set " \
-           "TRITON_INTERPRET=1 before fe_megatron.ops is imported" in proc.stderr
-
-
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device to check device refusal of the cpp backend")
 def test_forced_backend_refuses_other_device():
     with ops.use_backend("cpp"), pytest.raises(ValueError, match="cannot run on cuda tensors"):
@@ -204,15 +171,6 @@ def test_gather_forward_bit_identical(backend, dtype):
         with ops.use_backend(backend):
             got = ops.gather_rows(weight, indices.view(-1, 1))
         assert got.shape == (count, 1, width) and torch.equal(got.view(count, width), weight[indices])
-
-
-def duplicate_heavy_indices(rows: int, count: int, device) -> torch.Tensor:
-    """Random rows plus a hot row that spans many chunks, a run at the very end, and isolated rows."""
-    indices = torch.randint(0, rows, (count,))
-    hot = torch.rand(count) < 0.3
-    indices[hot] = 7
-    indices[-5:] = rows - 1
-    return indices.to(device)
 
 
 @pytest.mark.parametrize("backend", COMPILED)
@@ -287,25 +245,6 @@ def test_cuda_and_triton_sum_in_the_same_order(out_dtype):
         outs[backend] = torch.zeros(rows, width, dtype=out_dtype, device="cuda")
         ops.get_backend(backend).module.gather_rows_backward(grad_rows, indices, outs[backend], True)
     assert torch.equal(outs["cuda"], outs["triton"])
-
-
-def two_microbatches_of_a_table(backend: str, device) -> tuple:
-    """``(weight, backward, expected)``: a fresh random table [97, 40], ``backward()`` running two
-    microbatches' lookups of duplicate-heavy rows through ``backend`` and back, and the gradient the torch
-    reference gives them (``weight.grad`` is left empty)."""
-    rows, width = 97, 40
-    weight = torch.randn(rows, width, device=device, requires_grad=True)
-    batches = [duplicate_heavy_indices(rows, small(backend, 3000, 300), device).view(-1, 3) for _ in range(2)]
-    upstream = [torch.randn(*b.shape, width, device=device) for b in batches]
-
-    def backward(through: str = backend) -> None:
-        with ops.use_backend(through):
-            for idx, up in zip(batches, upstream):
-                (ops.gather_rows(weight, idx) * up).sum().backward()
-
-    backward("torch")
-    expected, weight.grad = weight.grad.clone(), None
-    return weight, backward, expected
 
 
 @pytest.mark.parametrize("backend", COMPILED)

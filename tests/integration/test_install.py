@@ -1,5 +1,6 @@
-"""setup.py builds the CUDA kernels only where they can be built, and says why not once; forcing the
-build on where it cannot build fails loudly (FE_MEGATRON_CUDA, docs/compatibility.md)."""
+"""setup.py's kernel build, each case a ``setup.py --version`` (which decides the extensions) in a process of
+its own: setup.py builds the CUDA kernels only where they can be built, and says why not once; forcing the
+build on where it cannot build fails loudly, naming the reason (FE_MEGATRON_CUDA, docs/compatibility.md)."""
 
 import os
 import subprocess
