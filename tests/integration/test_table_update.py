@@ -11,6 +11,14 @@ def check_sharding(*args, nproc: int):
     assert "0 failures" in out
 
 
+# TP=2 against TP=1: the two split the dense layers' matrix products differently and so round
+# differently, and Adam's per-element normalization carries that rounding into the weights (SGD does
+# not: tests/distributed/check_gpt_parallel.py compares TP=2 with TP=1 within 1e-5).  After two Adam
+# steps a dense weight differed by 1.425e-05 relative on a 2-core Xeon (2026-11-29), every run alike;
+# every comparison within one tensor-parallel size keeps 1e-5.
+ACROSS_TP = ("--tol", "5e-5")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("rule, per_row", [("rowwise_adagrad", "momentum"), ("partial_rowwise_adam", "exp_avg_sq")])
 def test_a_row_wise_rule_trains_alike_at_every_layout_and_resumes_across_them(reference, tmp_path, rule, per_row):
@@ -41,14 +49,14 @@ def test_a_row_wise_rule_trains_alike_at_every_layout_and_resumes_across_them(re
         assert tuple(saved[f"optimizer.state.row_{per_row}.{name}"].size) == (rows, 1)
         if rule == "partial_rowwise_adam":  # its first moment, per parameter, sharded as the table
             assert tuple(saved[f"optimizer.state.exp_avg.{name}"].size) == (rows, width)
-    resumed = ["rows_step1"]
+    resumed = {"rows_step1": ()}
     if rule == "rowwise_adagrad":  # TP=2's per-row state is the rules' shared code (row_state_sharding)
         check_sharding("--tables", "replicated", "--tp", "2", *update, "--init", init, "--steps", "0:3", *compare,
-                       "--save-step", "1", str(tmp_path / "tp2_step1"), nproc=2)
-        resumed.append("tp2_step1")
-    for saved in resumed:  # both reshard to whole tables on one rank
+                       "--save-step", "1", str(tmp_path / "tp2_step1"), *ACROSS_TP, nproc=2)
+        resumed["tp2_step1"] = ACROSS_TP
+    for saved, tolerance in resumed.items():  # both reshard to whole tables on one rank
         check_sharding("--tables", "replicated", *update, "--load", str(tmp_path / saved), "--steps", "1:3",
-                       *compare, nproc=1)
+                       *compare, *tolerance, nproc=1)
 
 
 @pytest.mark.distributed
