@@ -43,7 +43,8 @@ NO_TESTS = { rc=$$?; [ $$rc -ne 5 ] || echo "make: pytest collected no tests (ex
 test: setup
 	$(PY) -m pytest -q $(XDIST) tests || $(NO_TESTS)
 
-# The unit tier: in one process, no training run and no torchrun (about 2 minutes on 2 cores).
+# The unit tier: in the test processes, no training run, no torchrun and no Python process started
+# (tests/unit/conftest.py refuses one; about 2.5 minutes on 2 cores).
 test-unit: setup
 	$(PY) -m pytest -q $(XDIST) tests/unit || $(NO_TESTS)
 

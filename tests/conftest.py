@@ -165,3 +165,14 @@ def base_llama(tmp_path_factory, small_data):
     LlamaForCausalLM(config).save_pretrained(directory)
     save_tokenizer(small_data["tokenizer"], str(directory))
     return str(directory)
+
+
+@pytest.fixture(scope="module")
+def converted_directory(tmp_path_factory):
+    """``(directory, tokenizer model file)``: a converted directory as ``fe-convert mcore-to-hf`` lays it out
+    (config.json with model_type fe_megatron and auto_map to the modeling files, a tiny random model, the
+    tokenizer): what the tokenizer's tests load in the test process (tests/unit/hf/test_tokenizer.py) and in a
+    fresh interpreter (tests/integration/test_hf_loading.py)."""
+    from tests.helpers.tokenizers import converted_model_directory
+
+    return converted_model_directory(tmp_path_factory.mktemp("converted"))

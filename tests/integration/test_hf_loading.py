@@ -14,7 +14,6 @@ import sentencepiece as spm
 import torch
 
 from tests.helpers.models import tiny_model
-from tests.helpers.tokenizers import converted_model_directory
 
 
 # ----------------------------------------------------------------------------- the model
@@ -99,25 +98,18 @@ def load_in_fresh_process(directory, register=False) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def model_directory(tmp_path_factory):
-    """A converted directory as ``fe-convert mcore-to-hf`` lays it out: config.json (model_type
-    fe_megatron, auto_map to the modeling files), a tiny random model, the tokenizer."""
-    return converted_model_directory(tmp_path_factory.mktemp("model"))
-
-
-def test_the_tokenizer_alone_loads_without_question_or_warning(model_directory, tmp_path):
+def test_the_tokenizer_alone_loads_without_question_or_warning(converted_directory, tmp_path):
     from fe_megatron.hf import save_tokenizer
 
-    _, model_file = model_directory
+    _, model_file = converted_directory
     save_tokenizer(model_file, str(tmp_path))
     result = load_in_fresh_process(str(tmp_path))
     assert result["warnings"] == [] and result["ids"] == spm.SentencePieceProcessor(model_file=model_file).encode(
         "—  They")
 
 
-def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_once_registered(model_directory):
-    directory, model_file = model_directory
+def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_once_registered(converted_directory):
+    directory, model_file = converted_directory
     result = load_in_fresh_process(directory, register=True)
     assert result["warnings"] == []
     assert result["ids"] == spm.SentencePieceProcessor(model_file=model_file).encode("—  They")
@@ -127,6 +119,6 @@ def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_o
                    "any tokenizer file; its auto_map to custom code asks for trust_remote_code and then warns "
                    "'model of type fe_megatron'. The tokenizer files cannot change that: config.json can")
 def test_a_converted_directory_loads_its_tokenizer_without_question_or_warning_in_a_bare_interpreter(
-        model_directory):
-    directory, _ = model_directory
+        converted_directory):
+    directory, _ = converted_directory
     assert load_in_fresh_process(directory)["warnings"] == []

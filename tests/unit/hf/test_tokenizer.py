@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers.paths import ROOT
-from tests.helpers.tokenizers import converted_model_directory, train_fe_data_tokenizer
+from tests.helpers.tokenizers import train_fe_data_tokenizer
 
 # a real 32K sentencepiece model (Mistral 7B's, Apache-2.0), bundled in data/tokenizers/
 MISTRAL = os.path.join(ROOT, "data", "tokenizers",
@@ -117,21 +117,14 @@ def test_prompt_plus_decoded_continuation_reads_as_the_whole_sequence(converted,
     assert sp.decode(prompt_ids) + hf.decode(new, skip_special_tokens=True) == whole
 
 
-@pytest.fixture(scope="module")
-def model_directory(tmp_path_factory):
-    """A converted directory as ``fe-convert mcore-to-hf`` lays it out: config.json (model_type
-    fe_megatron, auto_map to the modeling files), a tiny random model, the tokenizer."""
-    return converted_model_directory(tmp_path_factory.mktemp("model"))
-
-
-def test_an_old_converted_directory_still_loads_and_can_be_rewritten(model_directory, tmp_path):
+def test_an_old_converted_directory_still_loads_and_can_be_rewritten(converted_directory, tmp_path):
     """A directory written by the LlamaTokenizer-based converter (before this module)."""
     from transformers import AutoTokenizer, LlamaTokenizer
 
     from fe_megatron.data.tokenizer import HFTokenizer
     from fe_megatron.hf import save_tokenizer
 
-    _, model_file = model_directory
+    _, model_file = converted_directory
     sp = spm.SentencePieceProcessor(model_file=model_file)
     old = tmp_path / "old"
     old.mkdir()
@@ -146,12 +139,12 @@ def test_an_old_converted_directory_still_loads_and_can_be_rewritten(model_direc
     assert HFTokenizer(str(old)).tokenize("—  They").tolist() == sp.encode("—  They")
 
 
-def test_text_generation_pipeline_keeps_the_space_before_the_continuation(model_directory):
+def test_text_generation_pipeline_keeps_the_space_before_the_continuation(converted_directory):
     from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
     import fe_megatron.hf  # noqa: F401  (registers the model class)
 
-    directory, model_file = model_directory
+    directory, model_file = converted_directory
     sp = spm.SentencePieceProcessor(model_file=model_file)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory).eval()
