@@ -98,10 +98,12 @@ gpu-check:
 
 # The GPU tier's dry run: every step of `make gpu-check` on this CPU at a tiny size, with the CUDA kernels
 # replaced by their torch reference (a bug in the check fails here, not on a lent GPU), on the newest
-# stack (the one a GPU machine has: megatron.training for the recipe step). .ci/run runs it.
+# stack (the one a GPU machine has: megatron.training for the recipe step). .ci/run runs it. Its processes
+# start as the test suite's do (tests/helpers/startup/sitecustomize.py: megatron-core's jit_fuser plain).
 gpu-check-dry: PYTHON_GPU = $(PY_NEWEST)
 gpu-check-dry: setup-newest
-	FE_GPU_CHECK_DRY=1 FE_GPU_CHECK_OUT=$(GPU_RESULTS)-dry $(GPU_CHECK) || $(NO_TESTS)
+	PYTHONPATH=$(abspath tests/helpers/startup)$(if $(PYTHONPATH),:$(PYTHONPATH)) FE_GPU_CHECK_DRY=1 \
+		FE_GPU_CHECK_OUT=$(GPU_RESULTS)-dry $(GPU_CHECK) || $(NO_TESTS)
 
 plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m

@@ -6,12 +6,20 @@ conftest.py (tests/integration/conftest.py: the row-sharding reference runs)."""
 import gzip
 import os
 import random
+import sys
 import zlib
 
 import pytest
 import torch
 
-from tests.helpers.paths import CORPUS
+from tests.helpers.paths import CORPUS, STARTUP
+
+# Every Python process the tests start (pytest-xdist's workers, torchrun's, fe-pretrain's) runs
+# tests/helpers/startup/sitecustomize.py first: megatron-core's jit_fuser is a plain decorator there, which
+# saves each process importing torch's compiler stack (about 2.8 s of CPU). So does this process.
+os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])
+if "megatron.core" not in sys.modules:
+    import tests.helpers.startup.sitecustomize  # noqa: F401,E402 - installs its import hook
 
 # Without a GPU, Triton kernels run in its interpreter (set before fe_megatron.ops looks for backends).
 if not torch.cuda.is_available():
@@ -94,6 +102,51 @@ def pytest_collection_modifyitems(config, items):
         missing = [entry for entry in NEWEST_STACK_SUBSET if entry not in matched]
         if missing:
             raise pytest.UsageError(f"tests/conftest.py NEWEST_STACK_SUBSET names tests that do not exist: {missing}")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
+                     help="show the N tests that used the most CPU, with the processes they started (0: none)")
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of every process it started and waited for (torchrun waits for its
+    workers, subprocess.run for its command): what a test costs on a machine whose cores are all busy."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _count_cpu(item):
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append(("cpu_s", _cpu_seconds() - start))
+
+
+# each phase's CPU goes into its report (so pytest-xdist's workers send it to the process that prints)
+pytest_runtest_setup = pytest.hookimpl(hookwrapper=True)(_count_cpu)
+pytest_runtest_call = pytest.hookimpl(hookwrapper=True)(_count_cpu)
+pytest_runtest_teardown = pytest.hookimpl(hookwrapper=True)(_count_cpu)
+
+_CPU_BY_TEST = {}
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties:
+        if name == "cpu_s":
+            _CPU_BY_TEST[report.nodeid, report.when] = value
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    count = config.getoption("cpu_durations")
+    if not count or not _CPU_BY_TEST:
+        return
+    total = sum(_CPU_BY_TEST.values())
+    terminalreporter.write_sep("=", f"most CPU, {count} of {len(_CPU_BY_TEST)} phases (the test's processes included)")
+    for (nodeid, when), seconds in sorted(_CPU_BY_TEST.items(), key=lambda entry: -entry[1])[:count]:
+        terminalreporter.write_line(f"{seconds:7.2f}s {when:<8} {nodeid}")
+    terminalreporter.write_line(f"{total:7.0f}s of CPU in all the tests' phases")
 
 
 @pytest.fixture(autouse=True)

@@ -12,3 +12,5 @@ DISTRIBUTED = os.path.join(ROOT, "tests", "distributed")
 TEST_DATA = os.path.join(ROOT, "tests", "data")
 # fe-pretrain (or another entry), then a check that no process group's threads are left to end during Python's exit
 ENDS_CLEANLY = os.path.join(DISTRIBUTED, "ends_cleanly.py")
+# the sitecustomize.py of every process the tests start (tests/conftest.py puts it on PYTHONPATH)
+STARTUP = os.path.join(ROOT, "tests", "helpers", "startup")

@@ -1,4 +1,5 @@
-"""What a new Python process sees: the training entry module imports nothing heavy, Triton on a CPU
+"""What a new Python process sees: the training entry module imports nothing heavy, the tests' start-up hook
+is in place (megatron-core's jit_fuser plain), Triton on a CPU
 without its interpreter says how to make it available, the spec module Megatron-LM's own scripts import
 reads its memory from the environment, and destroying the process groups leaves other libraries' caches
 alone. Each runs in an interpreter of its own, whose imports and environment the test process cannot
@@ -22,6 +23,18 @@ def test_the_training_entry_module_imports_nothing_heavy():
               "if m in sys.modules]; print(heavy)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_the_processes_the_tests_start_find_megatron_core_s_jit_fuser_plain():
+    """tests/helpers/startup/sitecustomize.py runs first in every process the tests start (tests/conftest.py
+    puts its folder on PYTHONPATH): megatron-core's jit_fuser is then a plain decorator, which saves each
+    process importing torch's compiler stack; FE_TESTS_KEEP_JIT_FUSER=1 keeps torch.compile."""
+    code = ("import megatron.core.jit as jit, torch; "
+            "print(jit.jit_fuser is jit.noop_decorator, jit.jit_fuser is torch.compile)")
+    for keep, expected in (("0", "True False"), ("1", "False True")):
+        env = dict(os.environ, FE_TESTS_KEEP_JIT_FUSER=keep, PYTHONWARNINGS="ignore")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0 and done.stdout.split("\n")[-2] == expected, (keep, done.stdout + done.stderr)
 
 
 @pytest.mark.skipif(CUDA, reason="checks the message on a machine without a GPU")
