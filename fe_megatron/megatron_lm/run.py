@@ -446,6 +446,7 @@ class TrainerState:
         self.tables = None  # this stage's tables in stores (take_tables), where the plan puts them there
         self.table_member_added = False
         self.model_chunks = []
+        self.step_loss_tokens = 0.0  # under per-token loss: this rank's loss tokens of the step's microbatches
         self._run_info = None
         self.metrics = None  # <save>/metrics.jsonl, on the rank that holds the losses (the last)
         if args.save is not None and args.rank == args.world_size - 1:
@@ -497,7 +498,10 @@ class TrainerState:
             from fe_megatron.megatron.step import pop_sparsity_loss
             from fe_megatron.training.distributed import current_device
 
-            value = pop_sparsity_loss(self.model_chunks, get_num_microbatches())
+            per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
+            value = pop_sparsity_loss(self.model_chunks, get_num_microbatches(),
+                                      self.step_loss_tokens if per_token else None)
+            self.step_loss_tokens = 0.0
             # on the trainer's device: its training_log adds the entries to running sums made on the GPU
             entries["sparsity loss"] = torch.tensor([value], dtype=torch.float32, device=current_device())
         if self.metrics is not None and "lm loss" in loss_dict:
