@@ -411,6 +411,24 @@ def replace_device_rng_state_functions(get_state: Callable, set_state: Callable)
     mcore_random._set_cuda_rng_state = set_state
 
 
+def split_sizes_as_numpy_on_the_host() -> None:
+    """megatron-core's all-to-all token dispatcher (``--moe-token-dispatcher-type alltoall``) turns its
+    split sizes into numpy arrays for ``all_to_all_single`` with ``moe_utils.maybe_move_tensor_to_cpu(...,
+    as_numpy=True)``, which converts a CUDA tensor only: on the host the sizes stayed tensors, and
+    ``all_to_all_single`` refused them ("incompatible function arguments"). The dispatcher's copy converts a
+    host tensor as a device one is converted (a copy, as the device-to-host move makes one)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    move = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_or_convert(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy().copy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_or_convert
+
+
 def _optional_module(name: str):
     try:
         return importlib.import_module(name)
@@ -854,6 +872,13 @@ def _check_cpu_backend_targets():
 
     for name in ("_get_cuda_rng_state", "_set_cuda_rng_state", "get_cuda_rng_tracker"):
         _require(callable(getattr(mcore_random, name, None)), f"tensor_parallel.random.{name} is gone")
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    _has_parameters(moe_utils.maybe_move_tensor_to_cpu, ("tensor", "as_numpy", "record_stream"),
+                    "moe_utils.maybe_move_tensor_to_cpu")
+    _require(getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None) is not None
+             and "maybe_move_tensor_to_cpu(" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher),
+             "the all-to-all token dispatcher no longer moves its split sizes with maybe_move_tensor_to_cpu")
 
 
 def _check_trainer():
