@@ -19,6 +19,7 @@ import importlib
 import os
 import sys
 
+from fe_megatron.training.error_file import tell_the_launcher
 from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
 DESCRIPTION = """\
@@ -99,6 +100,15 @@ def pretrain(cfg) -> dict:
             run.metrics.close()
 
 
+def fail(message: str, exit_code: int, on_this_rank: bool = True) -> int:
+    """Print ``message`` (where ``on_this_rank``) and return ``exit_code``; under torchrun every worker also
+    writes it into its error file, so that torchrun's closing summary, the end of the log, shows it."""
+    if on_this_rank:
+        print(message, file=sys.stderr)
+    tell_the_launcher(message)
+    return exit_code
+
+
 def main(argv=None) -> int:
     # a crash in native code (a kernel, a collective, the exit) prints every thread's Python stack
     if not faulthandler.is_enabled():
@@ -139,9 +149,8 @@ def main(argv=None) -> int:
         cfg = load_train_config(args.config, overrides)
     except (ValueError, FileNotFoundError) as err:  # ConfigError, invalid YAML, a missing file
         # every rank reads the same config: one message, not one per rank (SLURM_PROCID under a bare srun)
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-            print(f"fe-pretrain: error: {err}", file=sys.stderr)
-        return 2
+        return fail(f"fe-pretrain: error: {err}", 2,
+                    on_this_rank=os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0")
     if args.check:
         import dataclasses
         import json
@@ -155,11 +164,9 @@ def main(argv=None) -> int:
     try:
         result = pretrain(cfg)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as err:
-        print(f"fe-pretrain: error: {err}", file=sys.stderr)
-        return 2
+        return fail(f"fe-pretrain: error: {err}", 2)
     except NonFiniteError as err:
-        print(f"fe-pretrain: error: {err}", file=sys.stderr)
-        return NONFINITE_EXIT_CODE
+        return fail(f"fe-pretrain: error: {err}", NONFINITE_EXIT_CODE)
     finally:
         if torch.distributed.is_initialized():
             engine_module(cfg.training.engine).shut_down()

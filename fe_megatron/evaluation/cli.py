@@ -236,6 +236,7 @@ def _output_path(args, report: dict) -> tuple:
 
 
 def main(argv=None) -> int:
+    from fe_megatron.training.error_file import tell_the_launcher
     from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
 
     silence_known_third_party_warnings()
@@ -281,6 +282,7 @@ def main(argv=None) -> int:
         run(args)
     except (ValueError, FileNotFoundError) as err:  # DataError, CheckpointError, ConversionError included
         print(f"fe-eval {args.command}: error: {err}", file=sys.stderr)
+        tell_the_launcher(f"fe-eval {args.command}: error: {err}")  # under torchrun: the end of its log
         code = 2
     else:
         code = 0

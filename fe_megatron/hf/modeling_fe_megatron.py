@@ -110,29 +110,31 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         for module in self.memory.modules():
             module._fe_memory_part = True
 
-    def _memory(self, hidden_states, memory_inputs: MemoryInputs, sparsity_terms: list):
-        """The branch's output on this forward's inputs (its lookup, and token by token its `Decoding`)."""
+    def _memory(self, hidden_states, memory_inputs: MemoryInputs):
+        """``(output, sparsity term)``: the branch's output on this forward's inputs (its lookup, and token by
+        token its `Decoding`), and the layer's term of Eq. 12."""
         decoding = memory_inputs.decoding_of(self.layer_index)
         lookup = memory_inputs.lookup_of(self.layer_index, self.memory, hidden_states.device)
         memory_out, l1 = self.memory(hidden_states, lookup=lookup, decoding=decoding)
         if decoding is not None and decoding.valid is not None:
             l1 = l1[decoding.valid]  # padding is not text
-        sparsity_terms.append(layer_sparsity(l1, len(self.memory.config.layers)))  # Eq. 12
-        return memory_out
+        return memory_out, layer_sparsity(l1, len(self.memory.config.layers))  # Eq. 12
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
-                position_embeddings=None, *, cache=None, memory_inputs: Optional[MemoryInputs] = None,
-                sparsity_terms=None, **kwargs):
-        """Llama's layer with the memory branch at its placement; ``memory_inputs`` is this forward's
-        `fe_megatron.memory.inputs.MemoryInputs`, built by `FactorEngramModel.forward`."""
+                position_embeddings=None, *, cache=None, memory_inputs: Optional[MemoryInputs] = None, **kwargs):
+        """Llama's layer with the memory branch at its placement: ``(hidden states, the layer's sparsity term
+        (Eq. 12))``. ``memory_inputs`` is this forward's `fe_megatron.memory.inputs.MemoryInputs`, built by
+        `FactorEngramModel.forward`. The term is an output, not a side effect, so that gradient checkpointing
+        of either kind (``use_reentrant`` True or False) gives it its gradient: a reentrant checkpoint runs the
+        first pass without autograd and passes gradients only through what the layer returns."""
         if memory_inputs is None:
             raise ValueError("FactorEngramDecoderLayer reads its memory's inputs from memory_inputs, which "
                              "FactorEngramModel.forward builds; run the layer inside the model")
         cache = _one_cache(cache, past_key_values)
         placement = self.memory.config.placement
-        sparsity_terms = [] if sparsity_terms is None else sparsity_terms
         if placement == "before_attn":
-            hidden_states = hidden_states + self._memory(hidden_states, memory_inputs, sparsity_terms)
+            memory_out, sparsity = self._memory(hidden_states, memory_inputs)
+            hidden_states = hidden_states + memory_out
         residual = hidden_states
         attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
                                           attention_mask=attention_mask, position_ids=position_ids,
@@ -140,14 +142,16 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
                                           **{CACHE_KEYWORD: cache}, **kwargs)
         hidden_states = residual + attention_out
         if placement == "before_ffn":
-            hidden_states = hidden_states + self._memory(hidden_states, memory_inputs, sparsity_terms)
+            memory_out, sparsity = self._memory(hidden_states, memory_inputs)
+            hidden_states = hidden_states + memory_out
         residual = hidden_states
         normed = self.post_attention_layernorm(hidden_states)
         if placement == "inside_ffn":
-            up_addend = self._memory(hidden_states, memory_inputs, sparsity_terms)
+            up_addend, sparsity = self._memory(hidden_states, memory_inputs)
             mlp = self.mlp
-            return residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * (mlp.up_proj(normed) + up_addend))
-        return residual + self.mlp(normed)
+            return residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * (mlp.up_proj(normed) + up_addend)), \
+                sparsity
+        return residual + self.mlp(normed), sparsity
 
 
 class FactorEngramPreTrainedModel(LlamaPreTrainedModel):
@@ -270,13 +274,13 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         sparsity_terms: list = []
         for decoder_layer in self.layers[: self.config.num_hidden_layers]:
-            memory_kwargs = {}
+            layer_kwargs = dict(attention_mask=causal_mask, position_embeddings=position_embeddings,
+                                position_ids=position_ids, use_cache=use_cache, **{CACHE_KEYWORD: cache}, **kwargs)
             if isinstance(decoder_layer, FactorEngramDecoderLayer):
-                memory_kwargs = dict(memory_inputs=memory_inputs, sparsity_terms=sparsity_terms)
-            hidden_states = decoder_layer(hidden_states, attention_mask=causal_mask,
-                                          position_embeddings=position_embeddings, position_ids=position_ids,
-                                          use_cache=use_cache, **{CACHE_KEYWORD: cache}, **memory_kwargs,
-                                          **kwargs)
+                hidden_states, sparsity = decoder_layer(hidden_states, memory_inputs=memory_inputs, **layer_kwargs)
+                sparsity_terms.append(sparsity)
+            else:
+                hidden_states = decoder_layer(hidden_states, **layer_kwargs)
         hidden_states = self.norm(hidden_states)
         sparsity = torch.stack(sparsity_terms).sum() if sparsity_terms else None
         return FactorEngramModelOutput(last_hidden_state=hidden_states, sparsity_loss=sparsity,

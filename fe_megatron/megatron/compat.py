@@ -411,6 +411,24 @@ def replace_device_rng_state_functions(get_state: Callable, set_state: Callable)
     mcore_random._set_cuda_rng_state = set_state
 
 
+def split_sizes_as_numpy_on_the_host() -> None:
+    """megatron-core's all-to-all token dispatcher (``--moe-token-dispatcher-type alltoall``) turns its
+    split sizes into numpy arrays for ``all_to_all_single`` with ``moe_utils.maybe_move_tensor_to_cpu(...,
+    as_numpy=True)``, which converts a CUDA tensor only: on the host the sizes stayed tensors, and
+    ``all_to_all_single`` refused them ("incompatible function arguments"). The dispatcher's copy converts a
+    host tensor as a device one is converted (a copy, as the device-to-host move makes one)."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    move = moe_utils.maybe_move_tensor_to_cpu
+
+    def move_or_convert(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy().copy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_or_convert
+
+
 def _optional_module(name: str):
     try:
         return importlib.import_module(name)
@@ -695,7 +713,9 @@ def build_fsdp_device_meshes_on(wrap: Callable) -> None:
 
 def run_trainer_on_host() -> None:
     """Megatron-LM's trainer on a machine without CUDA: ``pretrain`` initializes Megatron without its
-    CUDA assertion (the CPU backend answers the rest, `cpu_backend.enable_cpu_backend(trainer=True)`)."""
+    CUDA assertion (the CPU backend answers the rest, `cpu_backend.enable_cpu_backend(trainer=True)`), and
+    what draws from the CPU generator outside the training steps (the JIT warm-up, the data loaders) leaves
+    the generator that stands in for the device's alone, so that dropout resumes exactly."""
     from megatron.training import initialize, training
 
     training.initialize_megatron = functools.partial(initialize.initialize_megatron, allow_no_cuda=True)
@@ -708,6 +728,24 @@ def run_trainer_on_host() -> None:
             return warm_up(*args, **kwargs)
 
     initialize._warmup_jit_function = warm_up_keeping_cpu_rng
+    # A data loader draws its workers' base seed from the CPU generator whenever an iterator is made: at the
+    # start, at each epoch of a cyclic loader, and after a resume, at other points of the run. On the host
+    # that generator is also the device's, which dropout draws from, so a resumed run's dropout followed
+    # another stream. Each loader draws from a generator of its own (seeded by --seed), as on a GPU, where
+    # dropout's generator is apart from the CPU one.
+    from megatron.training import get_args
+    from megatron.training.datasets import data_samplers
+
+    build_loader = data_samplers.build_pretraining_data_loader
+
+    def build_loader_with_own_generator(dataset, consumed_samples):
+        loader = build_loader(dataset, consumed_samples)
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(get_args().seed)
+        return loader
+
+    data_samplers.build_pretraining_data_loader = build_loader_with_own_generator
+    training.build_pretraining_data_loader = build_loader_with_own_generator
 
 
 def use_built_dataset_helpers() -> None:
@@ -854,6 +892,13 @@ def _check_cpu_backend_targets():
 
     for name in ("_get_cuda_rng_state", "_set_cuda_rng_state", "get_cuda_rng_tracker"):
         _require(callable(getattr(mcore_random, name, None)), f"tensor_parallel.random.{name} is gone")
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    _has_parameters(moe_utils.maybe_move_tensor_to_cpu, ("tensor", "as_numpy", "record_stream"),
+                    "moe_utils.maybe_move_tensor_to_cpu")
+    _require(getattr(token_dispatcher, "maybe_move_tensor_to_cpu", None) is not None
+             and "maybe_move_tensor_to_cpu(" in inspect.getsource(token_dispatcher.MoEAlltoAllTokenDispatcher),
+             "the all-to-all token dispatcher no longer moves its split sizes with maybe_move_tensor_to_cpu")
 
 
 def _check_trainer():
@@ -895,6 +940,13 @@ def _check_trainer():
     _has_parameters(initialize.initialize_megatron, ("allow_no_cuda",), "initialize_megatron")
     _require(callable(getattr(initialize, "_warmup_jit_function", None)), "initialize._warmup_jit_function is gone")
     _require(callable(getattr(training, "initialize_megatron", None)), "training.initialize_megatron is gone")
+    from megatron.training.datasets import data_samplers
+
+    _has_parameters(data_samplers.build_pretraining_data_loader, ("dataset", "consumed_samples"),
+                    "data_samplers.build_pretraining_data_loader")
+    _require("build_pretraining_data_loader(" in inspect.getsource(training.build_train_valid_test_data_loaders),
+             "training.build_train_valid_test_data_loaders no longer builds its loaders with "
+             "build_pretraining_data_loader")
     _has_parameters(training.pretrain, ("cfg_container", "train_valid_test_dataset_provider", "model_type",
                                         "forward_step_func"), "megatron.training.pretrain")
     _require(callable(getattr(dataset_utils, "compile_helpers", None)), "datasets.utils.compile_helpers is gone")

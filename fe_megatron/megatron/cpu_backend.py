@@ -287,6 +287,7 @@ def enable_cpu_backend(trainer: bool = False) -> bool:
     from megatron.core.tensor_parallel import random as mcore_random
 
     compat.replace_device_rng_state_functions(_get_device_rng_state, _set_device_rng_state)
+    compat.split_sizes_as_numpy_on_the_host()  # the all-to-all MoE dispatcher's split sizes
     # The CPU generator stands in for the device generator, so megatron's check that the
     # CPU RNG is untouched inside a tracker fork would warn on every fork.
     logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)

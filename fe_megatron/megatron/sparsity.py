@@ -30,6 +30,8 @@ class SparsityLossAutoScaler(torch.autograd.Function):
     """Identity on ``output``; backward feeds ``main_loss_backward_scale`` as the gradient of ``aux_loss``."""
 
     main_loss_backward_scale: float = 1.0
+    # the weight of a term in the logged value: its microbatch's loss tokens under per-token loss, 1 otherwise
+    log_weight: float = 1.0
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor):
@@ -43,10 +45,13 @@ class SparsityLossAutoScaler(torch.autograd.Function):
         return grad_output, torch.full_like(aux_loss, ctx.scale)
 
     @staticmethod
-    def set_loss_scale(scale: float) -> None:
+    def set_loss_scale(scale: float, log_weight: float = 1.0) -> None:
         """The gradient the aux loss of every memory layer that runs from now on receives (set once
-        per step, or before each microbatch's forward where it differs by microbatch)."""
+        per step, or before each microbatch's forward where it differs by microbatch), and the weight its
+        value is logged with (`pop_sparsity_loss` in `fe_megatron.megatron.step`: the microbatch's loss
+        tokens under per-token loss, so that the log shows the token-weighted mean the gradient follows)."""
         SparsityLossAutoScaler.main_loss_backward_scale = float(scale)
+        SparsityLossAutoScaler.log_weight = float(log_weight)
 
 
 def microbatch_gradient_scale(num_microbatches: int, cp_size: int = 1, per_token_loss: bool = False,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state
@@ -52,9 +53,15 @@ def _unwrap(chunk):
     return chunk
 
 
-def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
+def pop_sparsity_loss(model_chunks: list, num_microbatches: int, loss_tokens: Optional[float] = None) -> float:
     """lambda * L_sparsity for the ``num_microbatches`` microbatches since the last call, averaged
-    over them and over data-parallel ranks, summed over TP shares and pipeline stages."""
+    over them and over data-parallel ranks, summed over TP shares and pipeline stages.
+
+    ``loss_tokens``: under per-token loss (Megatron-LM's ``--calculate-per-token-loss``), this rank's loss
+    tokens over those microbatches (0 on a stage without memory layers), each microbatch's term having
+    been tracked times its own tokens (`SparsityLossAutoScaler.set_loss_scale`): the value is then the
+    token-weighted mean over microbatches and data- and context-parallel ranks, the objective whose
+    gradient the step took (`microbatch_gradient_scale`), not the plain mean."""
     total = torch.zeros(())
     for chunk in model_chunks:
         inner = _unwrap(chunk)
@@ -63,8 +70,17 @@ def pop_sparsity_loss(model_chunks: list, num_microbatches: int) -> float:
     total = total.reshape(1).to(current_device())
     torch.distributed.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
     torch.distributed.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
-    return float(total) / (num_microbatches * parallel_state.get_data_parallel_world_size())
+    if loss_tokens is None:
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        return float(total) / (num_microbatches * parallel_state.get_data_parallel_world_size())
+    tokens = torch.tensor([float(loss_tokens)], device=total.device)
+    data_and_context = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    torch.distributed.all_reduce(total, group=data_and_context)
+    torch.distributed.all_reduce(tokens, group=data_and_context)
+    # every stage that holds memory layers counted the same tokens; the others none
+    torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MAX,
+                                 group=parallel_state.get_pipeline_model_parallel_group())
+    return float(total) / max(float(tokens), 1.0)
 
 
 def mean_lm_loss(losses: list) -> float:

@@ -35,7 +35,7 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.memory_inputs import lookup_of_this_call
 from fe_megatron.megatron.memory_layer import build_memory_branch, memory_sharded_state_dict
-from fe_megatron.megatron.sparsity import attach_sparsity_loss
+from fe_megatron.megatron.sparsity import SparsityLossAutoScaler, attach_sparsity_loss
 from fe_megatron.memory.inputs import MemoryInputs
 from fe_megatron.memory.loss import layer_sparsity, weighted_sparsity
 
@@ -105,7 +105,8 @@ class HostsMemory:
     """A megatron-core layer hosting a memory branch (``self.memory``, ``self.memory_config``; None on a
     layer without one) of block ``self.memory_index``: reads this call's inputs from its model
     (`fe_megatron.megatron.memory_inputs`), runs the branch, tracks its sparsity term (Eq. 12-13) per
-    microbatch for logging (`pop_tracked_sparsity_loss`), and checkpoints it along the sharding plan's axes."""
+    microbatch for logging (`pop_tracked_sparsity_loss`; times its log weight, `SparsityLossAutoScaler.log_weight`),
+    and checkpoints it along the sharding plan's axes."""
 
     tracked_sparsity_loss: list
     memory_index: Optional[int]
@@ -125,7 +126,7 @@ class HostsMemory:
         # Under full recompute the layer runs twice: first inside the checkpoint's forward (grad
         # disabled), then again in backward with grad enabled. Record the value once.
         if torch.is_grad_enabled() or not self.training:
-            self.tracked_sparsity_loss.append(aux_loss.detach())
+            self.tracked_sparsity_loss.append(aux_loss.detach() * SparsityLossAutoScaler.log_weight)
         return memory_out, aux_loss
 
     def pop_tracked_sparsity_loss(self) -> Optional[torch.Tensor]:

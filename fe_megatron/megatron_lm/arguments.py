@@ -204,6 +204,18 @@ def refused_with_stores(args) -> list:
     if getattr(args, "init_model_with_meta_device", False):
         refused.append("--init-model-with-meta-device: tables move into stores as soon as the model is built, "
                        "which needs their values; build the model without it")
+    decoupled_lr = getattr(args, "decoupled_lr", None)
+    decoupled_min_lr = getattr(args, "decoupled_min_lr", None)
+    if decoupled_lr is not None and decoupled_lr == args.lr and (decoupled_min_lr is None
+                                                                 or decoupled_min_lr == args.min_lr):
+        # megatron-core (0.19 on) tells the decoupled groups from the others by their rates only
+        given = f"--decoupled-lr {decoupled_lr}" + (f" and --decoupled-min-lr {decoupled_min_lr}"
+                                                    if decoupled_min_lr is not None else "")
+        refused.append(f"{given}: the same rates as --lr {args.lr} and --min-lr {args.min_lr}, so the embedding's and "
+                       "output layer's parameter groups are the same as the others to megatron-core's checkpoint "
+                       "loader, which pairs groups by their rates (the tables' optimizer joins that chain); drop "
+                       "--decoupled-lr and --decoupled-min-lr, which trains the same schedule, or give them other "
+                       "rates")
     return refused
 
 
@@ -261,11 +273,15 @@ def refused_on_this_host(args, has_cuda: bool) -> list:
     if getattr(args, "profile", False):
         refused.append("--profile: Megatron-LM's profiler drives the CUDA profiler, and this machine has no GPU; "
                        "drop --profile (and --profile-step-start/--profile-step-end)")
-    # fused kernels Megatron-LM's defaults ask for, which are CUDA-only (each has a --no-* flag)
+    # fused kernels Megatron-LM's defaults ask for, which are CUDA-only (each has a --no-* flag), where this
+    # model would run them: the SwiGLU one only in a SwiGLU MLP (megatron.training gives a GeLU MLP
+    # --bias-gelu-fusion instead), the rope one only with rotary embeddings (its validation turns it off
+    # for the others)
     fused = {"--no-gradient-accumulation-fusion": args.gradient_accumulation_fusion,
              "--no-persist-layer-norm": not args.no_persist_layer_norm,
              "--no-masked-softmax-fusion": args.masked_softmax_fusion,
-             "--no-bias-swiglu-fusion": args.bias_swiglu_fusion, "--no-rope-fusion": args.apply_rope_fusion}
+             "--no-bias-swiglu-fusion": args.bias_swiglu_fusion and getattr(args, "swiglu", False),
+             "--no-rope-fusion": args.apply_rope_fusion}
     for flag, asked in fused.items():
         if asked:
             refused.append(f"{flag[len('--no-'):]} (on by default): a fused CUDA kernel, and this machine has no GPU; "

@@ -14,6 +14,7 @@ import torch
 
 from fe_megatron.megatron.cpu_backend import enable_cpu_backend
 from fe_megatron.training.distributed import destroy_process_groups
+from fe_megatron.training.error_file import tell_the_launcher
 
 # Megatron-LM's pretrain_gpt.py features this entry point does not carry (use that script for them)
 NOT_CARRIED = {"sft": "--sft", "fim_data": "--fim-data", "hybrid_context_parallel": "--hybrid-context-parallel",
@@ -180,6 +181,7 @@ def start_up_check(args, on_host: bool, family: str = "gpt") -> StartUpCheck:
     problems += [f"{flag}: not carried over from Megatron-LM's {FAMILIES[family]}.py; use that script for it"
                  for name, flag in NOT_CARRIED.items() if getattr(args, name, False)]
     problems += data_problems(args)
+    problems += schedule_problems(args)
     try:
         checked.memory = memory_config_from_args(args)
     except ValueError as error:
@@ -255,6 +257,47 @@ def stages_without_memory_of(args, memory) -> set:
     return set(stages_without_memory(memory.layers, args.num_layers, args.pipeline_model_parallel_size,
                                      pattern.split("/")[0] if pattern else None,
                                      args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers))
+
+
+def schedule_problems(args) -> list:
+    """What megatron-core's `OptimizerParamScheduler` would stop on with a bare assertion, by the flags that
+    set it: a warm-up at least as long as the decay, a decay of no step, a minimum above the peak rate,
+    a warm-up that starts above it. The steps are counted as megatron.training's
+    ``get_optimizer_param_scheduler`` counts them (samples: iterations times the global batch)."""
+    problems = []
+    if args.train_iters:
+        if args.lr_decay_iters is not None:
+            decay_flag, decay_given = "--lr-decay-iters", args.lr_decay_iters
+        else:
+            decay_flag, decay_given = "--train-iters (the decay's default)", args.train_iters
+        decay = decay_given * args.global_batch_size
+        warmup = args.lr_warmup_iters * args.global_batch_size
+        warmup_given = f"--lr-warmup-iters {args.lr_warmup_iters}"
+    elif args.train_samples:
+        if args.lr_decay_samples is not None:
+            decay_flag, decay_given = "--lr-decay-samples", args.lr_decay_samples
+        else:
+            decay_flag, decay_given = "--train-samples (the decay's default)", args.train_samples
+        decay = decay_given
+        warmup, warmup_given = args.lr_warmup_samples, f"--lr-warmup-samples {args.lr_warmup_samples}"
+    else:
+        return problems  # megatron.training's validation asks for one of them
+    if args.lr_warmup_fraction is not None:
+        warmup, warmup_given = args.lr_warmup_fraction * decay, f"--lr-warmup-fraction {args.lr_warmup_fraction}"
+    if decay <= 0:
+        problems.append(f"{decay_flag} {decay_given}: the learning rate decays over no step; give it at least one")
+    elif warmup >= decay:
+        problems.append(f"{warmup_given} with {decay_flag} {decay_given}: the warm-up ({warmup:g} samples) must end "
+                        f"before the decay does ({decay:g} samples); shorten the warm-up or lengthen the decay")
+    if args.lr is None:
+        return problems  # megatron.training's validation asks for it
+    if args.min_lr > args.lr:
+        problems.append(f"--min-lr {args.min_lr} with --lr {args.lr}: the minimum learning rate is above the peak; "
+                        "lower --min-lr")
+    if args.lr_warmup_init > args.lr:
+        problems.append(f"--lr-warmup-init {args.lr_warmup_init} with --lr {args.lr}: the warm-up starts above the "
+                        "peak learning rate; lower --lr-warmup-init")
+    return problems
 
 
 def data_problems(args) -> list:
@@ -340,14 +383,7 @@ def refuse_arguments(problems: list, rank: int) -> int:
                "\n".join(f"  - {problem}" for problem in problems))
     if rank == 0:
         print(message, file=sys.stderr, flush=True)
-    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:
-        import time
-
-        record = {"message": {"message": message, "extraInfo": {"py_callstack": message,
-                                                                 "timestamp": str(int(time.time()))}}}
-        with open(error_file, "w") as fh:
-            json.dump(record, fh)
+    tell_the_launcher(message)
     return 2
 
 
@@ -410,6 +446,7 @@ class TrainerState:
         self.tables = None  # this stage's tables in stores (take_tables), where the plan puts them there
         self.table_member_added = False
         self.model_chunks = []
+        self.step_loss_tokens = 0.0  # under per-token loss: this rank's loss tokens of the step's microbatches
         self._run_info = None
         self.metrics = None  # <save>/metrics.jsonl, on the rank that holds the losses (the last)
         if args.save is not None and args.rank == args.world_size - 1:
@@ -461,7 +498,10 @@ class TrainerState:
             from fe_megatron.megatron.step import pop_sparsity_loss
             from fe_megatron.training.distributed import current_device
 
-            value = pop_sparsity_loss(self.model_chunks, get_num_microbatches())
+            per_token = bool(getattr(self.args, "calculate_per_token_loss", False))
+            value = pop_sparsity_loss(self.model_chunks, get_num_microbatches(),
+                                      self.step_loss_tokens if per_token else None)
+            self.step_loss_tokens = 0.0
             # on the trainer's device: its training_log adds the entries to running sums made on the GPU
             entries["sparsity loss"] = torch.tensor([value], dtype=torch.float32, device=current_device())
         if self.metrics is not None and "lm loss" in loss_dict:

@@ -18,7 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from fe_megatron.config import BackboneConfig, ConfigError, MemoryConfig, load_yaml, read_yaml_mapping
+from fe_megatron.config import (GATES, MEMORY_KINDS, PLACEMENTS, TABLE_DTYPES, TABLE_PLACEMENTS, BackboneConfig,
+                                ConfigError, MemoryConfig, load_yaml, read_yaml_mapping)
 from fe_megatron.memory.sharding import TABLE_SHARDINGS
 from fe_megatron.tables.optimizer import STATE_DTYPES
 from fe_megatron.tables.plan import TablePlan
@@ -259,6 +260,14 @@ def _where(where: dict, section: str, name: str) -> Optional[str]:
 
 # the sections that are mappings of plain fields, and their classes
 FIELD_SECTIONS = {"parallel": ParallelArgs, "optimizer": OptimizerArgs, "training": TrainingArgs, "data": DataArgs}
+# The fields that take one of a fixed list of names (the lists their checks use): an unknown field given one
+# of these names, ``memory.tables=rowwise_adagrad``, is answered with the field that takes it.
+FIELD_CHOICES = {"memory.kind": MEMORY_KINDS, "memory.gate": GATES, "memory.placement": PLACEMENTS,
+                 "memory.table_dtype": TABLE_DTYPES, "memory.table_placement": TABLE_PLACEMENTS,
+                 "parallel.table_sharding": tuple(TABLE_SHARDINGS), "optimizer.table_update": TABLE_UPDATES,
+                 "optimizer.table_state_dtype": TABLE_STATE_DTYPES, "training.engine": ENGINES,
+                 "training.transformer_impl": TRANSFORMER_IMPLS, "training.kernel_backend": KERNEL_BACKENDS}
+SECTION_FIELDS = {"model": BackboneConfig, "memory": MemoryConfig, **FIELD_SECTIONS}
 
 # sections that may be given as the path of a JSON file (the DeepSpeed config)
 JSON_FILE_SECTIONS = ("deepspeed",)
@@ -303,6 +312,26 @@ def _set_dotted(tree: dict, where: dict, item: str) -> None:
     lines[parts[-1]] = f"override '{item}'"
 
 
+def _check_names_given_as_fields(tree: dict, where: dict) -> None:
+    """An unknown field whose value is a name one field takes (`FIELD_CHOICES`) is refused with that field:
+    ``memory.tables=rowwise_adagrad`` with ``did you mean optimizer.table_update=rowwise_adagrad?``, not with
+    the field whose name is closest."""
+    for section, cls in SECTION_FIELDS.items():
+        values = tree.get(section)
+        if not isinstance(values, dict):
+            continue
+        known = {f.name for f in dataclasses.fields(cls)} | {"preset"}
+        for key in sorted(set(values) - known):
+            value = values[key]
+            if not isinstance(value, str):
+                continue
+            takers = [name for name, choices in FIELD_CHOICES.items() if value in choices]
+            if takers:
+                fields = " or ".join(f"{name}={value}" for name in takers)
+                raise ConfigError(key, f"unknown field; {value} is a value of {' and of '.join(takers)}: "
+                                       f"did you mean {fields}?", _where(where, section, key), section)
+
+
 def _build_section(cls, values, section: str, where: dict):
     if values is None:
         values = {}
@@ -330,6 +359,7 @@ def load_train_config(path: Optional[str], overrides: List[str] = ()) -> TrainCo
     unknown = sorted(set(tree) - known)
     if unknown:
         raise ConfigError(unknown[0], unknown_name("section", unknown[0], known), _where(where, unknown[0], ""), None)
+    _check_names_given_as_fields(tree, where)
     model_where = where.get("model") if isinstance(where.get("model"), dict) else {}
     try:
         model = BackboneConfig.from_dict(tree.get("model") or {}, model_where)

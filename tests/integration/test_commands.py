@@ -198,3 +198,21 @@ def test_overrides_may_sit_between_the_options_and_check_exits_before_training(t
     resolved = json.loads(proc.stdout)
     assert resolved["training"]["train_steps"] == 50 and resolved["training"]["log_interval"] == 1
     assert resolved["save"] == str(tmp_path / "run") and not os.path.exists(tmp_path / "run")
+
+
+# ----------------------------------------------------------------------------- under torchrun
+def test_a_refusal_under_torchrun_ends_the_log(tmp_path):
+    """fe-pretrain and fe-eval refuse their input with exit status 2; under torchrun each worker also writes
+    the message into its error file, so that torchrun's closing summary (the end of the log) shows it rather
+    than ``error_file: <N/A>``. The override's value names the field it belongs to."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = run(torchrun + ["-m", "fe_megatron.train", "--config", CONFIG, "memory.tables=rowwise_adagrad"])
+    tail = "\n".join(proc.stderr.strip().splitlines()[-4:])
+    assert proc.returncode != 0 and "did you mean optimizer.table_update=rowwise_adagrad?" in tail, proc.stderr[-3000:]
+    assert "<N/A>" not in proc.stderr
+
+    proc = run(torchrun + ["-m", "fe_megatron.evaluation.cli", "ppl", "--load", str(tmp_path / "no_run"),
+                           "--data", CONFIG])
+    tail = "\n".join(proc.stderr.strip().splitlines()[-4:])
+    assert proc.returncode != 0 and "fe-eval ppl: error:" in tail and str(tmp_path / "no_run") in tail, \
+        proc.stderr[-3000:]

@@ -35,9 +35,8 @@ else
                --save-interval "$SAVE_INTERVAL" --eval-interval "$TRAIN_ITERS" --eval-iters 1)
     # CPU: fp32 (bf16 runs on a GPU's tensor cores)
     PRECISION_ARGS=()
-    # CPU: --moe-grouped-gemm runs grouped CUDA GEMMs; the all-to-all dispatcher's all_to_all_single with
-    # uneven splits has no gloo form (megatron-core fails in tensor_parallel/mappings.py): allgather instead
-    HOST_ONLY_ARGS=($CPU_DEVICE_ARGS --moe-token-dispatcher-type allgather)
+    # CPU: --moe-grouped-gemm runs grouped CUDA GEMMs (the recipe's all-to-all dispatcher runs on gloo)
+    HOST_ONLY_ARGS=($CPU_DEVICE_ARGS --moe-token-dispatcher-type alltoall)
 fi
 
 MODEL_ARGS=(

@@ -97,10 +97,13 @@ def test_the_loss_is_eq_13():
     assert torch.allclose(out.loss, lm + model.config.memory["sparsity_lambda"] * sparsity, atol=1e-6)
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("placement", ["before_attn", "inside_ffn"])
-def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement):
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement, reentrant):
     """Under transformers' gradient checkpointing each memory layer runs twice; the model's memory inputs then
-    hold the addresses, and each run starts its own lookup (`fe_megatron.memory.inputs`)."""
+    hold the addresses, and each run starts its own lookup (`fe_megatron.memory.inputs`). A reentrant
+    checkpoint runs the first pass without autograd: the sparsity term still gets its gradient (the layer
+    returns it), so the tables' gradients are the same as without checkpointing."""
     torch.manual_seed(3)
     ids = torch.randint(3, 256, (2, 16))
     results = []
@@ -109,8 +112,10 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement):
         model = tiny_model(placement=placement)
         model.train()
         if checkpointing:  # transformers 5.24 renamed it; older releases have only the first name
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
             assert model.model.gradient_checkpointing
         # the config's use_cache=True is dropped under checkpointing; the reference runs without a cache too
         loss = model(ids, labels=ids, **({} if checkpointing else {"use_cache": False})).loss

@@ -77,7 +77,8 @@ def test_per_token_loss_weights_each_microbatch_s_sparsity_term_by_its_tokens(me
     tokens and finalize_model_grads divides by the step's total. With the sparsity scale of
     `microbatch_gradient_scale(per_token_loss=True)`, the scheduled gradients equal those of the
     reference objective written out: sum over microbatches of (summed LM loss + n_mb * lambda * L_sparsity_mb),
-    divided by the step's tokens, on microbatches whose token counts differ widely."""
+    divided by the step's tokens, on microbatches whose token counts differ widely. The logged sparsity loss
+    is that objective's sparsity part (the token-weighted mean), not the plain mean over microbatches."""
     from functools import partial
 
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -85,6 +86,7 @@ def test_per_token_loss_weights_each_microbatch_s_sparsity_term_by_its_tokens(me
 
     from fe_megatron.megatron.builder import build_optimizer, connect_schedule_hooks, wrap_ddp
     from fe_megatron.megatron.sparsity import SparsityLossAutoScaler, microbatch_gradient_scale
+    from fe_megatron.megatron.step import pop_sparsity_loss
 
     mc = tiny_memory_config(sparsity_lambda=0.05)
     torch.manual_seed(5)
@@ -107,8 +109,9 @@ def test_per_token_loss_weights_each_microbatch_s_sparsity_term_by_its_tokens(me
 
     def forward_step(iterator, chunk):
         batch = next(iterator)
-        SparsityLossAutoScaler.set_loss_scale(microbatch_gradient_scale(
-            len(data), per_token_loss=True, num_tokens=float(batch["loss_mask"].sum())))
+        count = float(batch["loss_mask"].sum())  # as fe_megatron.megatron_lm.steps.forward_step sets them
+        SparsityLossAutoScaler.set_loss_scale(microbatch_gradient_scale(len(data), per_token_loss=True,
+                                                                        num_tokens=count), log_weight=count)
         out = chunk(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
         return out, partial(summed_loss, batch["loss_mask"])
 
@@ -119,19 +122,24 @@ def test_per_token_loss_weights_each_microbatch_s_sparsity_term_by_its_tokens(me
                                     decoder_seq_length=32, forward_only=False)
     finally:
         cfg.calculate_per_token_loss = False
+        SparsityLossAutoScaler.set_loss_scale(1.0)
     scheduled = {n: p.main_grad.clone() for n, p in model.named_parameters()}
-    model.pop_sparsity_loss()
+    reported = pop_sparsity_loss([ddp], len(data), loss_tokens=sum(tokens))
 
     ddp.zero_grad_buffer()
-    total = 0.0
+    total, weighted, terms = 0.0, 0.0, []
     with objective_written_out(model, mc) as forward:
         for batch, count in zip(data, tokens):
             out, sparsity = forward(batch)
             total = total + (out.float() * batch["loss_mask"]).sum() + count * sparsity
+            weighted += count * float(sparsity.detach()) / sum(tokens)
+            terms.append(float(sparsity.detach()))
         (total / sum(tokens)).backward()
     model.pop_sparsity_loss()
     for name, p in model.named_parameters():
         torch.testing.assert_close(scheduled[name], p.main_grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert reported == pytest.approx(weighted, rel=1e-6), (reported, weighted, terms)
+    assert abs(weighted - sum(terms) / len(terms)) > 1e-4 * weighted  # the weighting shows in the log
     # and the weighting matters: the mean-per-microbatch scale gives other table gradients
     assert microbatch_gradient_scale(len(data)) != microbatch_gradient_scale(len(data), per_token_loss=True,
                                                                             num_tokens=tokens[1])
