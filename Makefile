@@ -44,7 +44,7 @@ test: setup
 	$(PY) -m pytest -q $(XDIST) tests || $(NO_TESTS)
 
 # The unit tier: in the test processes, no training run, no torchrun and no Python process started
-# (tests/unit/conftest.py refuses one; about 2.5 minutes on 2 cores).
+# (tests/unit/conftest.py refuses one; about a minute on 2 cores).
 test-unit: setup
 	$(PY) -m pytest -q $(XDIST) tests/unit || $(NO_TESTS)
 

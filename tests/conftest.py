@@ -9,10 +9,16 @@ import random
 import sys
 import zlib
 
-import pytest
-import torch
+# One intra-op thread in every test process and every process a test starts: the two pytest-xdist workers
+# share two cores, and torch's default of a thread per core makes each operator wait for a thread the other
+# worker holds, spinning meanwhile (a cached-generation test: 5 s of CPU alone, 50 s beside the other
+# worker). The tests of multi-threaded code set their thread count themselves.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.helpers.paths import CORPUS, STARTUP
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.helpers.paths import CORPUS, STARTUP  # noqa: E402
 
 # Every Python process the tests start (pytest-xdist's workers, torchrun's, fe-pretrain's) runs
 # tests/helpers/startup/sitecustomize.py first: megatron-core's jit_fuser is a plain decorator there, which

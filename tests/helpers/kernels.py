@@ -1,7 +1,9 @@
 """What the kernel tests share: the compiled backends, the device each runs on (skipping, with the
-reason, where a backend is not built here), problem sizes that suit Triton's CPU interpreter, and
-duplicate-heavy lookups of a table (tests/unit/ops/test_kernels.py, tests/unit/megatron/test_main_grad.py,
-tests/integration/test_fresh_interpreter.py)."""
+reason, where a backend is not built here), problem sizes that suit Triton's CPU interpreter,
+duplicate-heavy lookups of a table, and a thread count for a block (tests/unit/ops/test_kernels.py,
+tests/unit/megatron/test_main_grad.py, tests/integration/test_fresh_interpreter.py)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -27,6 +29,18 @@ def device_of(backend: str) -> torch.device:
 def small(backend: str, large: int, interpreted: int) -> int:
     """Problem size: Triton's interpreter pays per program and per loop step, so it gets less."""
     return interpreted if backend == "triton" and not CUDA else large
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int):
+    """torch's (and the C++ kernels') intra-op thread count inside the block: the tests run one thread per
+    process (tests/conftest.py), and a test of multi-threaded code sets its own."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def duplicate_heavy_indices(rows: int, count: int, device) -> torch.Tensor:

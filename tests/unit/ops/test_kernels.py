@@ -23,7 +23,8 @@ from fe_megatron.ngram import NgramHasher
 from fe_megatron.ops import reference
 from tests.helpers.configs import small_config
 from tests.helpers.hashing import GOLDEN_CONFIG, GOLDEN_IDS, GOLDEN_INDICES
-from tests.helpers.kernels import COMPILED, CUDA, device_of, duplicate_heavy_indices, small, two_microbatches_of_a_table
+from tests.helpers.kernels import (COMPILED, CUDA, device_of, duplicate_heavy_indices, intra_op_threads, small,
+                                   two_microbatches_of_a_table)
 
 def random_hash_constants(branches: int, window: int, vocab: int, device):
     """Branches of random orders: odd multipliers below the int64-safe bound, zero past the order."""
@@ -207,15 +208,16 @@ def test_table_backward_matches_reference(backend, grad_dtype, out_dtype, determ
 
 
 def test_cpp_fp32_backward_is_bit_identical_to_the_cpu_reference():
-    """fp32 on CPU: rows are partitioned over threads and summed in position order, which is
-    the reference's sequential order, so building the extension changes no bit."""
+    """fp32 on CPU: rows are partitioned over threads (4 here, whatever the test process's count) and summed
+    in position order, which is the reference's sequential order, so building the extension changes no bit."""
     rows, width, count = 300, 40, 20000
     indices = duplicate_heavy_indices(rows, count, "cpu")
     grad_rows = torch.randn(count, width)
     start = torch.randn(rows, width)
     expected, got = start.clone(), start.clone()
     reference.gather_rows_backward(grad_rows, indices, expected)
-    ops.get_backend("cpp").module.gather_rows_backward(grad_rows, indices, got, True)
+    with intra_op_threads(4):
+        ops.get_backend("cpp").module.gather_rows_backward(grad_rows, indices, got, True)
     assert torch.equal(got, expected)
 
 
@@ -227,8 +229,9 @@ def test_deterministic_backward_repeats_bit_for_bit(backend, out_dtype):
     indices = duplicate_heavy_indices(rows, count, device)
     grad_rows = torch.randn(count, width, device=device)
     outs = [torch.zeros(rows, width, dtype=out_dtype, device=device) for _ in range(2)]
-    for out in outs:
-        ops.get_backend(backend).module.gather_rows_backward(grad_rows, indices, out, True)
+    for out, threads in zip(outs, (4, 3)):  # on the host: other partitions of the rows, the same bits
+        with intra_op_threads(threads):
+            ops.get_backend(backend).module.gather_rows_backward(grad_rows, indices, out, True)
     assert torch.equal(outs[0], outs[1])
 
 
