@@ -42,6 +42,12 @@ def test_train_config_errors(overrides, field):
                           "training)"),
     ("training.lr=1e-3", "training.lr: unknown field; lr is a field of optimizer: did you mean optimizer.lr?"),
     ("training.zzz=1", "training.zzz: unknown field (known: deterministic_table_grads, engine, "),
+    # a value one field takes names that field, whatever the key's spelling
+    ("memory.tables=rowwise_adagrad", "memory.tables: unknown field; rowwise_adagrad is a value of "
+                                      "optimizer.table_update: did you mean optimizer.table_update=rowwise_adagrad?"),
+    ("optimizer.dtype=bf16", "optimizer.dtype: unknown field; bf16 is a value of memory.table_dtype and of "
+                             "optimizer.table_state_dtype: did you mean memory.table_dtype=bf16 or "
+                             "optimizer.table_state_dtype=bf16?"),
 ])
 def test_a_mistyped_key_is_answered_with_the_closest_known_one(override, answer):
     with pytest.raises(ConfigError) as info:
