@@ -748,6 +748,17 @@ def run_trainer_on_host() -> None:
     training.build_pretraining_data_loader = build_loader_with_own_generator
 
 
+def finish_fsdp_param_gathers(model_chunks: list) -> None:
+    """Wait for the parameter all-gathers Megatron-FSDP started ahead of a next forward (nothing where a
+    chunk is not under Megatron-FSDP). After the last step nothing else waits for them when no evaluation
+    follows, and on gloo an unfinished gather kept its transport thread running past the groups' destruction,
+    to Python's exit (`fe_megatron.training.distributed.destroy_process_groups`)."""
+    for chunk in model_chunks:
+        synchronize = getattr(chunk, "synchronize_param_gather", None)
+        if callable(synchronize):
+            synchronize()
+
+
 def use_built_dataset_helpers() -> None:
     """The megatron-core wheel ships its dataset index helpers built (``helpers_cpp``) but not the
     Makefile that Megatron-LM's start-up runs to build them, which then fails: build them only where
@@ -957,6 +968,10 @@ def _check_trainer():
     from megatron.training import checkpointing
 
     if getattr(checkpointing, "HAVE_MEGATRON_FSDP", False):
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+
+        _require(callable(getattr(MegatronFSDP, "synchronize_param_gather", None)),
+                 "MegatronFSDP.synchronize_param_gather is gone")
         _has_parameters(checkpointing.handle_swiglu_in_state_dict, ("model",),
                         "megatron.training.checkpointing.handle_swiglu_in_state_dict")
         _require("handle_swiglu_in_state_dict(" in inspect.getsource(checkpointing.preprocess_fsdp_dtensor_state_dict),

@@ -362,14 +362,18 @@ def _pretrain(full_config, state) -> int:
 
     datasets = partial(steps.train_valid_test_datasets, state=state)
     datasets.is_distributed = True  # as Megatron-LM's provider: built on the ranks that read data
+    from fe_megatron.megatron import compat
+
     try:
         pretrain(full_config, datasets, ModelType.encoder_or_decoder, partial(steps.forward_step, state=state),
                  get_embedding_ranks=steps.get_embedding_ranks)
     except SystemExit:  # Megatron-LM's own exits (exit interval, duration, signal): a finished run too
+        compat.finish_fsdp_param_gathers(state.model_chunks)
         destroy_process_groups()
         raise
     # joined now: left to Python's exit, gloo's threads can abort a finished run (docs/operations.md);
     # not after an error, where the process fails anyway and its peers may sit in a collective
+    compat.finish_fsdp_param_gathers(state.model_chunks)
     destroy_process_groups()
     return 0
 
