@@ -58,7 +58,7 @@ def pop_sparsity_loss(model_chunks: list, num_microbatches: int, loss_tokens: Op
     over them and over data-parallel ranks, summed over TP shares and pipeline stages.
 
     ``loss_tokens``: under per-token loss (Megatron-LM's ``--calculate-per-token-loss``), this rank's loss
-    tokens over those microbatches (0 on a stage without memory layers), each microbatch's term having
+    tokens over those microbatches (0 on a stage that reads no loss mask), each microbatch's term having
     been tracked times its own tokens (`SparsityLossAutoScaler.set_loss_scale`): the value is then the
     token-weighted mean over microbatches and data- and context-parallel ranks, the objective whose
     gradient the step took (`microbatch_gradient_scale`), not the plain mean."""
@@ -77,7 +77,7 @@ def pop_sparsity_loss(model_chunks: list, num_microbatches: int, loss_tokens: Op
     data_and_context = parallel_state.get_data_parallel_group(with_context_parallel=True)
     torch.distributed.all_reduce(total, group=data_and_context)
     torch.distributed.all_reduce(tokens, group=data_and_context)
-    # every stage that holds memory layers counted the same tokens; the others none
+    # every stage that reads the loss mask (each that holds memory layers does) counted the same tokens
     torch.distributed.all_reduce(tokens, op=torch.distributed.ReduceOp.MAX,
                                  group=parallel_state.get_pipeline_model_parallel_group())
     return float(total) / max(float(tokens), 1.0)
