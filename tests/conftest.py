@@ -23,7 +23,8 @@ from tests.helpers.paths import CORPUS, STARTUP  # noqa: E402
 # Every Python process the tests start (pytest-xdist's workers, torchrun's, fe-pretrain's) runs
 # tests/helpers/startup/sitecustomize.py first: megatron-core's jit_fuser is a plain decorator there, which
 # saves each process importing torch's compiler stack (about 2.8 s of CPU). So does this process.
-os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, *filter(None, os.environ.get("PYTHONPATH", "").split(":"))])
+_INHERITED_PATH = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, *_INHERITED_PATH])
 if "megatron.core" not in sys.modules:
     import tests.helpers.startup.sitecustomize  # noqa: F401,E402 - installs its import hook
 

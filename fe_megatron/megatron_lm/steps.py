@@ -70,12 +70,13 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, st
     timers("batch-generator").stop()
     kwargs = {}
     if state.memory is not None:
+        scale = sparsity_scale(model, batch.loss_tokens)  # refuses per-token loss without a loss mask, by name
         # under per-token loss a microbatch's term is logged by its tokens, as its gradient is scaled by them
         per_token = bool(get_model_config(model).calculate_per_token_loss)
-        tokens = float(batch.loss_tokens) if per_token and batch.loss_tokens is not None else 0.0
-        SparsityLossAutoScaler.set_loss_scale(sparsity_scale(model, batch.loss_tokens), tokens if per_token else 1.0)
+        log_weight = float(batch.loss_tokens) if per_token else 1.0
+        SparsityLossAutoScaler.set_loss_scale(scale, log_weight)
         if per_token and model.training:
-            state.step_loss_tokens += tokens
+            state.step_loss_tokens += log_weight
         if batch.memory_indices is not None:
             kwargs["memory_indices"] = batch.memory_indices
     output_tensor = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels,

@@ -215,9 +215,7 @@ def build(c: Checker, t: Target) -> dict:
     the C++ library the install built in place where it is newer than its sources (delete it to compile)."""
     start = time.perf_counter()
     if os.environ.get("FE_GPU_CHECK_BUILD", "1") == "0":  # a lease too short for a build: Triton's kernels only
-        rc, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"], 120,
-                           t.gpu_env)
-        backends = output.strip().splitlines()[-1] if output.strip() else ""
+        rc, backends = loaded_backends(c, t)
         ok = rc == 0 and ("triton" in backends or t.dry)
         return c.record("build", ok, time.perf_counter() - start, {"backends": backends, "built": False},
                         "" if ok else "FE_GPU_CHECK_BUILD=0 and no Triton backend to run the steps with")
@@ -226,9 +224,7 @@ def build(c: Checker, t: Target) -> dict:
         env["FE_MEGATRON_CUDA"] = "0"
         built = up_to_date_cpu_build()
         if built:  # the install (pip install -e) compiled this very build; the step checks that it loads
-            rc, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"],
-                               120, t.gpu_env)
-            backends = output.strip().splitlines()[-1] if output.strip() else ""
+            rc, backends = loaded_backends(c, t)
             ok = rc == 0 and "cpp" in backends
             return c.record("build", ok, time.perf_counter() - start,
                             {"backends": backends, "built": False, "reused": os.path.relpath(built, ROOT)},
@@ -240,13 +236,19 @@ def build(c: Checker, t: Target) -> dict:
         env["TORCH_CUDA_ARCH_LIST"] = (os.environ.get("TORCH_CUDA_ARCH_LIST") or os.environ.get("FE_MEGATRON_CUDA_ARCH")
                                        or f"{major}.{minor}")
     rc, _ = c.run("build", [PY, "setup.py", "build_ext", "--inplace"], 1800, env)
-    rc2, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"], 120,
-                        t.gpu_env)
-    backends = output.strip().splitlines()[-1] if output.strip() else ""
+    rc2, backends = loaded_backends(c, t)
     wanted = "cpp" if t.dry else "cuda"
     ok = rc == 0 and rc2 == 0 and wanted in backends
     return c.record("build", ok, time.perf_counter() - start, {"backends": backends, **env},
                     "" if ok else f"the {wanted} kernels did not build or load (see the log)")
+
+
+def loaded_backends(c: Checker, t: Target) -> tuple:
+    """``(rc, backends)``: the kernel backends ``fe_megatron.ops`` finds in a fresh process of the target
+    (the build step's log gets its output)."""
+    rc, output = c.run("build", [PY, "-c", "from fe_megatron import ops; print(ops.available_backends())"], 120,
+                       t.gpu_env)
+    return rc, output.strip().splitlines()[-1] if output.strip() else ""
 
 
 def up_to_date_cpu_build() -> str:

@@ -17,9 +17,7 @@ def command(name: str) -> list:
 
 
 def run(cmd, **kwargs):
-    """``cmd`` from the repository root without the launcher's variables, its output captured, one thread per
-    process (as the other launches of the tests: beside a second pytest-xdist worker, torch's default of a
-    thread per core only makes the two spin against each other)."""
+    """``cmd`` from the repository root without the launcher's variables, its output captured (one thread per
+    process, as tests/conftest.py sets for every process the tests start)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600, **kwargs)

@@ -3,7 +3,8 @@
 examples/megatron_lm/recipes/ carries the arguments and values of Megatron-LM's Llama-3 8B, GPT-3 175B
 and Mixtral 8x7B scripts; on a CPU the scripts shrink the sizes and swap the device flags (each marked
 "CPU:" there). Each recipe trains 6 steps (Mixtral's at EP=2 over 2 processes, the others at one) on the
-whole bundled corpus, resumes from its step-3 checkpoint, and converts to Hugging Face where the backbone has a Hugging Face form.
+whole bundled corpus, resumes from its step-3 checkpoint, and converts to Hugging Face where the backbone
+has a Hugging Face form.
 Runs on the newest stack (megatron.training ships from megatron-core 0.19 on).
 """
 
