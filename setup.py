@@ -95,6 +95,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["fe_megatron", "fe_megatron.*"]),
+    package_data={"fe_megatron.vllm": ["*.jinja"]},  # the plain chat template `vllm serve` can take
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=[
@@ -127,5 +128,7 @@ setup(
         "fe-inspect=fe_megatron.evaluation.inspect:main",
         "fe-megatron-lm-pretrain-gpt=fe_megatron.megatron_lm.pretrain_gpt:main",
         "fe-megatron-lm-pretrain-hybrid=fe_megatron.megatron_lm.pretrain_hybrid:main",
-    ]},
+    ],
+        # vLLM loads this in each of its processes: `vllm serve <converted folder>` then serves the model
+        "vllm.general_plugins": ["fe_megatron=fe_megatron.vllm:register"]},
 )

@@ -67,19 +67,25 @@ def mapped_tensor(path: str, name: str) -> torch.Tensor:
 def map_tables(model, directory: str) -> None:
     """Point every memory branch's ``tables.weight`` of ``model`` (a `FactorEngramModel`) at its
     bytes in ``directory``'s safetensors files."""
+    map_layer_tables({index: model.layers[index].memory.tables for index in model.memory_layers}, directory)
+
+
+def map_layer_tables(tables: dict, directory: str) -> None:
+    """Point each ``{layer index: NgramTables}``'s ``weight`` at its bytes (``layers.N.memory.tables.weight``)
+    in ``directory``'s safetensors files; the tables were released for it (``release_for_mapping``)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"table_storage='mmap' needs a local directory, got {directory!r}: download the "
                                 "model first (huggingface_hub.snapshot_download), or use table_storage='memory'")
     files = _weight_files(directory)
     prefix = "" if any(name.startswith("layers.") for name in files) else "model."
-    for index in model.memory_layers:
-        tables = model.layers[index].memory.tables
+    for index, layer_tables in tables.items():
         name = f"{prefix}layers.{index}.memory.tables.weight"
         if name not in files:
             raise KeyError(f"{directory} has no tensor {name}")
         weight = mapped_tensor(files[name], name)
-        stored = tables.table_dtype != "fp32"  # a serving format: the file must hold exactly it
-        if tuple(weight.shape) != tuple(tables.weight.shape) or (stored and weight.dtype != tables.weight.dtype):
+        stored = layer_tables.table_dtype != "fp32"  # a serving format: the file must hold exactly it
+        if tuple(weight.shape) != tuple(layer_tables.weight.shape) or \
+                (stored and weight.dtype != layer_tables.weight.dtype):
             raise ValueError(f"{name} in {directory} is {weight.dtype} {tuple(weight.shape)}; the config says "
-                             f"{tables.weight.dtype if stored else 'a'} {tuple(tables.weight.shape)} table")
-        tables.weight = weight
+                             f"{layer_tables.weight.dtype if stored else 'a'} {tuple(layer_tables.weight.shape)} table")
+        layer_tables.weight = weight

@@ -70,8 +70,13 @@ class Engram(MemoryBranch):
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
                 lookup: Optional[StartedLookup] = None, decoding: Optional[Decoding] = None):
         embeddings = self.lookup(hidden_states, token_ids, lookup, decoding)
+        return self.refine(self.values(hidden_states, embeddings), decoding), FM.l1_per_position(embeddings)
+
+    def values(self, hidden_states: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """``v_t = alpha_t W_v e_t`` of every position from its embeddings ``e_t``: position by position,
+        so a server may compute it for a batch of requests at once (`fe_megatron.vllm`)."""
         values = self.parallel.sum_partial_results(self.value_proj(embeddings))
         if self.config.gate == "scalar":
             key = self.key_norm(self.parallel.sum_partial_results(self.key_proj(embeddings)))
             values = FM.engram_gate(key, self.query_norm(hidden_states), self.config.hidden_size) * values
-        return self.refine(values, decoding), FM.l1_per_position(embeddings)
+        return values

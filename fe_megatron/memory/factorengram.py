@@ -68,9 +68,12 @@ class FactorEngram(MemoryBranch):
                 lookup: Optional[StartedLookup] = None, decoding: Optional[Decoding] = None):
         coefficients = self.lookup(hidden_states, token_ids, lookup, decoding)  # z_t, Eq. 6
         l1 = FM.l1_per_position(coefficients)  # Eq. 12
-        memory = self.gated_memory(hidden_states, coefficients)  # e_t, Eq. 7-9 (or Eq. 14)
-        values = self.value_proj(memory)  # v_t, Eq. 9
-        return self.refine(values, decoding), l1  # m_t, Eq. 10
+        return self.refine(self.values(hidden_states, coefficients), decoding), l1  # m_t, Eq. 10
+
+    def values(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+        """``v_t = V e_t`` (Eq. 9) of every position from its coefficients ``z_t`` (Eq. 6): position by
+        position, so a server may compute it for a batch of requests at once (`fe_megatron.vllm`)."""
+        return self.value_proj(self.gated_memory(hidden_states, coefficients))  # e_t: Eq. 7-9 (or Eq. 14)
 
     def gated_memory(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
         """``e_t``: Eq. 7-9 for the basis gate, Eq. 14 for the scalar gate, ``D^T z_t`` for none."""

@@ -39,3 +39,14 @@ class ShortConv(nn.Module):
         padded = F.pad(normed, (missing, 0)) if missing >= 0 else normed[..., -missing:]
         out = F.conv1d(padded, self.weight.unsqueeze(1), dilation=self.dilation, groups=self.weight.shape[0])
         return F.silu(out).movedim(-1, sequence_dim)
+
+    def last(self, window: torch.Tensor) -> torch.Tensor:
+        """The output at the last position of ``window`` (``[batch, receptive_field + 1, C]``: that position and
+        the ``(K-1) r`` before it), as `forward` computes it: a decoding step's Eq. 10 without the convolution's
+        call overhead. Returns ``[batch, C]``."""
+        taps = window[:, ::self.dilation]  # positions t-(K-1)r, .., t-r, t: the kernel's taps, in its order
+        if taps.shape[1] != self.kernel_size:
+            raise ValueError(f"a window of {window.shape[1]} positions; the last position's output reads "
+                             f"receptive_field + 1 = {self.receptive_field + 1}")
+        return F.silu((self.norm(taps) * self.weight.t()).sum(1))
+

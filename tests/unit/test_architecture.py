@@ -19,7 +19,7 @@ LAYERS = {
     "data": 1,
     "training": 2,
     "checkpoint": 3,
-    "megatron": 4, "deepspeed": 4, "hf": 4,  # adapters and their engines
+    "megatron": 4, "deepspeed": 4, "hf": 4, "vllm": 4,  # adapters and their engines (vllm serves over hf)
     "convert": 5, "evaluation": 5, "planning": 5,
     "megatron_lm": 5,  # Megatron-LM's own trainer over the Megatron adapter (megatron-core 0.19 on)
     "train": 6, "demo": 6,  # command lines (and every */cli.py, below)
@@ -214,8 +214,8 @@ def test_the_adapters_sizes_the_architecture_states_are_their_sizes():
                    for folder, _, files in os.walk(os.path.join(PACKAGE, part)) for name in files if name.endswith(".py"))
 
     stated = re.search(r"the Megatron one \(`megatron/`, `megatron_lm/`\) is about ([\d,]+) lines.*?the DeepSpeed one "
-                       r"about ([\d,]+); the Hugging Face one about ([\d,]+)\.", text)
+                       r"about ([\d,]+); the Hugging Face one about ([\d,]+); the vLLM one about ([\d,]+)\.", text)
     assert stated, "docs/architecture.md no longer states the adapters' sizes where this test reads them"
     for said, actual in zip((int(n.replace(",", "")) for n in stated.groups()),
-                            (lines("megatron", "megatron_lm"), lines("deepspeed"), lines("hf"))):
+                            (lines("megatron", "megatron_lm"), lines("deepspeed"), lines("hf"), lines("vllm"))):
         assert abs(said - actual) <= 0.15 * actual, f"docs/architecture.md says about {said} lines; there are {actual}"

@@ -1,0 +1,210 @@
+"""Serving a FactorEngram model with vLLM: throughput against transformers' generate, the memory's cost in vLLM,
+and the time to the first token with the tables in memory or memory-mapped.
+
+    python benchmarks/bench_serving.py --model runs/demo/factorengram-hf [--batches 1,8,32] [--busy-cores 1]
+    python benchmarks/bench_serving.py --model /tmp/wide --make-340m-width   # a 4-layer model of the paper's width
+
+(``make bench-serving`` converts the demo's runs and runs this in .venv-serve.)  On the same prompts (random
+token ids, ``--prompt-tokens`` long), greedy, ``--new-tokens`` each:
+
+* **vLLM / generate**: output tokens/s at each batch size; generate runs the batch left-padded, in this
+  process (with the intra-op threads torch gives it), vLLM in its engine;
+* **memory's cost**: the same folder served twice, with its memory and without it (``hf_overrides={"memory":
+  None}``: the same backbone and weights, no memory layer); both engines stay up and take turns, batch by
+  batch, so both see the same load;
+* **time to the first token**: a fresh engine, tables ``"memory"`` (loaded) or ``"mmap"`` (mapped from the
+  safetensors file), the start-up time and the first request's (one prompt, one token), then the median of
+  five more.
+
+``--make-340m-width`` first writes, in ``--model``, a random 4-layer model of the 340M preset's width
+(d=1024, 16 heads, its memory at layers 1 and 2 with ``factorengram-340m``'s branches and gates, tables of
+``--table-rows`` rows per hashed head): the memory's cost where the backbone is not tiny.
+
+``--busy-cores N`` keeps N cores busy the whole time (a host with other work).  Prints a JSON line per
+measurement and a Markdown table for benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ENGINE = dict(dtype="float32", gpu_memory_utilization=0.05, skip_tokenizer_init=True, seed=0)
+# vLLM's workers keep polling for work for a second after their last step (its shared-memory queue's busy
+# loop); each measurement waits that out, so that an idle engine takes no core from the one being timed
+SETTLE_S = 1.5
+
+
+@contextlib.contextmanager
+def busy_cores(count: int):
+    """``count`` processes, each keeping one core busy until the block ends."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        time.sleep(0.5 if count else 0)
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+def prompts_of(vocab_size: int, count: int, length: int, seed: int = 0) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def vllm_generate(llm, prompts, new_tokens) -> tuple:
+    """``(seconds, token lists)`` of one greedy batch."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    time.sleep(SETTLE_S)
+    start = time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def hf_generate(model, prompts, new_tokens) -> tuple:
+    """``(seconds, token lists)`` of one greedy batch through transformers' generate (left padding)."""
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    time.sleep(SETTLE_S)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start, out[:, width:].tolist()
+
+
+def make_340m_width_model(directory: str, table_rows: int) -> None:
+    """A random 4-layer model of the 340M preset's width, memory at layers 1 and 2, saved as fe-convert does."""
+    from fe_megatron.config import BackboneConfig, MemoryConfig
+    from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
+    from fe_megatron.presets import BACKBONES, PRESETS
+
+    backbone = BackboneConfig(**dict(BACKBONES["340m"], num_layers=4, seq_length=512))
+    preset = {key: value for key, value in PRESETS["factorengram-340m"].items() if key != "backbone"}
+    memory = MemoryConfig(backbone=backbone, **dict(preset, layers=[1, 2],
+                                                     table_capacity=[backbone.vocab_size, table_rows, table_rows]))
+    torch.manual_seed(0)
+    model = FactorEngramForCausalLM(FactorEngramConfig.from_fe_megatron(backbone, memory, pad_token_id=0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".memory." in name and ("value_proj" in name or "conv.weight" in name):
+                param.normal_(0, 0.02)
+    model.save_pretrained(directory)
+
+
+def throughput(args, report):
+    """vLLM against generate, and the memory's cost in vLLM, at each batch size."""
+    import vllm
+    from transformers import AutoModelForCausalLM
+
+    import fe_megatron.hf  # noqa: F401 - registers the model with transformers
+
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    vocab = model.config.vocab_size
+    with_memory = vllm.LLM(args.model, **ENGINE)
+    without_memory = vllm.LLM(args.model, hf_overrides={"memory": None}, **ENGINE)
+    for batch in args.batches:
+        prompts = prompts_of(vocab, batch, args.prompt_tokens, seed=batch)
+        vllm_generate(with_memory, prompts, 2), vllm_generate(without_memory, prompts, 2)  # warm
+        hf_generate(model, prompts, 2)
+        times = {"vllm": [], "vllm_no_memory": [], "generate": []}
+        same = True
+        for _ in range(args.repeats):
+            seconds, served = vllm_generate(with_memory, prompts, args.new_tokens)
+            times["vllm"].append(seconds)
+            times["vllm_no_memory"].append(vllm_generate(without_memory, prompts, args.new_tokens)[0])
+            seconds, generated = hf_generate(model, prompts, args.new_tokens)
+            times["generate"].append(seconds)
+            same = same and served == generated
+        tokens = batch * args.new_tokens
+        rate = {name: tokens / statistics.median(values) for name, values in times.items()}
+        report({"measure": "throughput", "batch": batch, "busy_cores": args.busy_cores,
+                "tokens_per_s": {name: round(value, 1) for name, value in rate.items()},
+                "vllm_over_generate": round(rate["vllm"] / rate["generate"], 2),
+                "memory_cost": round(1 - rate["vllm"] / rate["vllm_no_memory"], 3),
+                "same_tokens_as_generate": same})
+
+
+def first_token(args, report):
+    """Start-up and time to the first token, tables loaded or memory-mapped, each in a fresh engine."""
+    import vllm
+
+    for storage in ("memory", "mmap"):
+        start = time.perf_counter()
+        llm = vllm.LLM(args.model, hf_overrides={"table_storage": storage}, **ENGINE)
+        started = time.perf_counter() - start
+        vocab = llm.llm_engine.vllm_config.model_config.hf_config.vocab_size
+        prompts = prompts_of(vocab, 6, args.prompt_tokens, seed=99)
+        first = vllm_generate(llm, prompts[:1], 1)[0]
+        later = statistics.median(vllm_generate(llm, [prompt], 1)[0] for prompt in prompts[1:])
+        report({"measure": "first_token", "table_storage": storage, "busy_cores": args.busy_cores,
+                "start_s": round(started, 2), "first_request_ms": round(first * 1e3, 1),
+                "later_requests_ms": round(later * 1e3, 1)})
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="a converted folder (fe-convert mcore-to-hf)")
+    parser.add_argument("--batches", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--busy-cores", type=int, default=0)
+    parser.add_argument("--memory-share", type=float, default=0.05, help="vLLM's gpu_memory_utilization: on a CPU "
+                        "the share of host memory it takes for the model and its cache")
+    parser.add_argument("--skip", default="", help="comma-separated: throughput, first_token")
+    parser.add_argument("--make-340m-width", action="store_true", help="write a random model of the paper's width "
+                        "in --model first")
+    parser.add_argument("--table-rows", type=int, default=50_000, help="with --make-340m-width: rows per hashed head")
+    args = parser.parse_args()
+    if args.make_340m_width:
+        make_340m_width_model(args.model, args.table_rows)
+    ENGINE["gpu_memory_utilization"] = args.memory_share
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        parser.error(f"--model {args.model} has no config.json: convert a run with fe-convert mcore-to-hf first")
+    rows = []
+
+    def report(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    with busy_cores(args.busy_cores):
+        if "throughput" not in args.skip:
+            throughput(args, report)
+        if "first_token" not in args.skip:
+            first_token(args, report)
+    print("\n| batch | generate tok/s | vLLM tok/s | vLLM / generate | vLLM without memory tok/s | memory's cost |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        if row["measure"] == "throughput":
+            rate = row["tokens_per_s"]
+            print(f"| {row['batch']} | {rate['generate']:,.0f} | {rate['vllm']:,.0f} | {row['vllm_over_generate']} | "
+                  f"{rate['vllm_no_memory']:,.0f} | {row['memory_cost']:.1%} |")
+    print("\n| tables | engine start s | first request ms | later requests ms |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        if row["measure"] == "first_token":
+            print(f"| {row['table_storage']} | {row['start_s']} | {row['first_request_ms']} | "
+                  f"{row['later_requests_ms']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""`FactorEngramForCausalLM` for vLLM: the folder ``fe-convert mcore-to-hf`` writes, served.
+
+The backbone is vLLM's Llama (`vllm.model_executor.models.llama`): its paged attention, its RoPE,
+its fused linear layers and their tensor-parallel split.  The memory branches are
+`fe_megatron.memory`'s (FactorEngram, the Engram baseline and every ablation preset the Hugging
+Face model loads), each wrapped in a `ServedMemory` that keeps each request's look-back in vLLM's
+state cache, and sit where the config places them, as in `fe_megatron.hf.modeling_fe_megatron`:
+
+* ``before_attn``: ``h <- h + m(h)`` on the layer input (Eq. 11);
+* ``before_ffn``:  ``h <- h + m(h)`` on the post-attention residual;
+* ``inside_ffn``:  ``down(silu(gate x) * (up x + m(h)))``.
+
+vLLM carries the residual stream as ``(hidden_states, residual)`` and adds them in its fused norm;
+a layer with memory adds them first, since the branch reads the stream itself.
+
+Under tensor parallelism every rank holds the whole memory branch and its tables (they read the
+replicated residual stream); ``inside_ffn`` adds the rank's slice of ``m`` to its slice of the
+up projection.  Tables are served in the checkpoint's format (``memory.table_dtype``: fp32, bf16,
+fp8), or memory-mapped from the safetensors files with ``--hf-overrides '{"table_storage":
+"mmap"}'`` (`fe_megatron.hf.mmap_tables`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.interfaces import IsHybrid
+from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
+
+from fe_megatron.memory import build_memory
+from fe_megatron.vllm.memory_layer import ServedMemory, check_vllm_internals, state_dtypes, state_shapes
+
+TABLE_SUFFIX = ".memory.tables.weight"
+
+
+class FactorEngramDecoderLayer(LlamaDecoderLayer):
+    """vLLM's Llama layer, with the memory branch of ``layer_index`` (if the config names it) at its
+    placement."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str, layer_index: int):
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        memory_config = vllm_config.model_config.hf_config.memory_config()
+        self.memory = None
+        if memory_config is not None and layer_index in memory_config.layers:
+            branch = build_memory(memory_config, layer_index, initialize=False)
+            self.memory = ServedMemory(branch, vllm_config.model_config.dtype, prefix=f"{prefix}.memory")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
+                token_ids: Optional[torch.Tensor] = None):
+        if self.memory is None:
+            return super().forward(positions, hidden_states, residual)
+        stream = hidden_states if residual is None else hidden_states + residual
+        placement = self.memory.branch.config.placement
+        if placement == "before_attn":
+            stream = stream + self.memory(stream, token_ids)
+        stream = stream + self.self_attn(positions=positions, hidden_states=self.input_layernorm(stream))
+        if placement == "before_ffn":
+            stream = stream + self.memory(stream, token_ids)
+        normed = self.post_attention_layernorm(stream)
+        if placement == "inside_ffn":
+            return self._mlp_with_addend(normed, self.memory(stream, token_ids)), stream
+        return self.mlp(normed), stream
+
+    def _mlp_with_addend(self, normed: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate x) * (up x + addend))`` on this rank's slice of the intermediate width."""
+        gate_up, _ = self.mlp.gate_up_proj(normed)
+        gate, up = gate_up.chunk(2, dim=-1)
+        width = up.shape[-1]
+        first = get_tensor_model_parallel_rank() * width
+        out, _ = self.mlp.down_proj(F.silu(gate) * (up + addend[..., first:first + width]))
+        return out
+
+
+class FactorEngramModel(nn.Module):
+    """Embedding, decoder layers (with memory where the config says) and the final norm."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([
+            FactorEngramDecoderLayer(vllm_config, f"{prefix}.layers.{index}", index)
+            for index in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.memory_layers = [index for index, layer in enumerate(self.layers) if layer.memory is not None]
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.memory_layers and input_ids is None:
+            raise ValueError("the memory branches address their tables by token id; this request came as "
+                             "embeddings (prompt_embeds), which a FactorEngram model cannot serve: send token ids")
+        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, input_ids)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class FactorEngramForCausalLM(nn.Module, IsHybrid):
+    """The causal LM vLLM serves for ``architectures: ["FactorEngramForCausalLM"]``."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    # the Hugging Face names of the memory's parameters (layers.N.memory.*) onto ServedMemory's (memory.branch.*)
+    hf_to_vllm_mapper = LlamaModel.hf_to_vllm_mapper | WeightsMapper(orig_to_new_substr={".memory.": ".memory.branch."})
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        memory_config = vllm_config.model_config.hf_config.memory_config()
+        if memory_config is None:  # no memory layer holds a state; vLLM still sizes its pages from one
+            return (1,), (1, 1)
+        return state_shapes(memory_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        raise NotImplementedError("a FactorEngram model is served without prefix caching (its look-back state is "
+                                  "not kept per block); fe_megatron.vllm turns prefix caching off")
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        check_vllm_internals()
+        refuse_unsupported(vllm_config)
+        self.config = config
+        self.model = FactorEngramModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.mapped_tables = config.table_storage == "mmap"
+        self.model_directory = vllm_config.model_config.model
+        if self.mapped_tables:
+            for index in self.model.memory_layers:
+                self._tables(index).release_for_mapping()
+
+    def _tables(self, index: int):
+        return self.model.layers[index].memory.branch.tables
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set:
+        """Load the Hugging Face checkpoint; with ``table_storage="mmap"`` the tables are mapped from its files
+        instead of loaded."""
+        memory_config = self.config.memory_config()
+        if memory_config is None:  # a plain Transformer, or served without its memory (hf_overrides memory=None)
+            weights = ((name, tensor) for name, tensor in weights if ".memory." not in name)
+        elif self.mapped_tables:
+            weights = ((name, tensor) for name, tensor in weights if not name.endswith(TABLE_SUFFIX))
+        if self.config.tie_word_embeddings:  # the head is the embedding
+            weights = ((name, tensor) for name, tensor in weights if not name.startswith("lm_head."))
+        loaded = AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        if self.mapped_tables:
+            from fe_megatron.hf.mmap_tables import map_layer_tables
+
+            map_layer_tables({index: self._tables(index) for index in self.model.memory_layers},
+                             self.model_directory)
+            loaded |= {f"model.layers.{index}.memory.branch.tables.weight" for index in self.model.memory_layers}
+        return loaded
+
+
+def refuse_unsupported(vllm_config: VllmConfig) -> None:
+    """Refuse, by name, what this model cannot serve exactly."""
+    problems = []
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size
+    if pipeline > 1:
+        problems.append(f"pipeline parallelism (pipeline_parallel_size={pipeline}): serve with tensor parallelism")
+    if vllm_config.speculative_config is not None:
+        problems.append("speculative decoding: the memory's look-back cannot be rolled back after rejected "
+                        "draft tokens; serve without a speculative config")
+    if vllm_config.cache_config.enable_prefix_caching:
+        problems.append("prefix caching: pass --no-enable-prefix-caching (enable_prefix_caching=False)")
+    if problems:
+        raise ValueError("a FactorEngram model cannot be served with " + "; ".join(problems))

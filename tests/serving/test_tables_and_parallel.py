@@ -1,0 +1,41 @@
+"""Serving formats of the tables and vLLM's tensor parallelism.
+
+* fp8 tables (``fe-convert --table-dtype fp8``), memory-mapped from the safetensors file
+  (``hf_overrides={"table_storage": "mmap"}``), against ``generate`` on the same folder;
+* the memory inside the FFN (``inside_ffn``: each tensor-parallel rank adds its slice of ``m`` to its slice of
+  the up projection), with vLLM's backbone split over two tensor-parallel ranks.
+"""
+
+import pytest
+
+from tests.helpers.serving import SKIP_REASON, engine, generate_greedy, random_prompts, save_tiny_model, served_tables
+
+vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+
+
+def served_greedy(llm, prompts, new_tokens):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=new_tokens, min_tokens=new_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=0)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=prompt) for prompt in prompts], params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), [step[token].logprob for step, token in
+                                            zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outputs]
+
+
+def test_fp8_tables_mapped_from_the_file_inside_the_ffn_over_two_tensor_parallel_ranks(tmp_path, monkeypatch):
+    # vLLM's CPU workers bind their threads one NUMA node each, or cores given by hand: one core per rank
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model sends a function to the workers
+    model = save_tiny_model(tmp_path / "model", "factorengram", "inside_ffn", table_dtype="fp8")
+    prompts = random_prompts((7, 33, 12, 50, 4, 21, 16, 9), seed=5)
+    expected = [generate_greedy(model, prompt, 16) for prompt in prompts]
+    with engine(tmp_path / "model", tensor_parallel_size=2, hf_overrides={"table_storage": "mmap"},
+                max_num_batched_tokens=32) as llm:
+        tables = llm.apply_model(served_tables)
+        served = served_greedy(llm, prompts, 16)
+    assert tables == [[(0, "torch.float8_e4m3fn", True), (2, "torch.float8_e4m3fn", True)]] * 2  # both ranks
+    for index, ((tokens, logprobs), reference) in enumerate(zip(served, expected)):
+        assert tokens == reference.tokens, f"prompt {index}"
+        assert logprobs == pytest.approx(reference.logprobs, abs=1e-4), f"prompt {index}"
