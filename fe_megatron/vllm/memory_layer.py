@@ -8,7 +8,7 @@ request recomputed after preemption).  A memory branch needs exactly such a stat
 (`fe_megatron.vllm.request_history`):
 
 * ``ids``    ``[max(1, max_order - 1)]`` int32: the last lookup ids (Eq. 1);
-* ``values`` ``[(K-1) r, output_size]`` in the model's dtype: the last values before the
+* ``values`` ``[max(1, (K-1) r), output_size]`` in the model's dtype: the last values before the
   refinement's norm (Eq. 10).
 
 The layer takes the metadata of vLLM's short convolution (``SHORT_CONV``: the same per-request
@@ -39,7 +39,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.short_conv_attn import ShortConvAttentionMetadata
 
 from fe_megatron.vllm import request_history
-from fe_megatron.vllm.request_history import RequestBatch
+from fe_megatron.vllm.request_history import RequestBatch, state_shapes
 
 ID_DTYPE = torch.int32
 TESTED_VLLM = "0.32"  # the vLLM releases whose internals this file was checked against (tests/serving)
@@ -57,12 +57,6 @@ def check_vllm_internals() -> None:
         raise RuntimeError(f"vLLM {vllm.__version__} no longer has {missing}, which fe_megatron's served memory "
                            f"reads (fe_megatron/vllm/memory_layer.py, checked with vLLM {TESTED_VLLM}); install a "
                            "tested vLLM (requirements/serve.txt) or update the adapter")
-
-
-def state_shapes(memory_config) -> tuple:
-    """The shapes of one request's state: ``(ids, values)``."""
-    receptive_field = (memory_config.conv_kernel_size - 1) * memory_config.conv_dilation
-    return (max(1, memory_config.max_order - 1),), (receptive_field, memory_config.output_size)
 
 
 def state_dtypes(model_dtype: torch.dtype) -> tuple:
@@ -109,7 +103,7 @@ class ServedMemory(nn.Module, MambaBase):
         if metadata is None:  # vLLM's profiling run: no requests, only the cost of every operation
             memory_out, _ = branch(hidden_states.unsqueeze(0), token_ids.unsqueeze(0))
             return memory_out.squeeze(0)
-        batch = _request_batch(metadata, hidden_states.device)
+        batch = _step_batch(metadata, hidden_states.device)
         count = batch.num_tokens
         if count == 0:
             return hidden_states.new_zeros(hidden_states.shape[0], branch.config.output_size)
@@ -124,6 +118,17 @@ class ServedMemory(nn.Module, MambaBase):
         out = hidden_states.new_zeros(hidden_states.shape[0], branch.config.output_size)  # padding: no request
         out[:count] = refined
         return out
+
+
+_LAST_STEP: list = [None, None]  # (metadata, its RequestBatch): every memory layer of a step reads the same metadata
+
+
+def _step_batch(metadata, device) -> RequestBatch:
+    """`_request_batch`, read once per step: the memory layers of one step share vLLM's metadata object (one state
+    group), and the cache holds that object, so a later step's metadata is never taken for it."""
+    if _LAST_STEP[0] is not metadata:
+        _LAST_STEP[:] = metadata, _request_batch(metadata, device)
+    return _LAST_STEP[1]
 
 
 def _request_batch(metadata, device) -> RequestBatch:

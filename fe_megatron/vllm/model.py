@@ -39,7 +39,8 @@ from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from fe_megatron.memory import build_memory
-from fe_megatron.vllm.memory_layer import ServedMemory, check_vllm_internals, state_dtypes, state_shapes
+from fe_megatron.vllm.memory_layer import ServedMemory, check_vllm_internals, state_dtypes
+from fe_megatron.vllm.request_history import state_shapes
 
 TABLE_SUFFIX = ".memory.tables.weight"
 
@@ -101,9 +102,9 @@ class FactorEngramModel(nn.Module):
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.memory_layers and input_ids is None:
-            raise ValueError("the memory branches address their tables by token id; this request came as "
-                             "embeddings (prompt_embeds), which a FactorEngram model cannot serve: send token ids")
+        if self.memory_layers and input_ids is None:  # FactorEngramServingConfig refuses --enable-prompt-embeds
+            raise ValueError("the memory branches address their tables by token id, and this forward has none: "
+                             "serve without --enable-prompt-embeds")
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
         for layer in self.layers:
@@ -138,8 +139,7 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
-        check_vllm_internals()
-        refuse_unsupported(vllm_config)
+        check_vllm_internals()  # FactorEngramServingConfig checked the rest before the workers started
         self.config = config
         self.model = FactorEngramModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
@@ -183,18 +183,3 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
                              self.model_directory)
             loaded |= {f"model.layers.{index}.memory.branch.tables.weight" for index in self.model.memory_layers}
         return loaded
-
-
-def refuse_unsupported(vllm_config: VllmConfig) -> None:
-    """Refuse, by name, what this model cannot serve exactly."""
-    problems = []
-    pipeline = vllm_config.parallel_config.pipeline_parallel_size
-    if pipeline > 1:
-        problems.append(f"pipeline parallelism (pipeline_parallel_size={pipeline}): serve with tensor parallelism")
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding: the memory's look-back cannot be rolled back after rejected "
-                        "draft tokens; serve without a speculative config")
-    if vllm_config.cache_config.enable_prefix_caching:
-        problems.append("prefix caching: pass --no-enable-prefix-caching (enable_prefix_caching=False)")
-    if problems:
-        raise ValueError("a FactorEngram model cannot be served with " + "; ".join(problems))

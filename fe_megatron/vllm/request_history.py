@@ -11,11 +11,12 @@ and its last ``(K-1) r`` values; a request whose slot holds no history (its firs
 request the server preempted and recomputes) starts from the empty look-back, exactly as
 `DecodingState.empty`.
 
-Everything position-wise (the lookup, the gates, ``V``) runs once over the flat batch; only the
-hash and the convolution, which read earlier positions, run per request, on the requests padded to
-one ``[requests, history + longest, ...]`` tensor, or, in a step of decodes only, on each request's
-window of look-back and its one new token.  The result equals the branch run on each request
-alone, token for token (tests/unit/test_request_history.py).
+Everything position-wise (the lookup, the gates, ``V``) runs once over the flat batch.  The hash and
+the convolution, which read earlier positions, run over the flat batch too, with each request's
+look-back laid before its new tokens (``RequestBatch.joined``: ``N + R h`` positions, so a long
+prompt's chunk beside many decodes costs no padding), or, in a step of decodes only, on each
+request's window of look-back and its one new token.  The result equals the branch run on each
+request alone, token for token (tests/unit/vllm/test_request_history.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def state_shapes(memory_config) -> tuple:
+    """The shapes of one request's look-back: ``(ids, values)``, ``[max(1, max_order - 1)]`` and ``[max(1, (K-1) r),
+    output_size]``: at least one of each, since a server views a state as ``[slots, *shape]``, which an empty
+    shape cannot be (the first ``max_order - 1`` and ``(K-1) r`` are used)."""
+    receptive_field = (memory_config.conv_kernel_size - 1) * memory_config.conv_dilation
+    return (max(1, memory_config.max_order - 1),), (max(1, receptive_field), memory_config.output_size)
 
 
 @dataclass
@@ -43,10 +52,8 @@ class RequestBatch:
         if any(length < 1 for length in lengths):
             raise ValueError(f"every request of a batch has at least one new token, got lengths {lengths}")
         self.num_tokens = int(sum(lengths))
-        self.longest = int(max(lengths, default=0))
         # a step of decodes only: one new token per request, each continuing (the steady state of serving)
-        self.decoding = self.longest == 1 and bool(self.has_history.all())
-        self._token_places = None
+        self.decoding = max(lengths, default=0) == 1 and bool(self.has_history.all())
 
     @classmethod
     def decodes(cls, slots: torch.Tensor) -> "RequestBatch":
@@ -56,38 +63,8 @@ class RequestBatch:
         count = len(slots)
         batch.lengths = torch.ones(count, dtype=torch.int64, device=slots.device)
         batch.slots, batch.has_history = slots, torch.ones(count, dtype=torch.bool, device=slots.device)
-        batch.num_tokens, batch.longest, batch.decoding, batch._token_places = count, min(count, 1), True, None
+        batch.num_tokens, batch.decoding = count, True
         return batch
-
-    def _places(self) -> tuple:
-        """``(request, offset)`` of every token of the flat batch."""
-        if self._token_places is None:
-            device = self.lengths.device
-            request = torch.repeat_interleave(torch.arange(len(self.lengths), device=device), self.lengths)
-            starts = torch.cumsum(self.lengths, 0) - self.lengths
-            self._token_places = request, torch.arange(self.num_tokens, device=device) - starts[request]
-        return self._token_places
-
-    def padded(self, flat: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """``[R, h + longest, ...]``: each request's ``history`` (``[R, h, ...]``) then its new values of
-        ``flat`` (``[N, ...]``); the positions after a request's last one hold zeros."""
-        h = history.shape[1]
-        request, offset = self._places()
-        out = flat.new_zeros((len(self.lengths), h + self.longest, *flat.shape[1:]))
-        out[:, :h] = history
-        out[request, h + offset] = flat
-        return out
-
-    def flat(self, padded: torch.Tensor) -> torch.Tensor:
-        """The new positions of ``padded`` (``[R, longest, ...]``, no history) back in the flat layout."""
-        return padded[self._places()]
-
-    def last(self, padded: torch.Tensor, count: int) -> torch.Tensor:
-        """``[R, count, ...]``: the last ``count`` positions of each request in ``padded`` (``[R, count +
-        longest, ...]``, history first): the look-back its next step starts from."""
-        steps = torch.arange(count, device=padded.device)
-        return padded[torch.arange(len(self.lengths), device=padded.device).unsqueeze(1),
-                      self.lengths.unsqueeze(1) + steps]
 
     def start_or_keep(self, stored: torch.Tensor, empty) -> torch.Tensor:
         """``[R, ...]``: each request's look-back, its slot's ``stored`` rows where it has history and
@@ -95,6 +72,22 @@ class RequestBatch:
         rows = stored[self.slots]
         keep = self.has_history.view(-1, *([1] * (rows.dim() - 1)))
         return torch.where(keep, rows, torch.full_like(rows, empty))
+
+    def joined(self, flat: torch.Tensor, history: torch.Tensor) -> tuple:
+        """Each request's look-back (``history``, ``[R, h, ...]``) then its new values of ``flat`` (``[N, ...]``),
+        the requests end to end: ``(joined [N + R h, ...], new, last)``, with ``new`` ``[N]`` the place of each new
+        value in ``joined`` and ``last`` ``[R, h]`` the places of each request's last ``h`` values (the look-back
+        its next step starts from). A position then reads, ``h`` back, only its own request's values."""
+        h, device = history.shape[1], flat.device
+        requests = torch.arange(len(self.lengths), device=device)
+        starts = torch.cumsum(self.lengths, 0) - self.lengths + requests * h  # where each request's look-back begins
+        request_of_token = torch.repeat_interleave(requests, self.lengths, output_size=self.num_tokens)
+        new = torch.arange(self.num_tokens, device=device) + (request_of_token + 1) * h
+        steps = torch.arange(h, device=device)
+        joined = flat.new_empty((self.num_tokens + len(self.lengths) * h, *flat.shape[1:]))
+        joined[new] = flat
+        joined[(starts.unsqueeze(1) + steps).flatten()] = history.flatten(0, 1)
+        return joined, new, (starts + self.lengths).unsqueeze(1) + steps
 
 
 def addresses(branch, token_ids: torch.Tensor, batch: RequestBatch, id_state: torch.Tensor) -> torch.Tensor:
@@ -110,27 +103,25 @@ def addresses(branch, token_ids: torch.Tensor, batch: RequestBatch, id_state: to
             id_state[batch.slots, :history] = window[:, 1:].to(id_state.dtype)
         return hasher.indices_of_lookup_ids(window)[:, history]
     earlier = batch.start_or_keep(id_state[:, :history].long(), hasher.pad_id)
-    padded = batch.padded(ids, earlier)  # after a request's end: zeros, which no position of it reads (Eq. 1)
+    joined, new, last = batch.joined(ids, earlier)
     if history:
-        id_state[batch.slots, :history] = batch.last(padded, history).to(id_state.dtype)
-    return batch.flat(hasher.indices_of_lookup_ids(padded)[:, history:])
+        id_state[batch.slots, :history] = joined[last].to(id_state.dtype)
+    return hasher.indices_of_lookup_ids(joined.unsqueeze(0))[0, new]
 
 
 def refine(branch, values: torch.Tensor, batch: RequestBatch, value_state: torch.Tensor) -> torch.Tensor:
     """Eq. 10 for every token of the flat batch (``values`` ``[N, C]``): ``m_t = v_t + ShortConv(v)_t``, each
-    request's convolution reading its earlier values from ``value_state`` (``[slots, (K-1) r, C]``), which is
-    updated in place."""
+    request's convolution reading its earlier values from ``value_state`` (``[slots, >= (K-1) r, C]``, the
+    slots' last values), which is updated in place."""
     conv = branch.conv
     history = conv.receptive_field
     if batch.decoding:  # one new value per request: its window is the slot's values and it
-        window = torch.cat([value_state[batch.slots].to(values.dtype), values.unsqueeze(1)], 1)
+        window = torch.cat([value_state[batch.slots, :history].to(values.dtype), values.unsqueeze(1)], 1)
         if history:
-            value_state[batch.slots] = window[:, 1:].to(value_state.dtype)
+            value_state[batch.slots, :history] = window[:, 1:].to(value_state.dtype)
         return values + conv.last(window)
-    earlier = batch.start_or_keep(value_state.to(values.dtype), 0.0)
-    padded = batch.padded(values, earlier)
-    refined = conv(padded, history=history)  # [R, longest, C]; each position reads only earlier ones
+    earlier = batch.start_or_keep(value_state[:, :history].to(values.dtype), 0.0)
+    joined, new, last = batch.joined(values, earlier)
     if history:
-        value_state[batch.slots] = batch.last(padded, history).to(value_state.dtype)
-    return values + batch.flat(refined)
-
+        value_state[batch.slots, :history] = joined[last].to(value_state.dtype)
+    return values + conv(joined.unsqueeze(0))[0, new]

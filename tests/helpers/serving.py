@@ -90,6 +90,20 @@ def random_prompts(lengths, seed=1) -> list:
 SKIP_REASON = "vLLM is not installed here: `make test-serve` runs the serving tests in .venv-serve"
 
 
+def require_vllm():
+    """vLLM, or a skip where it is not installed; under ``FE_REQUIRE_VLLM=1`` (``make test-serve``) an import that
+    fails is an error, not a skip, so that a broken serving environment cannot pass as one without vLLM."""
+    import os
+
+    import pytest
+
+    if os.environ.get("FE_REQUIRE_VLLM") == "1":
+        import vllm
+
+        return vllm
+    return pytest.importorskip("vllm", reason=SKIP_REASON)
+
+
 def engine_settings(**overrides) -> dict:
     """Arguments of `vllm.LLM` for the tiny models on a CPU: float32, token ids in and out, statistics kept (the
     preemption count).  On a CPU vLLM reserves ``gpu_memory_utilization`` of the host's memory for its cache

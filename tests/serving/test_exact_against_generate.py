@@ -10,10 +10,10 @@ would show.
 
 import pytest
 
-from tests.helpers.serving import (SKIP_REASON, counter, engine, generate_greedy, random_prompts, save_tiny_model,
-                                   without_memory)
+from tests.helpers.serving import (counter, engine, generate_greedy, random_prompts, require_vllm,
+                                   save_tiny_model, without_memory)
 
-vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+vllm = require_vllm()
 
 PROMPT_LENGTHS = (5, 9, 90, 17, 40, 3, 70, 12, 25, 2)
 NEW_TOKENS = (24, 16, 20, 30, 12, 40, 18, 24, 8, 30)

@@ -18,10 +18,10 @@ import urllib.request
 import pytest
 import torch
 
-from tests.helpers.serving import SKIP_REASON, generate_greedy
+from tests.helpers.serving import generate_greedy, require_vllm
 from tests.helpers.tokenizers import train_fe_data_tokenizer
 
-vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+vllm = require_vllm()
 
 CHAT_TEMPLATE = os.path.join(os.path.dirname(__import__("fe_megatron.vllm").vllm.__file__),
                              "plain_chat_template.jinja")

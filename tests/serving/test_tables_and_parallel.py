@@ -8,9 +8,10 @@
 
 import pytest
 
-from tests.helpers.serving import SKIP_REASON, engine, generate_greedy, random_prompts, save_tiny_model, served_tables
+from tests.helpers.serving import (engine, generate_greedy, random_prompts, require_vllm, save_tiny_model,
+                                   served_tables)
 
-vllm = pytest.importorskip("vllm", reason=SKIP_REASON)
+vllm = require_vllm()
 
 
 def served_greedy(llm, prompts, new_tokens):
@@ -39,3 +40,22 @@ def test_fp8_tables_mapped_from_the_file_inside_the_ffn_over_two_tensor_parallel
     for index, ((tokens, logprobs), reference) in enumerate(zip(served, expected)):
         assert tokens == reference.tokens, f"prompt {index}"
         assert logprobs == pytest.approx(reference.logprobs, abs=1e-4), f"prompt {index}"
+
+
+def test_bf16_serving_follows_the_model_in_bf16(tmp_path):
+    """In bf16 vLLM's kernels and transformers' round differently, so long greedy generations may part. What must
+    hold: every token vLLM chooses, its look-back in bf16 state included, is within rounding of the best under
+    transformers' bf16 forward of the same sequence, with the log-prob vLLM reports."""
+    import torch
+
+    model = save_tiny_model(tmp_path / "model", "factorengram", "before_attn", table_dtype="fp8").to(torch.bfloat16)
+    prompts = random_prompts((6, 40, 13, 3), seed=7)
+    with engine(tmp_path / "model", dtype="bfloat16", max_num_batched_tokens=16) as llm:
+        served = served_greedy(llm, prompts, 12)
+    for index, (prompt, (tokens, logprobs)) in enumerate(zip(prompts, served)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+        expected = torch.log_softmax(logits, -1)
+        chosen = expected[torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert (expected.max(-1).values - chosen).max() < 0.1, f"prompt {index}: a token far from the best"
+        assert logprobs == pytest.approx(chosen.tolist(), abs=0.1), f"prompt {index}"

@@ -11,7 +11,7 @@ import torch
 from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.memory import build_memory
 from fe_megatron.vllm import request_history
-from fe_megatron.vllm.request_history import RequestBatch
+from fe_megatron.vllm.request_history import RequestBatch, state_shapes
 from tests.helpers.memory import randomize
 
 BACKBONE = BackboneConfig(vocab_size=97, hidden_size=32, num_layers=2, num_attention_heads=2, ffn_hidden_size=64,
@@ -24,6 +24,9 @@ BRANCHES = {
                                          table_capacity=[300, 300], coeff_width=32),
     "engram-scalar": dict(kind="engram", gate="scalar", memory_dim=48),
     "engram-none-dilated": dict(kind="engram", gate="none", memory_dim=48, conv_dilation=2),
+    # nothing to look back on: unigrams only and a one-tap convolution
+    "factorengram-unigram-one-tap": dict(kind="factorengram", gate="basis", ngram_orders=[1], table_capacity=[97],
+                                         conv_kernel_size=1),
 }
 
 
@@ -39,8 +42,9 @@ def serve(branch, requests, steps, num_slots=6):
     """Run ``branch`` as a server would: ``steps`` is a list of steps, each ``[(request, count)]``: the next
     ``count`` tokens of each request, or ``(request, "restart")`` (preempted: it starts over in a new slot).
     Returns each request's outputs, position by position, from its last start."""
-    ids_state = torch.randint(0, 97, (num_slots, max(1, branch.config.max_order - 1)), dtype=torch.int32)
-    values_state = torch.randn(num_slots, branch.conv.receptive_field, branch.config.output_size)  # stale slots
+    ids_shape, values_shape = state_shapes(branch.config)
+    ids_state = torch.randint(0, 97, (num_slots, *ids_shape), dtype=torch.int32)  # stale slots
+    values_state = torch.randn(num_slots, *values_shape)
     done = {r: 0 for r in requests}
     slot = {r: i for i, r in enumerate(requests)}
     outputs = {r: [] for r in requests}
