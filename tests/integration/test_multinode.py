@@ -105,18 +105,20 @@ def rank_hosts(run_dir):
 
 
 def trainers(cluster, name):
-    """fe-pretrain's worker processes on node ``name`` (not torchrun's agent)."""
+    """fe-pretrain's worker processes on node ``name`` (not torchrun's agent, nor a process a worker forked,
+    which carries the worker's command line for as long as it runs)."""
     import psutil
 
-    found = []
+    found = {}
     for pid in cluster.pids(name):
         try:
-            cmdline = " ".join(psutil.Process(pid).cmdline())
+            process = psutil.Process(pid)
+            cmdline, parent = " ".join(process.cmdline()), process.ppid()
         except psutil.Error:
             continue
         if "fe_megatron.train" in cmdline and "torch.distributed.run" not in cmdline:
-            found.append(pid)
-    return found
+            found[pid] = parent
+    return [pid for pid, parent in found.items() if parent not in found]
 
 
 @pytest.fixture(scope="module")
