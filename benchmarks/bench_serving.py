@@ -2,7 +2,7 @@
 and the time to the first token with the tables in memory or memory-mapped.
 
     python benchmarks/bench_serving.py --model runs/demo/factorengram-hf [--batches 1,8,32] [--busy-cores 1]
-    python benchmarks/bench_serving.py --model /tmp/wide --make-340m-width   # a 4-layer model of the paper's width
+    python benchmarks/bench_serving.py --model runs/wide-hf --make-340m-width   # a 4-layer model of the paper's width
 
 (``make bench-serving`` converts the demo's runs and runs this in .venv-serve.)  On the same prompts (random
 token ids, ``--prompt-tokens`` long), greedy, ``--new-tokens`` each:
