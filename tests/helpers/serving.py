@@ -15,6 +15,7 @@ import torch
 
 from fe_megatron.config import BackboneConfig, MemoryConfig
 from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
+from tests.helpers.models import make_memory_matter, with_table_dtype
 
 VOCAB = 256
 BACKBONE = BackboneConfig(vocab_size=VOCAB, hidden_size=64, num_layers=3, num_attention_heads=2, num_query_groups=1,
@@ -35,21 +36,8 @@ def save_tiny_model(directory, kind="factorengram", placement="before_attn", tab
     config = FactorEngramConfig.from_fe_megatron(BACKBONE, memory, pad_token_id=0, eos_token_id=1, bos_token_id=2)
     torch.manual_seed(seed)
     model = FactorEngramForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".memory." in name and ("value_proj" in name or "conv.weight" in name):
-                param.normal_(0, 0.3)  # the branch output starts at zero; make it matter
-    if table_dtype != "fp32":
-        quantized = FactorEngramForCausalLM(FactorEngramConfig.from_dict(dict(
-            config.to_dict(), memory=dict(config.memory, table_dtype=table_dtype)))).eval()
-        weights = model.state_dict()
-        with torch.no_grad():
-            for name, param in quantized.named_parameters():
-                if name.endswith("tables.weight"):
-                    quantized.get_submodule(name[:-len(".weight")]).store_(weights[name])
-                elif not name.endswith("row_scale"):
-                    param.copy_(weights[name])
-        model = quantized
+    make_memory_matter(model, 0.3)
+    model = with_table_dtype(model, table_dtype)
     model.save_pretrained(directory)
     return model
 

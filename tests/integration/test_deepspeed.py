@@ -13,6 +13,7 @@ import torch
 
 from fe_megatron.training.config import load_train_config
 from tests.helpers.deepspeed import CLIP, STEPS, overrides
+from tests.helpers.models import make_memory_matter
 from tests.helpers.training import CONFIG, ENDS_CLEANLY, ROOT, metrics, run_pretrain
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
@@ -47,10 +48,7 @@ def start(small_data, tmp_path_factory):
     cfg = load_train_config(CONFIG, overrides(small_data))
     torch.manual_seed(11)
     model = build_model(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".memory." in name and ("value_proj" in name or "conv.weight" in name):
-                param.normal_(0, 0.05)
+    make_memory_matter(model, 0.05)
     hf = str(base / "hf")
     model.save_pretrained(hf)
     shutil.copyfile(small_data["tokenizer"], os.path.join(hf, "tokenizer.model"))

@@ -18,6 +18,7 @@ import urllib.request
 import pytest
 import torch
 
+from tests.helpers.models import make_memory_matter
 from tests.helpers.serving import generate_greedy, require_vllm
 from tests.helpers.tokenizers import train_fe_data_tokenizer
 
@@ -43,10 +44,7 @@ def converted_folder(base):
         pad_token_id=tokenizer.pad_token_id, architectures=["FactorEngramForCausalLM"], auto_map=AUTO_MAP)
     torch.manual_seed(0)
     model = FactorEngramForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".memory." in name and ("value_proj" in name or "conv.weight" in name):
-                param.normal_(0, 0.3)
+    make_memory_matter(model, 0.3)
     model.save_pretrained(directory)
     return directory, model
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
-from tests.helpers.models import tiny_model
+from tests.helpers.models import tiny_model, with_table_dtype
 
 
 @pytest.mark.parametrize("table_dtype", ["fp32", "fp8"])
@@ -13,19 +13,7 @@ def test_memory_mapped_tables_generate_the_same_tokens(tmp_path, table_dtype):
     the state dict), generation is identical token for token, and such a model is not saved."""
     from transformers import AutoModelForCausalLM
 
-    model = tiny_model()
-    if table_dtype != "fp32":  # a quantized model, as fe-convert --table-dtype writes it
-        config = FactorEngramConfig.from_dict(dict(model.config.to_dict(), memory=dict(model.config.memory,
-                                                                                       table_dtype=table_dtype)))
-        quantized = FactorEngramForCausalLM(config).eval()
-        weights = model.state_dict()
-        with torch.no_grad():
-            for name, param in quantized.named_parameters():
-                if name.endswith("tables.weight"):
-                    quantized.get_submodule(name[:-len(".weight")]).store_(weights[name])
-                elif not name.endswith("row_scale"):
-                    param.copy_(weights[name])
-        model = quantized
+    model = with_table_dtype(tiny_model(), table_dtype)  # a quantized model, as fe-convert --table-dtype writes it
     model.save_pretrained(tmp_path / "model")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     mapped = AutoModelForCausalLM.from_pretrained(tmp_path / "model", table_storage="mmap").eval()
