@@ -73,6 +73,23 @@ class RequestBatch:
         keep = self.has_history.view(-1, *([1] * (rows.dim() - 1)))
         return torch.where(keep, rows, torch.full_like(rows, empty))
 
+    def after_look_back(self, flat: torch.Tensor, state: torch.Tensor, history: int, empty) -> tuple:
+        """Each request's new values of ``flat`` (``[N, ...]``) after its last ``history`` values in ``state``
+        (``[slots, >= history, ...]``; ``empty``, a scalar, where the request starts), as sequences for a causal
+        computation that reads ``history`` back: ``(sequences [B, T, ...], new)``, ``new`` indexing the new
+        positions of a result laid out as ``sequences``. ``state`` advances, in place, to the last ``history``
+        values of each request. A step of decodes only gives each request's window (``[R, history + 1, ...]``,
+        its new value last); any other step one sequence of the requests end to end (`joined`)."""
+        if self.decoding:
+            sequences = torch.cat([state[self.slots, :history].to(flat.dtype), flat.unsqueeze(1)], 1)
+            latest, new = sequences[:, 1:], (slice(None), history)
+        else:
+            joined, places, last = self.joined(flat, self.start_or_keep(state[:, :history].to(flat.dtype), empty))
+            sequences, latest, new = joined.unsqueeze(0), joined[last], (0, places)
+        if history:
+            state[self.slots, :history] = latest.to(state.dtype)
+        return sequences, new
+
     def joined(self, flat: torch.Tensor, history: torch.Tensor) -> tuple:
         """Each request's look-back (``history``, ``[R, h, ...]``) then its new values of ``flat`` (``[N, ...]``),
         the requests end to end: ``(joined [N + R h, ...], new, last)``, with ``new`` ``[N]`` the place of each new
@@ -95,18 +112,9 @@ def addresses(branch, token_ids: torch.Tensor, batch: RequestBatch, id_state: to
     request's n-grams reading its earlier ids from ``id_state`` (``[slots, >= max_order - 1]`` int, the
     slots' last lookup ids), which is updated in place."""
     hasher = branch.hasher
-    history = branch.config.max_order - 1
     ids = hasher.lookup_ids(token_ids.unsqueeze(0)).squeeze(0)  # checks the ids' range (vocabulary)
-    if batch.decoding:  # one new id per request: its window is the slot's ids and it
-        window = torch.cat([id_state[batch.slots, :history].long(), ids.unsqueeze(1)], 1)
-        if history:
-            id_state[batch.slots, :history] = window[:, 1:].to(id_state.dtype)
-        return hasher.indices_of_lookup_ids(window)[:, history]
-    earlier = batch.start_or_keep(id_state[:, :history].long(), hasher.pad_id)
-    joined, new, last = batch.joined(ids, earlier)
-    if history:
-        id_state[batch.slots, :history] = joined[last].to(id_state.dtype)
-    return hasher.indices_of_lookup_ids(joined.unsqueeze(0))[0, new]
+    sequences, new = batch.after_look_back(ids, id_state, branch.config.max_order - 1, hasher.pad_id)
+    return hasher.indices_of_lookup_ids(sequences)[new]
 
 
 def refine(branch, values: torch.Tensor, batch: RequestBatch, value_state: torch.Tensor) -> torch.Tensor:
@@ -114,14 +122,7 @@ def refine(branch, values: torch.Tensor, batch: RequestBatch, value_state: torch
     request's convolution reading its earlier values from ``value_state`` (``[slots, >= (K-1) r, C]``, the
     slots' last values), which is updated in place."""
     conv = branch.conv
-    history = conv.receptive_field
-    if batch.decoding:  # one new value per request: its window is the slot's values and it
-        window = torch.cat([value_state[batch.slots, :history].to(values.dtype), values.unsqueeze(1)], 1)
-        if history:
-            value_state[batch.slots, :history] = window[:, 1:].to(value_state.dtype)
-        return values + conv.last(window)
-    earlier = batch.start_or_keep(value_state[:, :history].to(values.dtype), 0.0)
-    joined, new, last = batch.joined(values, earlier)
-    if history:
-        value_state[batch.slots, :history] = joined[last].to(value_state.dtype)
-    return values + conv(joined.unsqueeze(0))[0, new]
+    sequences, new = batch.after_look_back(values, value_state, conv.receptive_field, 0.0)
+    if batch.decoding:  # each window's last position, without the convolution's call overhead
+        return values + conv.last(sequences)
+    return values + conv(sequences)[new]
