@@ -32,15 +32,14 @@ copy) at 4,096 tokens.
 """
 
 import argparse
-import contextlib
 import json
 import platform
-import subprocess
-import sys
 import time
 import warnings
 
 import torch
+
+from host_load import busy_cores  # this folder is on the path when the script runs
 
 warnings.filterwarnings("ignore")
 
@@ -143,19 +142,6 @@ def measure(size: str, iters: int) -> dict:
             "fbgemm_us": round(fbgemm * 1e6, 1), "ours_us": round(timings["ours"] * 1e6, 1),
             "ours_rows_per_s": round(unique / timings["ours"]), "fbgemm_rows_per_s": round(unique / fbgemm),
             "speed_ours_over_fbgemm": round(fbgemm / timings["ours"], 3)}
-
-
-@contextlib.contextmanager
-def busy_cores(count: int):
-    """``count`` processes, each keeping one core busy until the block ends."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        time.sleep(0.5 if count else 0)  # the spinners are running before the timing starts
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def main():

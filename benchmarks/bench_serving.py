@@ -27,33 +27,19 @@ measurement and a Markdown table for benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
+
+from host_load import busy_cores  # this folder is on the path when the script runs
 
 ENGINE = dict(dtype="float32", gpu_memory_utilization=0.05, skip_tokenizer_init=True, seed=0)
 # vLLM's workers keep polling for work for a second after their last step (its shared-memory queue's busy
 # loop); each measurement waits that out, so that an idle engine takes no core from the one being timed
 SETTLE_S = 1.5
-
-
-@contextlib.contextmanager
-def busy_cores(count: int):
-    """``count`` processes, each keeping one core busy until the block ends."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        time.sleep(0.5 if count else 0)
-        yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 def prompts_of(vocab_size: int, count: int, length: int, seed: int = 0) -> list:

@@ -49,4 +49,3 @@ class ShortConv(nn.Module):
             raise ValueError(f"a window of {window.shape[1]} positions; the last position's output reads "
                              f"receptive_field + 1 = {self.receptive_field + 1}")
         return F.silu((self.norm(taps) * self.weight.t()).sum(1))
-

@@ -49,9 +49,8 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
     """vLLM's Llama layer, with the memory branch of ``layer_index`` (if the config names it) at its
     placement."""
 
-    def __init__(self, vllm_config: VllmConfig, prefix: str, layer_index: int):
+    def __init__(self, vllm_config: VllmConfig, prefix: str, layer_index: int, memory_config):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        memory_config = vllm_config.model_config.hf_config.memory_config()
         self.memory = None
         if memory_config is not None and layer_index in memory_config.layers:
             branch = build_memory(memory_config, layer_index, initialize=False)
@@ -91,8 +90,9 @@ class FactorEngramModel(nn.Module):
         config = vllm_config.model_config.hf_config
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        memory_config = config.memory_config()
         self.layers = nn.ModuleList([
-            FactorEngramDecoderLayer(vllm_config, f"{prefix}.layers.{index}", index)
+            FactorEngramDecoderLayer(vllm_config, f"{prefix}.layers.{index}", index, memory_config)
             for index in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.memory_layers = [index for index, layer in enumerate(self.layers) if layer.memory is not None]
@@ -168,8 +168,7 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set:
         """Load the Hugging Face checkpoint; with ``table_storage="mmap"`` the tables are mapped from its files
         instead of loaded."""
-        memory_config = self.config.memory_config()
-        if memory_config is None:  # a plain Transformer, or served without its memory (hf_overrides memory=None)
+        if not self.model.memory_layers:  # a plain Transformer, or served without its memory (hf_overrides memory=None)
             weights = ((name, tensor) for name, tensor in weights if ".memory." not in name)
         elif self.mapped_tables:
             weights = ((name, tensor) for name, tensor in weights if not name.endswith(TABLE_SUFFIX))
