@@ -86,7 +86,7 @@ def resolve(cfg, data_parallel_size: int, bf16: bool) -> dict:
                                        "tables outside ZeRO by the same global norm, and recognizes a skipped "
                                        "(non-finite) update by it; remove zero_optimization.compute_grad_norm",
                           None, None)
-    if stage == 3 and cfg.parallel.table_sharding == "rows":
+    if stage == 3 and cfg.parallel.table_sharding in ("rows", "node"):
         zero.setdefault("stage3_param_persistence_threshold", 0)
 
     _check_optimizer(ds.pop("optimizer", None), o)

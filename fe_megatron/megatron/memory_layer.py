@@ -37,7 +37,7 @@ from fe_megatron.megatron import compat
 from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
 from fe_megatron.megatron.parallel import table_row_group
 from fe_megatron.memory import MemoryBranch, build_memory
-from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, param_sharding
+from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDINGS, param_sharding
 
 
 def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, layer_index: int,
@@ -51,7 +51,7 @@ def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, 
                          "model); the Megatron layers train fp32 or bf16 tables")
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
-    memory_parallel_group = table_row_group() if table_sharding == ROW_SHARDED else None
+    memory_parallel_group = table_row_group() if table_sharding in ROW_SHARDINGS else None
     hooks = MegatronParallelHooks(tp_group, config.sequence_parallel, cp_group, memory_parallel_group)
     branch = build_memory(memory_config, layer_index, hooks, initialize=config.perform_initialization)
     for name, param in branch.named_parameters():

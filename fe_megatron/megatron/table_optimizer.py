@@ -31,7 +31,6 @@ from megatron.core import parallel_state
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.parallel import table_row_group
 from fe_megatron.memory.branch import memory_branches
-from fe_megatron.memory.sharding import ROW_SHARDED
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.tables.stage_tables import StageTables
 from fe_megatron.tables.update_rules import UpdateRule
@@ -88,7 +87,7 @@ def manage_tables(model, optimizer_args, plan: TablePlan, device, seed: int) -> 
     keeps the tables), with the groups and averaging of Megatron's layout."""
     data_parallel = parallel_state.get_data_parallel_group(with_context_parallel=True)
     norm_groups = [parallel_state.get_tensor_model_parallel_group(), parallel_state.get_pipeline_model_parallel_group()]
-    rows = plan.sharding == ROW_SHARDED
+    rows = plan.row_sharded
     if rows:  # every rank of the tables' row group holds other rows
         norm_groups.append(table_row_group())
     return StageTables(memory_branches(model), optimizer_args, plan, device,

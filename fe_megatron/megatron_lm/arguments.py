@@ -23,7 +23,7 @@ from fe_megatron.suggest import did_you_mean
 from fe_megatron.tables.update_rules import TABLE_UPDATES
 from fe_megatron.training.config import TABLE_STATE_DTYPES, OptimizerArgs, ParallelArgs
 
-TABLE_SHARDINGS = ("replicated", "rows")
+TABLE_SHARDINGS = ("replicated", "rows", "node")
 
 
 def add_factorengram_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,7 +39,12 @@ def add_factorengram_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                             "layer numbers (0-based, '|' not counted), each an attention ('*') layer")
     group.add_argument("--fe-table-sharding", default=ParallelArgs.table_sharding, choices=TABLE_SHARDINGS,
                        help="replicated: whole tables on every data-parallel rank; rows: the rows sharded over the "
-                            "data-parallel (x context-parallel) ranks, looked up with an all-to-all")
+                            "data-parallel (x context-parallel) ranks, looked up with an all-to-all; node: split as "
+                            "rows, each node's rows kept once in shared host memory that its ranks read directly "
+                            "(needs --fe-table-placement host)")
+    group.add_argument("--fe-shared-table-folder", default=ParallelArgs.shared_table_folder, metavar="DIR",
+                       help="--fe-table-sharding node: the tmpfs folder of each node's shared tables "
+                            "(default %(default)s)")
     group.add_argument("--fe-table-dtype", default=None, choices=("fp32", "bf16"),
                        help="the tables' storage dtype (overrides the config's table_dtype)")
     group.add_argument("--fe-table-placement", default=None, choices=TABLE_PLACEMENTS,
@@ -145,9 +150,12 @@ def refused_combinations(args, memory: MemoryConfig) -> list:
     """Why the memory branch cannot honor this command line (empty: it can). Each entry names the
     argument and what to do instead."""
     refused = []
-    if args.fe_table_sharding == "rows" and args.context_parallel_size > 1:
-        refused.append("--fe-table-sharding rows with --context-parallel-size > 1: use fe-pretrain, or replicated "
-                       "tables")
+    if args.fe_table_sharding in ("rows", "node") and args.context_parallel_size > 1:
+        refused.append(f"--fe-table-sharding {args.fe_table_sharding} with --context-parallel-size > 1: use "
+                       "fe-pretrain, or replicated tables")
+    if args.fe_table_sharding == "node" and memory.table_placement != "host":
+        refused.append(f"--fe-table-sharding node keeps the tables in host memory, and the tables' placement is "
+                       f"{memory.table_placement!r}: add --fe-table-placement host")
     if getattr(args, "mtp_num_layers", None):
         refused.append(f"--mtp-num-layers {args.mtp_num_layers}: the multi-token prediction block's layers get no "
                        "memory inputs; train without it")

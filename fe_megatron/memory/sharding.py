@@ -15,7 +15,7 @@ the same name.  Splits:
   Engram's projections ``[out, branches, s_b]``, so each rank's coefficients meet their own rows
   of D.  ``None``: whole on every tensor-parallel rank.  Those parameters see only the rank's
   own tokens under sequence parallelism, so their gradients are summed over the TP group.
-* ``row_parallel``: with row sharding on (``parallel.table_sharding: rows``), the rows are split
+* ``row_parallel``: with row sharding on (``parallel.table_sharding: rows`` or ``node``), the rows are split
   over the memory-parallel group, per branch, as `fe_megatron.tables.row_exchange.RowPartition`
   says; lookups then go through the all-to-all row exchange.  This composes with the column
   split: a rank holds about ``rows / N x columns / tp``.
@@ -36,10 +36,14 @@ TABLE_SHARDINGS = {
     "replicated": "every data-parallel rank holds every row (gradients all-reduced, as for any weight)",
     "rows": "the rows are split over the memory-parallel group (the data-parallel ranks, times the context-parallel "
             "ones); the row exchange fetches what each microbatch needs",
+    "node": "the rows are split as with rows, and each node keeps its ranks' rows once, in shared host memory "
+            "(/dev/shm), which every rank of the node reads directly; rows move only between nodes",
     "zero": "DeepSpeed engine only: the tables are ordinary parameters that ZeRO partitions and gathers whole",
 }
 ROW_SHARDED = "rows"
-MEGATRON_TABLE_SHARDINGS = ("replicated", "rows")  # the Megatron engine, the converters and fe-plan
+NODE_SHARED = "node"
+ROW_SHARDINGS = (ROW_SHARDED, NODE_SHARED)  # the rows split over the row group (each row has one owner rank)
+MEGATRON_TABLE_SHARDINGS = ("replicated", "rows", "node")  # the Megatron engine, the converters and fe-plan
 
 
 def pipeline_stage_layers(num_layers: int, pipeline_size: int, stage: int) -> range:

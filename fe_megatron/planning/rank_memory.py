@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from fe_megatron.config import MemoryConfig
 from fe_megatron.tables.plan import DTYPE_BYTES, TablePlan
 from fe_megatron.tables.update_rules import update_rule
-from fe_megatron.memory.sharding import (MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, pipeline_stage_layers,
+from fe_megatron.memory.sharding import (MEGATRON_TABLE_SHARDINGS, ROW_SHARDED, ROW_SHARDINGS, pipeline_stage_layers,
                                          stages_without_memory)
 from fe_megatron.planning.budget import layer_params, memory_layer_budget
 
@@ -124,6 +124,8 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
         raise ValueError(f"table_sharding {table_sharding!r} is not one of {MEGATRON_TABLE_SHARDINGS}")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision {precision!r} is not one of fp32, bf16")
+    if table_sharding == "node" and storage.placement != "host":
+        raise ValueError("table_sharding 'node' keeps the tables in host memory: estimate it with the host placement")
     if config.num_layers % pp:
         raise ValueError(f"pipeline size {pp} does not divide num_layers={config.num_layers}")
     if config.backbone.num_experts:
@@ -137,7 +139,7 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
 
     def stage_memory(stage: int) -> RankMemory:
         tables, rest = _stage_params(config, pp, stage)
-        tables /= tp * (dp if table_sharding == ROW_SHARDED else 1)
+        tables /= tp * (dp if table_sharding in ROW_SHARDINGS else 1)
         rest /= tp
         rest_optimizer = rest * (8 + (4 if precision == "bf16" else 0))
         return RankMemory(table_weights=tables * DTYPE_BYTES[storage.table_dtype], table_grads=tables * gradient,
@@ -260,7 +262,10 @@ def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sh
         why = storage.plan(precision, stage_without_memory).reasons
         lines.append(f"the tables' Adam moments are not split over DP: the tables train from stores ({', '.join(why)}),"
                      " which the distributed optimizer does not shard (docs/tables.md)")
-    if table_sharding == ROW_SHARDED:
+    if table_sharding == "node":
+        lines.append("node-shared tables: the table weights above are this rank's slice of its node's segment in "
+                     "shared memory (/dev/shm), which holds the node's ranks' slices once; that folder needs their sum")
+    if table_sharding in ROW_SHARDINGS:
         exchange = exchange_bytes_per_step(config, tp, pp, dp, micro_batch_size, seq_length, global_batch_size)
         lines.append(f"row exchange per step and rank: at most {exchange / gib:.2f} GiB (micro-batch "
                      f"{micro_batch_size} x {seq_length} tokens, global batch {global_batch_size}; before "

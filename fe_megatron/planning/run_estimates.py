@@ -24,7 +24,7 @@ is the figure to trust once a few steps have run.
 from __future__ import annotations
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.memory.sharding import ROW_SHARDED, pipeline_stage_layers
+from fe_megatron.memory.sharding import ROW_SHARDINGS, pipeline_stage_layers
 from fe_megatron.planning.budget import backbone_params, memory_layer_budget, total_params
 from fe_megatron.planning.rank_memory import DTYPE_BYTES, TableStorage, rank_memory
 
@@ -77,7 +77,7 @@ def gradient_communication_bytes(config: MemoryConfig, tp: int, pp: int, dp: int
         return 0.0
     m = rank_memory(config, tp, pp, dp, table_sharding, distributed_optimizer, precision, storage)
     rest_params = m.rest_grads / 4
-    gradients = m.rest_grads + (0.0 if table_sharding == ROW_SHARDED else m.table_grads)
+    gradients = m.rest_grads + (0.0 if table_sharding in ROW_SHARDINGS else m.table_grads)
     ring = (dp - 1) / dp
     if distributed_optimizer:
         weight_bytes = 2 if precision == "bf16" else 4
@@ -114,4 +114,4 @@ def format_run_estimates(config: MemoryConfig, tp: int, pp: int, dp: int, table_
         f"{device / GIB:.2f} GiB, fits {device_gib:g} GiB: {fits}",
         f"checkpoint on disk: {checkpoint / GIB:.2f} GiB each; {disk}",
         f"data-parallel gradient traffic per step and rank: {communication / GIB:.2f} GiB sent"
-        + (" (whole tables included)" if table_sharding != ROW_SHARDED and dp > 1 else "")])
+        + (" (whole tables included)" if table_sharding not in ROW_SHARDINGS and dp > 1 else "")])

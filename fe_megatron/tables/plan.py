@@ -47,17 +47,19 @@ class TablePlan:
     dtype: str  # memory.table_dtype: fp32 | bf16
     state_dtype: str  # optimizer.table_state_dtype
     placement: str  # memory.table_placement: device | host
-    sharding: str  # parallel.table_sharding: replicated | rows | zero
+    sharding: str  # parallel.table_sharding: replicated | rows | node | zero
     update: str  # optimizer.table_update
     trainer: str  # ENGINE (the engine's optimizer or ZeRO) or STORES (fe_megatron's table optimizer)
     reasons: tuple = ()  # why STORES: the settings that asked for it
     sharded_backbone: bool = False  # the backbone under Megatron-FSDP: the tables are checkpointed beside its state
+    shared_folder: str = "/dev/shm"  # node-shared tables: the node's shared-memory folder (parallel.shared_table_folder)
 
     @classmethod
     def resolve(cls, engine: str = "megatron", dtype: str = "fp32", state_dtype: str = "fp32",
                 placement: str = "device", sharding: str = "replicated", update: str = "adamw",
                 bf16_run: bool = False, stage_without_memory: bool = False,
-                expert_parallel: int = 1, sharded_backbone: bool = False) -> "TablePlan":
+                expert_parallel: int = 1, sharded_backbone: bool = False,
+                shared_folder: str = "/dev/shm") -> "TablePlan":
         rule = update_rule(update)
         reasons = []
         if dtype != "fp32":
@@ -70,6 +72,8 @@ class TablePlan:
             reasons.append(f"optimizer.table_update={update}")
         if sharding == "rows":
             reasons.append("row-sharded tables" + (" outside ZeRO" if engine == "deepspeed" else ""))
+        if sharding == "node":
+            reasons.append("node-shared tables" + (" outside ZeRO" if engine == "deepspeed" else ""))
         if engine == "megatron" and bf16_run:
             reasons.append("a bf16 run")
         if engine == "megatron" and expert_parallel > 1:
@@ -79,7 +83,7 @@ class TablePlan:
         if engine == "megatron" and sharded_backbone:
             reasons.append("a backbone under Megatron-FSDP")
         return cls(engine, dtype, state_dtype, placement, sharding, update, STORES if reasons else ENGINE,
-                   tuple(reasons), engine == "megatron" and sharded_backbone)
+                   tuple(reasons), engine == "megatron" and sharded_backbone, shared_folder)
 
     @classmethod
     def for_run(cls, cfg, bf16_run: bool = False, stage_without_memory: bool = False,
@@ -91,7 +95,7 @@ class TablePlan:
         memory, o, p = cfg.memory, cfg.optimizer, cfg.parallel
         return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
                            p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert,
-                           sharded_backbone)
+                           sharded_backbone, p.shared_table_folder)
 
     @classmethod
     def saved_mode(cls, info: dict):
@@ -112,6 +116,16 @@ class TablePlan:
         return cls.resolve(engine, memory.get("table_dtype", "fp32"), optimizer.get("table_state_dtype", "fp32"),
                            memory.get("table_placement", "device"), layout.get("table_sharding", "replicated"),
                            optimizer.get("table_update", "adamw")).mode
+
+    @property
+    def row_sharded(self) -> bool:
+        """Whether every row has one owner rank in the tables' row group (``rows``, and ``node``, whose
+        nodes share their ranks' rows)."""
+        return self.sharding in ("rows", "node")
+
+    @property
+    def node_shared(self) -> bool:
+        return self.sharding == "node"
 
     @property
     def in_stores(self) -> bool:
@@ -137,11 +151,11 @@ class TablePlan:
     @property
     def mode(self) -> str:
         """The DeepSpeed engine's table mode: ``zero`` (ZeRO's parameters), ``rows`` (row-sharded
-        outside ZeRO) or ``replicated`` (whole, in stores outside ZeRO); under Megatron ``stores`` or
-        ``parameters`` (what its checkpoints record as ``tables``)."""
+        outside ZeRO, node-shared too: the same files) or ``replicated`` (whole, in stores outside ZeRO);
+        under Megatron ``stores`` or ``parameters`` (what its checkpoints record as ``tables``)."""
         if self.engine == "megatron":
             return "stores" if self.in_stores else "parameters"
-        if self.sharding == "rows":
+        if self.row_sharded:
             return "rows"
         return "replicated" if self.in_stores else "zero"
 
@@ -163,5 +177,7 @@ class TablePlan:
             return f"tables {self.dtype} as {trainer}, {self.sharding}{update}"
         state = f" (state {self.state_dtype})" if self.state_dtype != "fp32" else ""
         where = "in host memory" if self.placement == "host" else "on the device"
+        if self.node_shared:
+            where = f"in shared host memory ({self.shared_folder}), one copy per node"
         return (f"tables {self.dtype}{state} in stores {where}, {self.sharding}{update}; in stores because of "
                 f"{', '.join(self.reasons)}")

@@ -24,6 +24,11 @@ deterministic), sent back to the owners by all-to-all, and each owner adds them 
 shard's gradient (its `TableStore`'s), also sorted and deterministic.  The table's gradient is
 never all-reduced.
 
+Node-shared tables (`fe_megatron.tables.node_shared`): the same exchange, except that a rank reads the
+rows its node's ranks own from the node's shared segment (after the counts' all-to-all, so after every
+owner's last update), and rows travel in step 4 only between nodes; requests and gradients go to every
+owner as above, so the arithmetic is the row-sharded one.
+
 Only ``torch.distributed`` is used here, so every engine (Megatron, DeepSpeed) shares it.
 """
 
@@ -183,17 +188,46 @@ class StageRowExchange:
         recv_layer = torch.repeat_interleave(torch.arange(layers, device=device).repeat(world), self.recv_counts)
         self.served_positions = [(recv_layer == l).nonzero().flatten() for l in range(layers)]
         self.backend = ops.current_backend(device, self.weights[0].dtype)
+        me = dist.get_rank(group)
+        node = self.stores[0].node  # node-shared tables (fe_megatron.tables.node_shared): the node's rows
+        same_node = [False] * world if node is None else node.same_node.tolist()
+        rows_in = [0 if same_node[o] else n for o, n in enumerate(self.send_split)]  # from each owner
+        rows_out = [0 if same_node[r] else n for r, n in enumerate(self.recv_split)]  # to each requester
+        # the requests this rank serves through the exchange (other nodes' ranks'), per layer
+        serves = torch.repeat_interleave(torch.tensor([not s for s in same_node], device=device),
+                                         torch.tensor(self.recv_split, device=device))
         with torch.no_grad():
-            served = torch.empty(self.requested.numel(), self.width, dtype=self.weights[0].dtype, device=device)
-            for l, positions in enumerate(self.served_positions):
-                ids = self.requested.index_select(0, positions)
-                served.index_copy_(0, positions, self.stores[l].fetch(ids, device).wait())
-        self._received = served.new_empty((sum(self.unique_counts), self.width))
-        self._work = dist.all_to_all_single(self._received, served, self.send_split, self.recv_split, group=group,
-                                            async_op=True)
+            served = torch.empty(sum(rows_out), self.width, dtype=self.weights[0].dtype, device=device)
+            served_layer = recv_layer[serves]
+            served_ids = self.requested[serves]
+            for l in range(layers):
+                positions = (served_layer == l).nonzero().flatten()
+                if positions.numel():
+                    served.index_copy_(0, positions, self.stores[l].fetch(served_ids.index_select(0, positions),
+                                                                          device).wait())
+            # and the rows of this node's owners, read from the node's segment (after the counts' exchange:
+            # every rank of the group has finished its last update)
+            self._node_reads, self._remote_positions = [], None
+            if node is not None:
+                sorted_owner, sorted_layer = owner[self.order], layer_of[self.order]
+                sorted_local = torch.cat(locals_)[self.order]
+                from_node = node.same_node.to(device)[sorted_owner]
+                self._remote_positions = (~from_node).nonzero().flatten()
+                for l in range(layers):
+                    positions = (from_node & (sorted_layer == l)).nonzero().flatten()
+                    if positions.numel():
+                        self._node_reads.append((positions, self.stores[l].node.read(
+                            sorted_owner.index_select(0, positions), sorted_local.index_select(0, positions), device)))
+        self._received = served.new_empty((sum(rows_in), self.width))
+        self._work = None
+        if not all(same_node):  # rows cross between nodes (row-sharded tables: between every two ranks)
+            self._work = dist.all_to_all_single(self._received, served, rows_in, rows_out, group=group, async_op=True)
         self._unique_rows = None
         self._pending_grads = [None] * layers
-        self.exchanges = {"forward": 3, "backward": 0}  # all-to-alls issued (for tests and benchmarks)
+        self.exchanges = {"forward": 2 + (self._work is not None), "backward": 0}  # all-to-alls issued
+        # rows sent to and received from other ranks (the rank itself excluded), for tests and benchmarks
+        self.rows_moved = {"forward_out": sum(rows_out) - rows_out[me], "forward_in": sum(rows_in) - rows_in[me],
+                           "gradients_out": sum(self.send_split) - self.send_split[me]}
 
     def layer_lookup(self, layer: int) -> "LayerRowLookup":
         return LayerRowLookup(self, layer)
@@ -201,10 +235,17 @@ class StageRowExchange:
     def unique_rows(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s unique rows, ``[unique, width]`` in sorted-id order (blocks until they arrived)."""
         if self._unique_rows is None:
-            self._work.wait()
-            self._unique_rows = torch.empty_like(self._received)
-            self._unique_rows[self.order] = self._received
-            self._received, self._work = None, None
+            if self._work is not None:
+                self._work.wait()
+            arrived = self._received  # in request order (by owner, then layer)
+            if self._remote_positions is not None:  # node-shared: the exchanged rows and the node's own
+                arrived = self._received.new_empty((sum(self.unique_counts), self.width))
+                arrived.index_copy_(0, self._remote_positions, self._received)
+                for positions, rows in self._node_reads:
+                    arrived.index_copy_(0, positions, rows.wait())
+            self._unique_rows = torch.empty_like(arrived)
+            self._unique_rows[self.order] = arrived
+            self._received, self._work, self._node_reads = None, None, []
         start = sum(self.unique_counts[:layer])
         return self._unique_rows[start:start + self.unique_counts[layer]]
 

@@ -11,6 +11,8 @@ holds, for every table:
   reads through (`fe_megatron.memory.tables.NgramTables.weight`);
 * their gradient: the store's dense ``main_grad`` (fp32, or bf16 with ``state_dtype="bf16"``), or,
   for a sparse rule, its `RowGradients`;
+* with node-shared tables (``table_sharding: node``), the node's shared segments the row shards move
+  into (`fe_megatron.tables.node_shared`);
 * the optimizer state: one optimizer of the plan's rule (`fe_megatron.tables.update_rules`) over
   the stores;
 * the checkpoint sharding: each table's `TableLayout` (which global rows and columns the local ones
@@ -92,11 +94,25 @@ class StageTables:
                 store.allocate_gradient(STATE_DTYPES[plan.state_dtype])
             self.stores[f"{name}.tables.weight"] = store
             self.partitions[f"{name}.tables.weight"] = branch.row_partition
+        if plan.node_shared and self.stores:
+            self._share_node_rows(branches)
         self.weights = [store.weight for store in self.stores.values()]
         self.layouts = [store.layout for store in self.stores.values()]
         self.optimizer = self.rule.build(list(self.stores.values()), optimizer_args, plan.state_dtype, seed, row_group)
         self._reduced = False
         self.steps = 0  # updates applied, also by a pipeline stage without tables: the step count checkpoints keep
+
+    def _share_node_rows(self, branches: dict) -> None:
+        """Node-shared tables (``table_sharding: node``): each rank's row shard moves into its node's shared
+        segment (`fe_megatron.tables.node_shared`), before the optimizer takes the rows."""
+        from fe_megatron.tables.node_shared import share_node_rows
+
+        groups = {id(branch.parallel.memory_parallel_group) for branch in branches.values()}
+        if any(partition is None for partition in self.partitions.values()) or len(groups) != 1:
+            raise ValueError("node-shared tables are row-sharded over one row group: build the memory branches with "
+                             "their rows split (the engine does it for parallel.table_sharding: node)")
+        group = next(iter(branches.values())).parallel.memory_parallel_group
+        share_node_rows(list(self.stores.values()), list(self.partitions.values()), group, self.plan.shared_folder)
 
     def global_rows(self, name: str) -> int:
         """The rows of table ``name`` in the whole model (every rank's, when its rows are sharded)."""

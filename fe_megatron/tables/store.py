@@ -153,10 +153,21 @@ class TableStore:
         self.row_gradients: Optional[RowGradients] = None
         self.anchor = torch.zeros(0, requires_grad=True)
         self._pending: list = []  # host tier: additions queued on the worker
+        self.node = None  # node-shared tables: the node's segment (fe_megatron.tables.node_shared.NodeRows)
 
     @property
     def on_host(self) -> bool:
         return self.placement == "host"
+
+    @torch.no_grad()
+    def share_rows(self, view: torch.Tensor) -> None:
+        """Keep the rows in ``view`` (this rank's slice of its node's shared segment,
+        `fe_megatron.tables.node_shared`) from now on: they are copied there, and read and updated there."""
+        if not self.on_host or view.shape != self.weight.shape or view.dtype != self.weight.dtype:
+            raise ValueError(f"a shared slice of shape {tuple(view.shape)} ({view.dtype}) cannot hold this store's "
+                             f"{self.placement} rows of shape {tuple(self.weight.shape)} ({self.weight.dtype})")
+        view.copy_(self.weight)
+        self.weight = view
 
     def allocate_gradient(self, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed ``main_grad`` of ``dtype`` beside the rows."""

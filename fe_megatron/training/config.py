@@ -39,8 +39,11 @@ class ParallelArgs:
     pipeline: int = 1
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
-    # replicated | rows: tables' rows sharded over the data-parallel ranks | zero (DeepSpeed: ZeRO partitions them)
+    # replicated | rows: tables' rows sharded over the data-parallel ranks | node: split as rows, each node's
+    # rows kept once in shared host memory (memory.table_placement: host) | zero (DeepSpeed: ZeRO partitions them)
     table_sharding: str = "replicated"
+    # table_sharding node: the folder of each node's shared-memory segments (a tmpfs: /dev/shm)
+    shared_table_folder: str = "/dev/shm"
     prefetch_table_rows: bool = True  # rows: start every layer's row exchange at the start of the microbatch
     expert: int = 1  # Megatron's expert-parallel size for an MoE backbone (model.num_experts); the tables' own
     # row group (table_sharding rows) is every data-parallel rank whatever this is
@@ -197,6 +200,10 @@ class TrainConfig:
         if memory.table_dtype == "fp8":
             fail("memory", "table_dtype", "'fp8' is a serving format (fe-convert --table-dtype fp8); fe-pretrain "
                                           "trains fp32 or bf16 tables: set memory.table_dtype=fp32 or bf16")
+        if self.parallel.table_sharding == "node" and memory.table_placement != "host":
+            fail("memory", "table_placement", f"{memory.table_placement!r}: node-shared tables "
+                                              "(parallel.table_sharding: node) live in host memory; set "
+                                              "memory.table_placement: host, or use table_sharding rows")
         if self.training.engine == "deepspeed" and self.parallel.table_sharding == "zero":
             plan = TablePlan.for_run(self)
             if plan.in_stores:

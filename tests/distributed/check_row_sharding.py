@@ -3,14 +3,15 @@ state) against tables held as parameters, through fe-pretrain's own checkpoints.
 
 Run (one phase per invocation; tests/integration/test_row_sharding.py, test_table_stores.py and
 test_table_update.py chain them):
-  torchrun --nproc_per_node N tests/distributed/check_row_sharding.py --tables rows|replicated --tp T --pp P \
+  torchrun --nproc_per_node N tests/distributed/check_row_sharding.py --tables rows|node|replicated --tp T --pp P \
       [--placement device|host] [--table-dtype fp32|bf16] [--state-dtype fp32|bf16] \
       [--table-update RULE (fe_megatron.tables.update_rules)] \
       [--init DIR | --save-init DIR] [--load DIR] --steps A:B [--record F | --compare F [--tol X]] \
       [--save-step K DIR] [--save-final DIR | --compare-final DIR] [--check-memory]
 
 ``--check-memory`` also checks, with rows, no pipeline and more than one data-parallel rank, that DDP
-refuses row-sharded tables left as parameters.
+refuses row-sharded tables left as parameters; with node (node-shared tables, host memory), that each
+rank's rows are its slice of the node's shared segment, which holds every rank's rows once.
 
 Every phase trains the tiny GPT (memory at layers 1 and 2) with Adam and clipping on the same
 global batches: 4 sequences per step, split over the data-parallel ranks.  Step 0 is random
@@ -153,6 +154,14 @@ def check_memory(check: Checker, model, ddp, tables: str):
                    (weight.numel() + main_grad.numel()) * 4 <= 2 * 4 * bound * weight.shape[1])
         check.true("no table in DDP's buffers",
                    all(weight is not p for buffer in ddp.buffers + ddp.expert_parallel_buffers for p in buffer.params))
+        if tables == "node":
+            node = layer.memory.tables.store.node
+            segment = node.segment.weight
+            check.true(f"node-shared: the node's segment holds every rank's rows once ({segment.shape[0]} rows)",
+                       segment.shape[0] == total_rows and node.same_node.all())
+            first = int(node.first_rows[dist.get_rank(table_row_group())])
+            check.true("node-shared: this rank's rows are its slice of the segment",
+                       weight.data_ptr() == segment[first:].data_ptr() and weight.is_shared())
     check.true("the dense buffer exists", dense_buffer > 0)
 
 
@@ -171,7 +180,7 @@ def check_ddp_refuses_row_sharded_parameters(check: Checker, tp: int):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tables", choices=["rows", "replicated"], required=True)
+    parser.add_argument("--tables", choices=["rows", "node", "replicated"], required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")

@@ -59,11 +59,11 @@ MOE_ARGUMENTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss
 
 @needs_trainer
 @pytest.mark.parametrize("layout", ["tp2", "pp2-memory-on-stage-2", "dp2-rows", "dp2-rows-rowwise-adagrad",
-                                    "ep2-moe", "dp2-host-bf16"])
+                                    "ep2-moe", "dp2-node-host-bf16"])
 def test_layouts_match_fe_pretrain(small_data, tmp_path, layout):
     """2 processes: TP=2; PP=2 with the only memory layer on the second stage; DP=2 with row-sharded tables,
     updated by AdamW or by a sparse rule; an MoE backbone with 4 experts over EP=2 beside whole tables.
-    bf16 tables with bf16 state in host memory, at DP=2.
+    bf16 tables with bf16 state in host memory, node-shared (one copy in the node's shared memory), at DP=2.
     The table plan is fe-pretrain's: tables in stores, trained by the chain's table member, except whole
     fp32 tables updated by AdamW on a dense backbone with memory on every stage (the trainer's parameters)."""
     lm_extra, fe_sections, memory = [], {}, dict(MEMORY)
@@ -77,10 +77,12 @@ def test_layouts_match_fe_pretrain(small_data, tmp_path, layout):
     elif layout == "dp2-rows-rowwise-adagrad":
         lm_extra = ["--fe-table-sharding", "rows", "--fe-table-update", "rowwise_adagrad"]
         fe_sections = {"parallel": {"table_sharding": "rows"}, "optimizer": {"table_update": "rowwise_adagrad"}}
-    elif layout == "dp2-host-bf16":
-        lm_extra = ["--fe-table-placement", "host", "--fe-table-dtype", "bf16", "--fe-table-state-dtype", "bf16"]
+    elif layout == "dp2-node-host-bf16":
+        lm_extra = ["--fe-table-placement", "host", "--fe-table-dtype", "bf16", "--fe-table-state-dtype", "bf16",
+                    "--fe-table-sharding", "node", "--fe-shared-table-folder", str(tmp_path)]
         memory.update(table_placement="host", table_dtype="bf16")
-        fe_sections = {"optimizer": {"table_state_dtype": "bf16"}}
+        fe_sections = {"optimizer": {"table_state_dtype": "bf16"},
+                       "parallel": {"table_sharding": "node", "shared_table_folder": str(tmp_path)}}
     else:
         lm_extra = MOE_ARGUMENTS
         fe_sections = {"model": {**BACKBONE, "num_experts": 4, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01},
@@ -96,6 +98,8 @@ def test_layouts_match_fe_pretrain(small_data, tmp_path, layout):
     assert "sparsity loss:" in proc.stdout
     in_stores = layout != "tp2"
     assert ("in stores" in proc.stdout) == in_stores and ("as the engine's parameters" in proc.stdout) != in_stores
+    if layout == "dp2-node-host-bf16":
+        assert f"in shared host memory ({tmp_path}), one copy per node" in proc.stdout
     if layout == "dp2-rows-rowwise-adagrad":  # the table member's rows and row-wise state resume, and convert
         resumed = str(tmp_path / "resumed")
         shutil.copytree(os.path.join(lm_save, "iter_0000006"), os.path.join(resumed, "iter_0000006"))

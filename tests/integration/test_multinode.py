@@ -8,6 +8,8 @@ namespaces with their own hostnames and addresses, one slurmd each).
   the collective timeout, the previous checkpoint stays the newest complete one, SLURM requeues
   the job onto the healthy nodes and it ends on the uninterrupted run's losses;
 - a 2-node checkpoint resumes on 1 node, its row-sharded tables regathered, in both engines;
+- node-shared tables on 2 nodes of 2 ranks (one segment per node, rows exchanged only between the
+  nodes) end on the losses of row-sharded tables over 4 ranks on one host;
 - `launch_scripts/torchrun.sh` across 2 hosts without SLURM (c10d rendezvous): a killed worker
   is restarted by ``MAX_RESTARTS`` and the run ends on the uninterrupted losses.
 
@@ -37,6 +39,7 @@ TIMEOUT_MINUTES = 2
 # and of the job that loses a node: a lost peer is noticed after 12 s
 LOST_NODE_TIMEOUT_MINUTES = 0.2
 ROWS = {"parallel.table_sharding": "rows"}
+HOST_TABLES = {"memory.table_placement": "host"}
 DEEPSPEED = {"training.engine": "deepspeed", "parallel.table_sharding": "rows", "optimizer.clip_grad": 0.0,
              "deepspeed": "{zero_optimization: {stage: 3}}"}
 
@@ -148,6 +151,27 @@ def test_row_sharded_tables_across_two_nodes_match_one_host(cluster, rows_on_two
         assert min(moved["eth0_rx"], moved["eth0_tx"]) > 1_000_000, job["moved"]
     assert final_curve(job["dir"] / "checkpoints") == final_curve(rows_on_one_host)
     print(f"rows, 2 nodes x 1 worker: {job['seconds']:.0f} s; bytes on eth0: {job['moved']}")
+
+
+def test_node_shared_tables_on_two_nodes_of_two_ranks_match_row_sharded_ones_on_one_host(cluster, small_data,
+                                                                                        tmp_path):
+    from fe_megatron.tables.node_shared import PREFIX
+
+    steps = 6
+    reference = one_host(tmp_path / "one_host", small_data, 4, steps=steps, **ROWS, **HOST_TABLES)
+    run_dir = tmp_path / "node"
+    before = {name for name in os.listdir("/dev/shm") if name.startswith(PREFIX)}
+    started = time.time()
+    _, moved = run_job(cluster, run_dir, small_data, per_node=2, steps=steps, **HOST_TABLES,
+                       **{"parallel.table_sharding": "node"})
+    placement = rank_hosts(run_dir)
+    assert placement[0] == placement[1] and placement[2] == placement[3] and placement[0] != placement[2]
+    assert "in shared host memory (/dev/shm), one copy per node" in job_log(run_dir)
+    for host, _ in set(placement.values()):  # the rows of the other node's ranks crossed the cable
+        assert min(moved[host]["eth0_rx"], moved[host]["eth0_tx"]) > 100_000, moved
+    assert final_curve(run_dir / "checkpoints") == final_curve(reference)
+    assert {name for name in os.listdir("/dev/shm") if name.startswith(PREFIX)} <= before  # nothing left
+    print(f"node-shared, 2 nodes x 2 workers: {time.time() - started:.0f} s; bytes on eth0: {moved}")
 
 
 def test_tensor_parallel_inside_each_node_matches_one_host(cluster, small_data, tmp_path):

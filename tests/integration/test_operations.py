@@ -186,11 +186,18 @@ def test_sigusr1_saves_after_the_step_and_asks_for_a_requeue(small_data, uninter
 def test_torchrun_restarts_a_killed_worker_and_ends_on_the_uninterrupted_run(small_data, tmp_path):
     """kill -9 of one worker of a DP=2 run under launch_scripts/torchrun.sh with MAX_RESTARTS=1:
     the group restarts, resumes from the last checkpoint and ends with the same losses and
-    weights, bit for bit."""
+    weights, bit for bit.  Its tables are node-shared (one segment in shared memory for the node,
+    `fe_megatron.tables.node_shared`): the killed run leaves no segment behind, and the restart makes
+    its own."""
     import psutil
 
-    full, run = str(tmp_path / "full"), str(tmp_path / "run")
-    steps = {"training.train_steps": 24, "training.log_interval": 1, "training.save_interval": 4}
+    from fe_megatron.tables.node_shared import PREFIX
+
+    full, run, folder = str(tmp_path / "full"), str(tmp_path / "run"), tmp_path / "shm"
+    folder.mkdir()
+    steps = {"training.train_steps": 24, "training.log_interval": 1, "training.save_interval": 4,
+             "memory.table_placement": "host", "parallel.table_sharding": "node",
+             "parallel.shared_table_folder": str(folder)}
     train(small_data, full, nproc=2, **steps)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", NPROC_PER_NODE="2", MAX_RESTARTS="1", PYTHON=sys.executable)
@@ -209,3 +216,4 @@ def test_torchrun_restarts_a_killed_worker_and_ends_on_the_uninterrupted_run(sma
     assert "connectFullMesh" not in out and "at iteration 8" in out
     assert final_curve(run) == final_curve(full)
     assert same_tensors(os.path.join(full, "iter_0000024"), os.path.join(run, "iter_0000024")).startswith("equal")
+    assert not [name for name in os.listdir(folder) if name.startswith(PREFIX)]

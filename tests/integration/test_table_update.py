@@ -38,6 +38,9 @@ def test_a_row_wise_rule_trains_alike_at_every_layout_and_resumes_across_them(re
         check_sharding("--tables", "replicated", *update, "--init", init, "--steps", "0:3", *compare, nproc=2)
     check_sharding("--tables", "rows", *update, "--init", init, "--steps", "0:3", *compare, "--save-step", "1",
                    str(tmp_path / "rows_step1"), nproc=2)
+    # node-shared host tables: the rows in the node's shared segment, the state with each row's owner
+    check_sharding("--tables", "node", "--placement", "host", *update, "--init", init, "--steps", "0:3", *compare,
+                   nproc=2)
     # the per-row state is saved as one value per row, [table rows, 1], at every layout
     from fe_megatron.convert.megatron_reader import DistCheckpoint
 
@@ -68,5 +71,7 @@ def test_lazy_adam_in_host_memory_trains_as_on_the_device_and_resumes(reference,
     compare = ("--compare", record, "--compare-final", final)
     check_sharding("--tables", "rows", "--placement", "host", *update, "--init", init, "--steps", "0:3", *compare,
                    "--save-step", "1", str(tmp_path / "rows_step1"), nproc=2)
+    check_sharding("--tables", "node", "--placement", "host", *update, "--init", init, "--steps", "0:3", *compare,
+                   nproc=2)
     check_sharding("--tables", "replicated", *update, "--load", str(tmp_path / "rows_step1"), "--steps", "1:3",
                    *compare, nproc=1)
