@@ -150,6 +150,9 @@ def main():
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--busy-cores", type=int, default=0,
                         help="processes that each keep one core busy while both sides are measured")
+    parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
+                        help="keep: malloc keeps freed host memory, as a training run sets it "
+                             "(fe_megatron.tables.host_allocator); system: glibc's defaults")
     args = parser.parse_args()
     try:
         import fbgemm_gpu  # noqa: F401
@@ -158,11 +161,15 @@ def main():
                          f"fbgemm-gpu-cpu==1.8.0 (1.9.0 does not load beside torch 2.13) ({err})")
     import fbgemm_gpu
 
+    from fe_megatron.tables.host_allocator import keep_freed_host_memory
+
+    # as a training run with host tables starts (fe_megatron.training.run.begin); both sides then run with it
+    allocator = keep_freed_host_memory() if args.allocator == "keep" else "host allocator: the system's"
     for size in args.sizes.split(","):
         with busy_cores(args.busy_cores):
             result = measure(size, args.iters)
         result.update(device=f"{platform.machine()} CPU, {torch.get_num_threads()} threads",
-                      busy_cores=args.busy_cores,
+                      busy_cores=args.busy_cores, allocator=allocator,
                       date=time.strftime("%Y-%m-%d"), torch=torch.__version__, fbgemm=fbgemm_gpu.__version__)
         print(json.dumps(result), flush=True)
 

@@ -102,7 +102,15 @@ def main():
                         help="the FactorEngram variants to run, by optimizer.table_update")
     parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                         help="training.precision: auto is bf16 on a GPU and fp32 on CPU")
+    parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
+                        help="keep: malloc keeps freed host memory, as fe-pretrain sets it on a CPU run "
+                             "(fe_megatron.tables.host_allocator); system: glibc's defaults")
     args = parser.parse_args()
+    allocator = "host allocator: the system's"
+    if args.allocator == "keep" and not torch.cuda.is_available():
+        from fe_megatron.tables.host_allocator import keep_freed_host_memory
+
+        allocator = keep_freed_host_memory()
     s = SIZES[args.size]
     backbone = BackboneConfig.from_dict(s["backbone"])
     vocab, seq = backbone.vocab_size, backbone.seq_length
@@ -157,7 +165,7 @@ def main():
                    else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
     # the ratio a step bound by its matrix products would reach: what no table work can beat
     bound = matmul_macs_per_token(backbone) / matmul_macs_per_token(backbone, memory)
-    print(json.dumps({"size": args.size, "device": device_name, "bf16": tconfig.bf16, "date": time.strftime("%Y-%m-%d"),
+    print(json.dumps({"size": args.size, "device": device_name, "bf16": tconfig.bf16, "date": time.strftime("%Y-%m-%d"), "allocator": allocator,
                       **{f"{kind}_tokens_per_s": round(value) for kind, value in results.items()},
                       **{f"{kind}_ratio": round(value / results["transformer"], 3) for kind, value in results.items()
                          if kind != "transformer"},

@@ -329,6 +329,58 @@ void table_adamw_(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg
   }
 }
 
+// ---------------------------------------------------------------------------- row-wise AdaGrad on the touched rows
+// One pass over each touched row (FBGEMM's fused EXACT_ROWWISE_ADAGRAD, without the backward): its mean squared
+// gradient, its accumulator, and the row itself, where the torch composition reads and writes the rows about
+// eight times.  Semantics: reference.rowwise_adagrad_rows_ (fp32 tables; sorted, unique ids).
+
+void rowwise_adagrad_rows_(torch::Tensor param, torch::Tensor momentum, torch::Tensor ids, torch::Tensor grad,
+                           int64_t global_width, double lr, double eps, double weight_decay) {
+  check_long(ids, "ids");
+  TORCH_CHECK(param.dim() == 2 && param.is_contiguous() && param.device().is_cpu() &&
+                  param.scalar_type() == torch::kFloat32,
+              "fe_megatron cpp: rowwise_adagrad_rows_ updates a contiguous fp32 CPU table [rows, width]");
+  TORCH_CHECK(momentum.is_contiguous() && momentum.scalar_type() == torch::kFloat32 &&
+                  momentum.numel() == param.size(0),
+              "fe_megatron cpp: rowwise_adagrad_rows_ needs one fp32 accumulator per table row, got ", momentum.numel(),
+              " for ", param.size(0), " rows");
+  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous() && grad.scalar_type() == torch::kFloat32 &&
+                  grad.size(0) == ids.numel() && grad.size(1) == param.size(1),
+              "fe_megatron cpp: rowwise_adagrad_rows_ needs fp32 gradients [ids, width] = [", ids.numel(), ", ",
+              param.size(1), "]");
+  TORCH_CHECK(global_width > 0, "fe_megatron cpp: rowwise_adagrad_rows_: global_width must be > 0");
+  const int64_t count = ids.numel(), width = param.size(1), rows = param.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t u = 0; u < count; ++u) {  // before any write: a bad id changes nothing
+    TORCH_CHECK(id[u] >= 0 && id[u] < rows, "fe_megatron cpp: rowwise_adagrad_rows_: row id ", id[u], " at position ",
+                u, " is outside [0, ", rows, ")");
+    TORCH_CHECK(u == 0 || id[u] > id[u - 1], "fe_megatron cpp: rowwise_adagrad_rows_ needs sorted, unique row ids; id ",
+                id[u], " at position ", u, " follows ", id[u - 1]);
+  }
+  float* p = param.data_ptr<float>();
+  float* m = momentum.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  // the scalars as torch turns the Python numbers into float operands
+  const float gw = static_cast<float>(global_width), epsf = static_cast<float>(eps);
+  const float decay = static_cast<float>(1.0 - lr * weight_decay), value = static_cast<float>(-lr);
+  const bool decays = weight_decay != 0.0;
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const float* gu = g + u * width;
+      float squares = 0.0f;
+      for (int64_t c = 0; c < width; ++c) squares += gu[c] * gu[c];
+      const float accumulated = m[id[u]] + squares / gw;  // momentum[ids] + mean_c(g^2)
+      m[id[u]] = accumulated;
+      const float denominator = std::sqrt(accumulated) + epsf;
+      float* row = p + id[u] * width;
+      for (int64_t c = 0; c < width; ++c) {
+        float w = decays ? row[c] * decay : row[c];  // rows.mul_(1 - lr wd)
+        row[c] = w + value * (gu[c] / denominator);  // addcdiv_(g, denominator, -lr)
+      }
+    }
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -341,4 +393,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows_forward", &gather_rows_forward, "weight[flat_indices]", release);
   m.def("gather_rows_backward", &gather_rows_backward, "out[i] += deduplicated row gradients", release);
   m.def("table_adamw_", &table_adamw_, "one AdamW step of a table, bf16 results stochastically rounded", release);
+  m.def("rowwise_adagrad_rows_", &rowwise_adagrad_rows_, "row-wise AdaGrad of the touched rows, one pass each",
+        release);
 }

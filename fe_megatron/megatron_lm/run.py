@@ -90,9 +90,16 @@ def prepare_trainer(args, on_host: bool, family: str = "gpt"):
     if checked.problems:
         raise ArgumentsRefused(checked.problems)
     memory, config, plan = checked.memory, checked.config, checked.plan
+    allocator = None
+    if plan is not None and (plan.placement == "host" or on_host):  # the tables' host work: see host_allocator
+        from fe_megatron.tables.host_allocator import keep_freed_host_memory
+
+        allocator = keep_freed_host_memory()
     if args.rank == 0:
         if plan is not None:
             print(f"fe_megatron: {plan.describe()}", flush=True)
+        if allocator is not None:
+            print(f"fe_megatron: {allocator}", flush=True)
         print(f"fe_megatron: {conversion_notice(args)}", flush=True)
     if family == "hybrid":
         from megatron.training.argument_utils import hybrid_config_from_args

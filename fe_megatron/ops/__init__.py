@@ -1,5 +1,5 @@
-"""One dispatch for every kernel: ``ngram_hash``, ``gather_rows`` (forward and backward) and the
-table optimizer's fused update ``table_adamw_``.
+"""One dispatch for every kernel: ``ngram_hash``, ``gather_rows`` (forward and backward), the
+table optimizer's fused update ``table_adamw_`` and the sparse rule's ``rowwise_adagrad_rows_``.
 
 Backends: ``torch`` (`fe_megatron.ops.reference`, always present: it defines the
 semantics), ``cpp`` (OpenMP C++ built by setup.py on every machine), ``cuda`` (built
@@ -342,6 +342,24 @@ def table_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     fused = fused_update(backend or current_backend(param.device, param.dtype), param.device)
     fused(param, grad, exp_avg, exp_avg_sq, global_rows.to(param.device), int(column_offset), int(global_width),
           keys.to(torch.int64).cpu(), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step))
+
+
+def rowwise_adagrad_rows_(param: torch.Tensor, momentum: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor,
+                          global_width: int, lr: float, eps: float, weight_decay: float, backend: str = None) -> None:
+    """Row-wise AdaGrad of fp32 table ``param``'s touched rows in place (`fe_megatron.ops.reference.
+    rowwise_adagrad_rows_` gives the semantics): one pass over each row in the C++ backend, where the table's
+    device has it, else the reference."""
+    if param.dtype != torch.float32 or param.dim() != 2 or momentum.shape != (param.shape[0],):
+        raise ValueError(f"rowwise_adagrad_rows_: an fp32 table [rows, width] and one accumulator per row, got "
+                         f"{param.dtype} {tuple(param.shape)} and {tuple(momentum.shape)}")
+    if ids.dtype != torch.int64 or grad.shape != (ids.numel(), param.shape[1]) or grad.dtype != torch.float32:
+        raise ValueError(f"rowwise_adagrad_rows_: int64 ids and fp32 gradients [ids, width] = [{ids.numel()}, "
+                         f"{param.shape[1]}], got {ids.dtype} and {grad.dtype} {tuple(grad.shape)}")
+    module = get_backend(backend or current_backend(param.device, param.dtype)).module
+    if not hasattr(module, "rowwise_adagrad_rows_"):
+        module = reference
+    module.rowwise_adagrad_rows_(param, momentum, ids, grad.contiguous(), int(global_width), float(lr), float(eps),
+                                 float(weight_decay))
 
 
 def fused_update(backend: str, device: torch.device):

@@ -22,6 +22,12 @@ fastest backend for the device that has one stands in, else the torch one: `fe_m
   stored in bf16 written back with stochastic rounding.  A compiled backend may differ from the
   reference in the last fp32 bit of an intermediate, which moves a bf16 result by one bf16 step
   where it moved the rounding's threshold: about one element in a million (tests/unit/ops/test_kernels.py).
+
+and a fifth, the sparse rule's fused row update (`fe_megatron.ops.rowwise_adagrad_rows_`):
+
+* ``rowwise_adagrad_rows_(param, momentum, ids, grad, global_width, lr, eps, weight_decay)``: row-wise
+  AdaGrad of an fp32 table's touched rows ``ids`` (sorted, unique) in place. A compiled backend sums a row's
+  squares in its own order: within 1e-6 relative of the reference.
 """
 
 import torch
@@ -143,3 +149,17 @@ def table_adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 if element_ids is None:
                     element_ids = global_rows[block, None] * global_width + columns
                 tensor.copy_(stochastic_round_to_bf16(updated, counter_noise(key1, key2, element_ids)))
+
+
+def rowwise_adagrad_rows_(param: torch.Tensor, momentum: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor,
+                          global_width: int, lr: float, eps: float, weight_decay: float) -> None:
+    """FBGEMM's exact row-wise AdaGrad of fp32 table ``param``'s rows ``ids`` ([U] sorted, unique) with their
+    gradients ``grad`` ([U, w] fp32), in place: ``G_r += mean_c(g_rc^2)`` (over the row's ``global_width``
+    columns; ``momentum`` [rows]), ``w_r = w_r (1 - lr wd) - lr g_r / (sqrt(G_r) + eps)``."""
+    accumulated = momentum.index_select(0, ids) + grad.square().sum(dim=1) / global_width
+    momentum.index_copy_(0, ids, accumulated)
+    rows = param.index_select(0, ids)
+    if weight_decay:
+        rows.mul_(1.0 - lr * weight_decay)
+    rows.addcdiv_(grad, (accumulated.sqrt() + eps).unsqueeze(1), value=-lr)
+    param.index_copy_(0, ids, rows)

@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from fe_megatron import ops
 from fe_megatron.ops import reference
 from fe_megatron.tables.optimizer import StateEntry, TableOptimizerBase
 from fe_megatron.tables.storage import rounding_keys
@@ -138,6 +139,11 @@ class RowwiseAdagrad(SparseTableOptimizer):
 
     def _update(self, param, ids, grad, state, step, group):
         momentum = state["momentum"]
+        if param.dtype == torch.float32 and (self.row_group is None or dist.get_world_size(self.row_group) == 1):
+            # a whole row on this rank: one pass over each touched row (the kernels' dispatch)
+            ops.rowwise_adagrad_rows_(param, momentum, ids, grad, self.layouts[param].global_width, group["lr"],
+                                      group["eps"], group["weight_decay"])
+            return
         accumulated = momentum.index_select(0, ids) + self.row_mean_square(param, grad)
         momentum.index_copy_(0, ids, accumulated)
         self._move_rows(param, ids, grad, (accumulated.sqrt() + group["eps"]).unsqueeze(1), group["lr"], group, step)

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from fe_megatron.tables.host_allocator import keep_freed_host_memory
 from fe_megatron.tables.lookahead import HOST_TOKENS
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.training.distributed import current_device, log
@@ -186,6 +187,8 @@ def begin(run: "EngineRun", summary: str, **event) -> None:
                        "start_step": run.start_step, **event})
     log(f"model {cfg.model_kind}: {run.parameters:,} parameters; {summary}; {run.num_microbatches} microbatch{'es' if run.num_microbatches != 1 else ''} of "
         f"{cfg.training.micro_batch_size} x {cfg.model.seq_length} tokens per rank and step")
+    if cfg.memory is not None and (cfg.memory.table_placement == "host" or not torch.cuda.is_available()):
+        log(keep_freed_host_memory())  # the tables' host work allocates large buffers every step
     log(conversion_notice(cfg))
 
 

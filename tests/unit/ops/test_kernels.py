@@ -503,3 +503,33 @@ def test_the_operators_pass_torch_library_opcheck(backend):
         torch.library.opcheck(torch.ops.fe_megatron.ngram_hash.default, (token_ids, multipliers, moduli, offsets, 0))
         torch.library.opcheck(torch.ops.fe_megatron.gather_rows_grad_into.default,
                               (torch.randn(37, 8), flat, torch.randn(50, 8), backend, True))
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_rowwise_adagrad_rows_in_cpp_follows_the_reference_and_refuses_bad_ids(weight_decay):
+    """The sparse rule's fused row update (one pass per touched row) against the reference composition,
+    on fresh rows, accumulators and gradients; ids out of range or out of order are refused by value and
+    position before any row is written."""
+    device_of("cpp")
+    gen = torch.Generator().manual_seed(3)
+    param, momentum = torch.randn(500, 64, generator=gen), torch.rand(500, generator=gen)
+    ids = torch.unique(torch.randint(0, 500, (200,), generator=gen))
+    grad = torch.randn(ids.numel(), 64, generator=gen)
+    results = {}
+    for backend in ("torch", "cpp"):
+        p, m = param.clone(), momentum.clone()
+        ops.rowwise_adagrad_rows_(p, m, ids, grad, 128, 0.05, 1e-8, weight_decay, backend=backend)
+        results[backend] = (p, m)
+    untouched = torch.ones(500, dtype=torch.bool)
+    untouched[ids] = False
+    assert torch.equal(results["cpp"][0][untouched], param[untouched])
+    for got, want in zip(results["cpp"], results["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(results["cpp"][0], param)
+    for bad, message in ((torch.tensor([3, 500]), "row id 500 at position 1 is outside \\[0, 500\\)"),
+                         (torch.tensor([7, 5]), "sorted, unique row ids; id 5 at position 1 follows 7")):
+        p = param.clone()
+        with pytest.raises(RuntimeError, match=message):
+            ops.rowwise_adagrad_rows_(p, momentum.clone(), bad, torch.randn(2, 64, generator=gen), 64, 0.05, 1e-8,
+                                      weight_decay, backend="cpp")
+        assert torch.equal(p, param)
