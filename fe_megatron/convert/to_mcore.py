@@ -229,6 +229,8 @@ def train_yaml(cfg, source, tokenizer: str, run_directory: str, tp: int, pp: int
     train["parallel"].update(tensor=tp, pipeline=pp)
     if table_sharding is not None:  # given on the command line: it wins over the run's
         train["parallel"]["table_sharding"] = table_sharding
+    if train["parallel"].get("table_sharding") == "node" and isinstance(train.get("memory"), dict):
+        train["memory"]["table_placement"] = "host"  # node-shared tables live in host memory
     train["data"]["tokenizer_model"] = tokenizer
     return "".join(f"# {line}\n" for line in header) + yaml.safe_dump(train, sort_keys=False)
 

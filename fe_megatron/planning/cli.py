@@ -165,7 +165,7 @@ def main(argv=None) -> int:
             print(format_settings(settings))
             print(format_rank_memory(config, tp, pp, dp, value["table_sharding"], value["distributed_optimizer"],
                                      value["precision"], value["micro_batch_size"], value["seq_length"],
-                                     value["global_batch_size"], storage))
+                                     value["global_batch_size"], storage, args.ranks_per_node))
             print(format_run_estimates(config, tp, pp, dp, value["table_sharding"], value["distributed_optimizer"],
                                        value["precision"], value["micro_batch_size"], value["seq_length"],
                                        value["global_batch_size"], storage, recompute, keep, saves,

@@ -125,7 +125,8 @@ def rank_memory(config: MemoryConfig, tp: int = 1, pp: int = 1, dp: int = 1, tab
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"precision {precision!r} is not one of fp32, bf16")
     if table_sharding == "node" and storage.placement != "host":
-        raise ValueError("table_sharding 'node' keeps the tables in host memory: estimate it with the host placement")
+        raise ValueError("table_sharding 'node' keeps the tables in host memory: estimate it with that placement "
+                         "(fe-plan --table-placement host; memory.table_placement: host)")
     if config.num_layers % pp:
         raise ValueError(f"pipeline size {pp} does not divide num_layers={config.num_layers}")
     if config.backbone.num_experts:
@@ -241,7 +242,7 @@ def exchange_bytes_per_step(config: MemoryConfig, tp: int, pp: int, dp: int, mic
 
 def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sharding: str,
                        distributed_optimizer: bool, precision: str, micro_batch_size: int, seq_length: int,
-                       global_batch_size: int, storage: TableStorage = TableStorage()) -> str:
+                       global_batch_size: int, storage: TableStorage = TableStorage(), ranks_per_node: int = 8) -> str:
     m = rank_memory(config, tp, pp, dp, table_sharding, distributed_optimizer, precision, storage)
     gib = 2 ** 30
     rest_dtype = "bf16 weights, fp32 gradients and Adam state" if precision == "bf16" else "fp32"
@@ -263,8 +264,10 @@ def format_rank_memory(config: MemoryConfig, tp: int, pp: int, dp: int, table_sh
         lines.append(f"the tables' Adam moments are not split over DP: the tables train from stores ({', '.join(why)}),"
                      " which the distributed optimizer does not shard (docs/tables.md)")
     if table_sharding == "node":
-        lines.append("node-shared tables: the table weights above are this rank's slice of its node's segment in "
-                     "shared memory (/dev/shm), which holds the node's ranks' slices once; that folder needs their sum")
+        segment = m.table_weights * min(ranks_per_node, tp * pp * dp) / gib
+        lines.append(f"node-shared tables: the table weights above are this rank's slice of its node's segment in "
+                     f"shared memory (/dev/shm), which holds the node's ranks' slices once: about {segment:.2f} GiB "
+                     f"with {ranks_per_node} ranks per node (--ranks-per-node), which that folder needs free")
     if table_sharding in ROW_SHARDINGS:
         exchange = exchange_bytes_per_step(config, tp, pp, dp, micro_batch_size, seq_length, global_batch_size)
         lines.append(f"row exchange per step and rank: at most {exchange / gib:.2f} GiB (micro-batch "
