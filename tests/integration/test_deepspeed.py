@@ -118,18 +118,24 @@ def rows3(start):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("stage,launcher,sharding", [(0, "torchrun", "rows"), (1, "deepspeed", "rows"),
+@pytest.mark.parametrize("stage,launcher,sharding", [(0, "torchrun", "rows"), (1, "deepspeed", "node"),
                                                      (2, "torchrun", "replicated"), (0, "torchrun", "replicated")])
-def test_zero_0_1_and_2_match_the_megatron_engine(start, megatron_run, rows3, stage, launcher, sharding):
+def test_zero_0_1_and_2_match_the_megatron_engine(start, megatron_run, rows3, tmp_path, stage, launcher, sharding):
     """Same batches, same weights, clipping active: the loss curves and the logged gradient norms agree
     to fp32 rounding, with the tables as ZeRO's parameters and with them row-sharded outside it (also
-    without ZeRO, where DeepSpeed reports no norm and the run takes it).  One norm clips both
+    without ZeRO, where DeepSpeed reports no norm and the run takes it), or node-shared (the row shards of
+    the node's ranks once in shared memory, the folder left empty).  One norm clips both
     (DeepSpeed without ZeRO and ZeRO 1 each have their own hook): the tables' moments are ZeRO-3's
     rows run's, which test_tables_outside_zero_are_clipped_as_tables_inside_it checks against ZeRO's own."""
-    save = deepspeed_run(start, f"zero{stage}_{sharding}", stage, launcher, **{"parallel.table_sharding": sharding})
+    extra = {"parallel.table_sharding": sharding}
+    if sharding == "node":
+        extra.update({"memory.table_placement": "host", "parallel.shared_table_folder": str(tmp_path)})
+    save = deepspeed_run(start, f"zero{stage}_{sharding}", stage, launcher, **extra)
     assert_same_curve(losses(save), losses(megatron_run))
     assert grad_norms(save) == pytest.approx(grad_norms(megatron_run), rel=1e-4)
-    if sharding == "rows":
+    if sharding == "node":
+        assert os.listdir(tmp_path) == []  # the segments were removed once mapped
+    if sharding in ("rows", "node"):
         got, expected = table_moments(save), table_moments(rows3)
         assert got.keys() == expected.keys() and expected
         for name, values in expected.items():

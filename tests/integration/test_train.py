@@ -128,13 +128,20 @@ def test_the_logged_validation_and_test_losses_do_not_depend_on_the_layout(small
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("tables", ["replicated", "rows"])
+@pytest.mark.parametrize("tables", ["replicated", "node"])
 def test_distributed_optimizer_resume_reproduces_the_curve_exactly(small_data, tmp_path, tables):
     """DP=2 with the distributed optimizer (each rank holds its share of the Adam state), whole or
-    row-sharded tables: stop at step 4, resume, and end on the uninterrupted run's curve bit for bit."""
-    full, half = str(tmp_path / "full"), str(tmp_path / "half")
+    node-shared tables (row shards in host memory, the node's kept once in shared memory: the start-up
+    line says so, and the folder is empty during and after the runs): stop at step 4, resume, and end on
+    the uninterrupted run's curve bit for bit.  Row-sharded tables resume in tests/integration/
+    test_row_sharding.py and test_multinode.py, and node-shared ones train as row-sharded ones, bit for bit
+    (test_multinode.py)."""
+    full, half, folder = str(tmp_path / "full"), str(tmp_path / "half"), tmp_path / "shm"
+    folder.mkdir()
     extra = {"parallel.distributed_optimizer": "true", "parallel.table_sharding": tables,
              "optimizer.table_lr_mult": 2.0, "training.log_interval": 1}
+    if tables == "node":
+        extra.update({"memory.table_placement": "host", "parallel.shared_table_folder": str(folder)})
     run_pretrain(["--config", CONFIG, "--save", full] + small_overrides(small_data, **extra), nproc=2)
     run_pretrain(["--config", CONFIG, "--save", half] + small_overrides(small_data, **extra,
                                                                         **{"training.exit_after": 4}), nproc=2)
@@ -142,6 +149,8 @@ def test_distributed_optimizer_resume_reproduces_the_curve_exactly(small_data, t
                        nproc=2).stdout
     assert "at iteration 4" in out
     assert curve(metrics(full)) == curve(metrics(half)) and len(curve(metrics(full))) >= 8
+    if tables == "node":
+        assert f"in shared host memory ({folder}), one copy per node" in out and os.listdir(folder) == []
 
 
 def test_cpp_kernels_change_no_bit_of_a_cpu_run(small_data, tmp_path):
