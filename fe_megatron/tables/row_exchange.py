@@ -212,11 +212,12 @@ class StageRowExchange:
                 sorted_owner, sorted_layer = owner[self.order], layer_of[self.order]
                 sorted_local = torch.cat(locals_)[self.order]
                 from_node = node.same_node.to(device)[sorted_owner]
-                self._remote_positions = (~from_node).nonzero().flatten()
+                # where each row goes among the unique rows (requests are in owner order; rows in id order)
+                self._remote_positions = self.order[~from_node]
                 for l in range(layers):
                     positions = (from_node & (sorted_layer == l)).nonzero().flatten()
                     if positions.numel():
-                        self._node_reads.append((positions, self.stores[l].node.read(
+                        self._node_reads.append((self.order.index_select(0, positions), self.stores[l].node.read(
                             sorted_owner.index_select(0, positions), sorted_local.index_select(0, positions), device)))
         self._received = served.new_empty((sum(rows_in), self.width))
         self._work = None
@@ -237,14 +238,14 @@ class StageRowExchange:
         if self._unique_rows is None:
             if self._work is not None:
                 self._work.wait()
-            arrived = self._received  # in request order (by owner, then layer)
-            if self._remote_positions is not None:  # node-shared: the exchanged rows and the node's own
-                arrived = self._received.new_empty((sum(self.unique_counts), self.width))
-                arrived.index_copy_(0, self._remote_positions, self._received)
+            # the rows arrived in request order (by owner, then layer): put each at its unique id's place
+            self._unique_rows = self._received.new_empty((sum(self.unique_counts), self.width))
+            if self._remote_positions is None:
+                self._unique_rows[self.order] = self._received
+            else:  # node-shared: the rows other nodes sent, and those read from the node's segment
+                self._unique_rows.index_copy_(0, self._remote_positions, self._received)
                 for positions, rows in self._node_reads:
-                    arrived.index_copy_(0, positions, rows.wait())
-            self._unique_rows = torch.empty_like(arrived)
-            self._unique_rows[self.order] = arrived
+                    self._unique_rows.index_copy_(0, positions, rows.wait())
             self._received, self._work, self._node_reads = None, None, []
         start = sum(self.unique_counts[:layer])
         return self._unique_rows[start:start + self.unique_counts[layer]]
