@@ -24,8 +24,8 @@ def arguments(*argv, **layout) -> argparse.Namespace:
 
 
 def test_node_shared_tables_need_host_placement_and_no_context_parallelism():
-    args = arguments("--fe-shared-table-folder", "/tmp/tables")
-    assert args.fe_shared_table_folder == "/tmp/tables"
+    args = arguments("--fe-shared-table-folder", "/mnt/fe-tables")
+    assert args.fe_shared_table_folder == "/mnt/fe-tables"
     device, host = small_config(), small_config(table_placement="host")
     assert refused_combinations(args, host) == []
     [problem] = refused_combinations(args, device)
