@@ -340,11 +340,11 @@ void rowwise_adagrad_rows_(torch::Tensor param, torch::Tensor momentum, torch::T
   TORCH_CHECK(param.dim() == 2 && param.is_contiguous() && param.device().is_cpu() &&
                   param.scalar_type() == torch::kFloat32,
               "fe_megatron cpp: rowwise_adagrad_rows_ updates a contiguous fp32 CPU table [rows, width]");
-  TORCH_CHECK(momentum.is_contiguous() && momentum.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(momentum.device().is_cpu() && momentum.is_contiguous() && momentum.scalar_type() == torch::kFloat32 &&
                   momentum.numel() == param.size(0),
               "fe_megatron cpp: rowwise_adagrad_rows_ needs one fp32 accumulator per table row, got ", momentum.numel(),
               " for ", param.size(0), " rows");
-  TORCH_CHECK(grad.dim() == 2 && grad.is_contiguous() && grad.scalar_type() == torch::kFloat32 &&
+  TORCH_CHECK(grad.device().is_cpu() && grad.dim() == 2 && grad.is_contiguous() && grad.scalar_type() == torch::kFloat32 &&
                   grad.size(0) == ids.numel() && grad.size(1) == param.size(1),
               "fe_megatron cpp: rowwise_adagrad_rows_ needs fp32 gradients [ids, width] = [", ids.numel(), ", ",
               param.size(1), "]");
@@ -367,9 +367,9 @@ void rowwise_adagrad_rows_(torch::Tensor param, torch::Tensor momentum, torch::T
   at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const float* gu = g + u * width;
-      float squares = 0.0f;
-      for (int64_t c = 0; c < width; ++c) squares += gu[c] * gu[c];
-      const float accumulated = m[id[u]] + squares / gw;  // momentum[ids] + mean_c(g^2)
+      double squares = 0.0;  // in double: a long row summed in order stays within the reference's rounding
+      for (int64_t c = 0; c < width; ++c) squares += static_cast<double>(gu[c]) * gu[c];
+      const float accumulated = m[id[u]] + static_cast<float>(squares) / gw;  // momentum[ids] + mean_c(g^2)
       m[id[u]] = accumulated;
       const float denominator = std::sqrt(accumulated) + epsf;
       float* row = p + id[u] * width;

@@ -22,8 +22,9 @@ Across nodes the rows are split: a node's segment holds its ranks' shards, ``row
 A segment's life (`share_node_rows`): the node's first rank of the row group checks the folder has room
 (refusing the run with the bytes needed and free), creates the files, named
 ``fe_megatron-tables.<run id>.<creator's pid>.rank<creator's global rank>.table<t>``, and reserves their
-pages; every rank of the node maps them and copies its shard in; then the files are removed from the
-folder.  The memory stays mapped, and the kernel frees it when the last process mapping it ends, however
+pages; every rank of the node maps them (and the ranks check that they mapped the same files: a node name
+shared by containers with folders of their own is refused); then the files are removed from the folder, and
+each rank copies its shard in.  A failure on any rank at any point is raised on every rank, the files removed.  The memory stays mapped, and the kernel frees it when the last process mapping it ends, however
 it ends (``kill -9`` included), so a run leaves nothing behind.  Only a crash during that start-up can leave
 files; a later run's start removes the segment files whose creator process is gone, and never those of a
 live one (`remove_dead_segments`).
@@ -93,7 +94,7 @@ def remove_dead_segments(folder: str) -> list:
     removed = []
     try:
         names = os.listdir(folder)
-    except FileNotFoundError:
+    except OSError:
         return removed
     for name in names:
         if not name.startswith(PREFIX):
@@ -104,7 +105,7 @@ def remove_dead_segments(folder: str) -> list:
         try:
             os.unlink(os.path.join(folder, name))
             removed.append(name)
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile, or another user's: left alone
             pass
     return removed
 
@@ -144,30 +145,52 @@ def share_node_rows(stores: list, partitions: list, group: Optional[dist.Process
     paths = [os.path.join(folder, name) for name in names]
     problem = None
     if rank == members[0]:
-        problem = _create_segments(folder, paths, [rows * width for rows, width in zip(node_rows, row_bytes)],
-                                   needed)
+        try:
+            problem = _create_segments(folder, paths, [rows * width for rows, width in zip(node_rows, row_bytes)],
+                                       needed)
+        except Exception as error:  # told to every rank below, never raised past their collective
+            problem = f"node-shared tables: creating the segments in {folder} failed: {error!r}"
     problems = _gather(problem, group) if size > 1 else [problem]
     if any(problems):  # on every rank alike, whichever node's creator found it
         if rank == members[0]:
             _unlink(paths)
         raise RuntimeError(problems[members[0]] or next(p for p in problems if p))
-    # every rank of the node maps the segments and writes its shard into its slice
-    segments = []
-    for store, partition, path, rows in zip(stores, partitions, paths, node_rows):
+    # every rank of the node maps the creator's files (checking they are the same files: a node name shared by
+    # hosts, or containers, that do not share the folder would otherwise map files of their own)
+    segments, files, problem = [], [], None
+    try:
+        for store, partition, path, rows in zip(stores, partitions, paths, node_rows):
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} is not in this rank's {folder}")
+            width = store.weight.shape[1]
+            segment = torch.from_file(path, shared=True, size=rows * width, dtype=store.weight.dtype)
+            status = os.stat(path)
+            segments.append(segment.view(rows, width))
+            files.append((status.st_dev, status.st_ino))
+    except Exception as error:
+        problem = f"node-shared tables: rank {rank} of the row group cannot map its node's segment: {error}"
+    mapped = _gather((problem, files), group) if size > 1 else [(problem, files)]
+    if rank == members[0]:
+        _unlink(paths)  # every rank of the node has mapped them, or failed to: remove them from the folder
+    problem = next((p for p, _ in mapped if p), None)
+    strangers = [member for member in members if mapped[member][1] != mapped[members[0]][1]]
+    if problem is None and strangers:
+        problem = (f"node-shared tables: ranks {strangers} of the row group have the node name {me[0]!r} of rank "
+                   f"{members[0]} but do not see its files in {folder} (containers or hosts with one name and "
+                   f"their own {folder}?): give each host its own name, or use parallel.table_sharding: rows")
+    if problem is not None:
+        raise RuntimeError(problem)
+    # each rank writes its shard into its slice
+    node_stores = []
+    for store, partition, segment in zip(stores, partitions, segments):
         first, offset = [-1] * size, 0
         for member in members:
             first[member] = offset
             offset += partition.local_rows(member)
-        width = store.weight.shape[1]
-        segment = torch.from_file(path, shared=True, size=rows * width, dtype=store.weight.dtype).view(rows, width)
-        segments.append((segment, first))
         store.share_rows(segment[first[rank]:first[rank] + partition.local_rows(rank)])
-    if size > 1:
-        dist.barrier(group=group)  # every rank of the node has mapped the files: remove them from the folder
-    if rank == members[0]:
-        _unlink(paths)
+        node_stores.append((segment, first))
     same_node = torch.tensor([r in members for r in range(size)])
-    for store, (segment, first) in zip(stores, segments):
+    for store, (segment, first) in zip(stores, node_stores):
         store.node = NodeRows(TableStore(segment, "host"), torch.tensor(first, dtype=torch.int64), same_node)
     if size > 1:
         dist.barrier(group=group)  # every shard is in place before any rank reads its node's rows

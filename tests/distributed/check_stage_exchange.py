@@ -129,6 +129,17 @@ def main():
         lookup = row_lookup(store, ids, partitions[layer], dist.group.WORLD)
         (lookup.rows() * grad).sum().backward()
         check.close(f"row_lookup: layer {layer} shard gradient", store.main_grad, expected_grads[layer], 1e-6)
+    # ranks that share a node's name but not its folder (containers with their own /dev/shm) are refused on
+    # every rank, and no file is left behind
+    own_folder = tempfile.mkdtemp(prefix=f"fe-node-shared-{rank}-")
+    try:
+        share_node_rows([TableStore(partition.take(whole).clone(), "host") for partition, whole in
+                         zip(partitions, wholes)], partitions, dist.group.WORLD, own_folder, key="one-name")
+        check.true("a node name shared without the folder is refused", world == 1)
+    except RuntimeError as err:
+        check.true(f"a node name shared without the folder is refused on every rank ({err})",
+                   world > 1 and "node-shared tables: rank" in str(err))
+    check.true("no file left in the rank's own folder", os.listdir(own_folder) == [])
     shard = torch.nn.Parameter(partitions[0].take(wholes[0]).clone())
     try:
         row_lookup(shard, mine[0][0], partitions[0], dist.group.WORLD)

@@ -505,20 +505,20 @@ def test_the_operators_pass_torch_library_opcheck(backend):
                               (torch.randn(37, 8), flat, torch.randn(50, 8), backend, True))
 
 
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_rowwise_adagrad_rows_in_cpp_follows_the_reference_and_refuses_bad_ids(weight_decay):
+@pytest.mark.parametrize("weight_decay, width", [(0.0, 64), (0.1, 64), (0.0, 2048)])
+def test_rowwise_adagrad_rows_in_cpp_follows_the_reference_and_refuses_bad_ids(weight_decay, width):
     """The sparse rule's fused row update (one pass per touched row) against the reference composition,
     on fresh rows, accumulators and gradients; ids out of range or out of order are refused by value and
     position before any row is written."""
     device_of("cpp")
     gen = torch.Generator().manual_seed(3)
-    param, momentum = torch.randn(500, 64, generator=gen), torch.rand(500, generator=gen)
+    param, momentum = torch.randn(500, width, generator=gen), torch.rand(500, generator=gen)
     ids = torch.unique(torch.randint(0, 500, (200,), generator=gen))
-    grad = torch.randn(ids.numel(), 64, generator=gen)
+    grad = torch.randn(ids.numel(), width, generator=gen)
     results = {}
     for backend in ("torch", "cpp"):
         p, m = param.clone(), momentum.clone()
-        ops.rowwise_adagrad_rows_(p, m, ids, grad, 128, 0.05, 1e-8, weight_decay, backend=backend)
+        ops.rowwise_adagrad_rows_(p, m, ids, grad, 2 * width, 0.05, 1e-8, weight_decay, backend=backend)
         results[backend] = (p, m)
     untouched = torch.ones(500, dtype=torch.bool)
     untouched[ids] = False
@@ -530,6 +530,6 @@ def test_rowwise_adagrad_rows_in_cpp_follows_the_reference_and_refuses_bad_ids(w
                          (torch.tensor([7, 5]), "sorted, unique row ids; id 5 at position 1 follows 7")):
         p = param.clone()
         with pytest.raises(RuntimeError, match=message):
-            ops.rowwise_adagrad_rows_(p, momentum.clone(), bad, torch.randn(2, 64, generator=gen), 64, 0.05, 1e-8,
-                                      weight_decay, backend="cpp")
+            ops.rowwise_adagrad_rows_(p, momentum.clone(), bad, torch.randn(2, width, generator=gen), width, 0.05,
+                                      1e-8, weight_decay, backend="cpp")
         assert torch.equal(p, param)
