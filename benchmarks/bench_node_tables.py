@@ -81,41 +81,15 @@ class TrafficCounter:
 
 def run_layout(size: dict, sharding: str, steps: int, folder: str) -> dict:
     """One layout's training steps in this process group (under torchrun)."""
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.optimizer import OptimizerConfig
 
-    from fe_megatron.config import BackboneConfig, MemoryConfig
-    from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-    from fe_megatron.megatron.engine import transformer_config_for
-    from fe_megatron.megatron.parallel import initialize
-    from fe_megatron.megatron.step import causal_mask, train_step
-    from fe_megatron.megatron.table_optimizer import manage_tables
-    from fe_megatron.tables.plan import TablePlan
-    from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig
-    from fe_megatron.training.distributed import current_device
+    from bench_table_sharding import build_training, size_of
+    from fe_megatron.megatron.step import train_step
 
-    backbone = BackboneConfig.from_dict(size["backbone"])
-    initialize(seed=1)
-    memory = MemoryConfig.from_dict(dict(size["memory"], table_placement="host"), backbone=backbone)
-    optimizer_args = OptimizerArgs(lr=1e-4)
-    cfg = TrainConfig(model=backbone, memory=memory, optimizer=optimizer_args,
-                      parallel=ParallelArgs(table_sharding=sharding, shared_table_folder=folder))
-    tconfig = transformer_config_for(cfg, on_gpu=torch.cuda.is_available())
-    model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory, table_sharding=sharding)
-    plan = TablePlan.for_run(cfg, tconfig.bf16)
-    stores = manage_tables(model, optimizer_args, plan, current_device(), seed=1)
-    ddp = wrap_ddp(model, tconfig)
-    opt = build_optimizer([ddp], OptimizerConfig(optimizer="adam", lr=1e-4, clip_grad=1.0), tables=stores)
-    connect_schedule_hooks(tconfig, [ddp], opt)
-    seq, mbs = backbone.seq_length, size["micro_batch"]
-    gen = torch.Generator().manual_seed(100 + parallel_state.get_data_parallel_rank())
-    batches = []
-    for _ in range(size["microbatches"]):
-        tokens = torch.randint(0, backbone.vocab_size, (mbs, seq + 1), generator=gen)
-        batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(mbs, seq),
-                            position_ids=torch.arange(seq).expand(mbs, -1), attention_mask=causal_mask(seq)))
+    _, ddp, opt, stores, plan, batches = build_training(size, sharding, table_placement="host",
+                                                        shared_table_folder=folder)
+    seq, mbs = size_of(size)
     for _ in range(2):
         train_step([ddp], opt, batches, seq, mbs)
     dist.barrier()

@@ -63,16 +63,26 @@ class AllToAllCounter:
         dist.all_to_all_single = self._real
 
 
-def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: bool = False) -> dict:
+def size_of(size: dict) -> tuple:
+    """``(sequence length, micro-batch size)`` of a size's runs."""
+    from fe_megatron.config import BackboneConfig
+
+    return BackboneConfig.from_dict(size["backbone"]).seq_length, size["micro_batch"]
+
+
+def build_training(size: dict, table_sharding: str, prefetch: bool = True, table_placement: str = "device",
+                   shared_table_folder: str = "/dev/shm"):
+    """``(model, ddp, optimizer, stores, plan, batches)``: the GPT model of ``size`` with its memory, its tables
+    kept as the run's `TablePlan` says, Megatron DDP + Adam as in fe-pretrain, and this data-parallel rank's
+    random microbatches (the same in every layout).  `bench_node_tables.py` builds its runs with it too."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
 
     from fe_megatron.config import BackboneConfig, MemoryConfig
-    from fe_megatron.memory import inputs as memory_inputs
     from fe_megatron.megatron.builder import build_gpt_model, build_optimizer, connect_schedule_hooks, wrap_ddp
-    from fe_megatron.megatron.parallel import initialize
-    from fe_megatron.megatron.step import causal_mask, train_step
     from fe_megatron.megatron.engine import transformer_config_for
+    from fe_megatron.megatron.parallel import initialize
+    from fe_megatron.megatron.step import causal_mask
     from fe_megatron.megatron.table_optimizer import manage_tables
     from fe_megatron.tables.plan import TablePlan
     from fe_megatron.training.config import OptimizerArgs, ParallelArgs, TrainConfig
@@ -80,10 +90,10 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
 
     backbone = BackboneConfig.from_dict(size["backbone"])
     initialize(seed=1)
-    memory = MemoryConfig.from_dict(size["memory"], backbone=backbone)
+    memory = MemoryConfig.from_dict(dict(size["memory"], table_placement=table_placement), backbone=backbone)
     optimizer_args = OptimizerArgs(lr=1e-4)
     cfg = TrainConfig(model=backbone, memory=memory, optimizer=optimizer_args,
-                      parallel=ParallelArgs(table_sharding=table_sharding))
+                      parallel=ParallelArgs(table_sharding=table_sharding, shared_table_folder=shared_table_folder))
     tconfig = transformer_config_for(cfg, on_gpu=torch.cuda.is_available())
     model = build_gpt_model(tconfig, backbone.vocab_size, backbone.seq_length, memory, table_sharding=table_sharding,
                             prefetch_table_rows=prefetch)
@@ -100,6 +110,17 @@ def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: 
         tokens = torch.randint(0, backbone.vocab_size, (mbs, seq + 1), generator=gen)
         batches.append(dict(tokens=tokens[:, :-1], labels=tokens[:, 1:], loss_mask=torch.ones(mbs, seq),
                             position_ids=torch.arange(seq).expand(mbs, -1), attention_mask=causal_mask(seq)))
+    return model, ddp, opt, stores, plan, batches
+
+
+def run(size: dict, table_sharding: str, prefetch: bool, steps: int, per_layer: bool = False) -> dict:
+    from megatron.core import parallel_state
+
+    from fe_megatron.memory import inputs as memory_inputs
+    from fe_megatron.megatron.step import train_step
+
+    model, ddp, opt, stores, _, batches = build_training(size, table_sharding, prefetch)
+    seq, mbs = size_of(size)
     stage_lookups = memory_inputs.start_lookups
     if per_layer:
         memory_inputs.start_lookups = start_each_layer_alone

@@ -58,9 +58,6 @@ class NodeRows:
     first_rows: torch.Tensor  # [group size] int64
     same_node: torch.Tensor  # [group size] bool
 
-    def on(self, device) -> "NodeRows":
-        return NodeRows(self.segment, self.first_rows.to(device), self.same_node.to(device))
-
     def read(self, owners: torch.Tensor, local_rows: torch.Tensor, device) -> RowsInFlight:
         """The rows ``local_rows`` of owners ``owners`` (ranks of this node), read from the segment, on their
         way to ``device`` (through a pinned staging copy on a GPU)."""

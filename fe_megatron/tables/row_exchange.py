@@ -193,13 +193,14 @@ class StageRowExchange:
         same_node = [False] * world if node is None else node.same_node.tolist()
         rows_in = [0 if same_node[o] else n for o, n in enumerate(self.send_split)]  # from each owner
         rows_out = [0 if same_node[r] else n for r, n in enumerate(self.recv_split)]  # to each requester
-        # the requests this rank serves through the exchange (other nodes' ranks'), per layer
-        serves = torch.repeat_interleave(torch.tensor([not s for s in same_node], device=device),
-                                         torch.tensor(self.recv_split, device=device))
+        # the requests this rank serves through the exchange: all, or (node-shared) other nodes' ranks'
+        served_layer, served_ids = recv_layer, self.requested
+        if node is not None:
+            serves = torch.repeat_interleave(torch.tensor([not s for s in same_node], device=device),
+                                             torch.tensor(self.recv_split, device=device))
+            served_layer, served_ids = recv_layer[serves], self.requested[serves]
         with torch.no_grad():
             served = torch.empty(sum(rows_out), self.width, dtype=self.weights[0].dtype, device=device)
-            served_layer = recv_layer[serves]
-            served_ids = self.requested[serves]
             for l in range(layers):
                 positions = (served_layer == l).nonzero().flatten()
                 if positions.numel():

@@ -72,10 +72,15 @@ class SparseTableOptimizer(TableOptimizerBase):
         return cls(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_dtype=state_dtype, seed=seed,
                    row_group=row_group)
 
+    @property
+    def whole_rows(self) -> bool:
+        """Whether this rank holds every column of its rows (no tensor-parallel split to sum squares over)."""
+        return self.row_group is None or dist.get_world_size(self.row_group) == 1
+
     def row_mean_square(self, param, grad: torch.Tensor) -> torch.Tensor:
         """``mean_c(g_rc^2)`` of each touched row ([U] fp32), over the whole row under tensor parallelism."""
         squares = grad.square().sum(dim=1)
-        if self.row_group is not None and dist.get_world_size(self.row_group) > 1:
+        if not self.whole_rows:
             dist.all_reduce(squares, group=self.row_group)
         return squares / self.layouts[param].global_width
 
@@ -139,7 +144,7 @@ class RowwiseAdagrad(SparseTableOptimizer):
 
     def _update(self, param, ids, grad, state, step, group):
         momentum = state["momentum"]
-        if param.dtype == torch.float32 and (self.row_group is None or dist.get_world_size(self.row_group) == 1):
+        if param.dtype == torch.float32 and self.whole_rows:
             # a whole row on this rank: one pass over each touched row (the kernels' dispatch)
             ops.rowwise_adagrad_rows_(param, momentum, ids, grad, self.layouts[param].global_width, group["lr"],
                                       group["eps"], group["weight_decay"])
