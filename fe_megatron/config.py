@@ -212,6 +212,24 @@ class MemoryConfig:
         _nonneg_int("hash_seed", self.hash_seed)
         if self.kind not in MEMORY_KINDS:
             raise ConfigError("kind", f"{self.kind!r} is not one of {MEMORY_KINDS}")
+        self._check_addressing()
+        self._check_integration()
+        if not (isinstance(self.sparsity_lambda, (int, float)) and math.isfinite(self.sparsity_lambda)
+                and self.sparsity_lambda >= 0):
+            raise ConfigError("sparsity_lambda", f"{self.sparsity_lambda!r} must be a finite number >= 0")
+        _positive_float("table_init_std", self.table_init_std)
+        if self.table_dtype not in TABLE_DTYPES:
+            raise ConfigError("table_dtype", f"{self.table_dtype!r} is not one of {TABLE_DTYPES}")
+        if self.table_placement not in TABLE_PLACEMENTS:
+            raise ConfigError("table_placement", f"{self.table_placement!r} is not one of {TABLE_PLACEMENTS}")
+        if self.table_dtype == "fp8" and self.table_placement != "device":
+            raise ConfigError("table_placement", f"{self.table_placement!r} with table_dtype 'fp8': fp8 tables are a "
+                                                 "serving format, held where the model is (table_placement: device)")
+        if self.token_compression is not None and not isinstance(self.token_compression, str):
+            raise ConfigError("token_compression", f"{self.token_compression!r} must be a path string or null")
+
+    def _check_addressing(self) -> None:
+        """The n-gram orders, heads and table capacities, and that every branch gets as many coefficients."""
         orders = self.ngram_orders
         if not orders:
             raise ConfigError("ngram_orders", "is empty; expected e.g. [1, 2, 3]")
@@ -234,6 +252,9 @@ class MemoryConfig:
             raise ConfigError("coeff_width", f"{self.coeff_width} is not divisible by the {self.num_branches} branches "
                                              f"(orders {orders} x heads {self.heads_per_order}); every branch stores "
                                              "s_b = coeff_width / num_branches coefficients")
+
+    def _check_integration(self) -> None:
+        """The gate, where the branch joins the block (Engram's constraints included) and the insertion layers."""
         if self.gate not in GATES:
             raise ConfigError("gate", f"{self.gate!r} is not one of {GATES}")
         if self.placement not in PLACEMENTS:
@@ -253,19 +274,6 @@ class MemoryConfig:
                                             f"(0-based indices into num_layers={self.num_layers})")
         if len(set(self.layers)) != len(self.layers):
             raise ConfigError("layers", f"{self.layers} lists a layer twice")
-        if not (isinstance(self.sparsity_lambda, (int, float)) and math.isfinite(self.sparsity_lambda)
-                and self.sparsity_lambda >= 0):
-            raise ConfigError("sparsity_lambda", f"{self.sparsity_lambda!r} must be a finite number >= 0")
-        _positive_float("table_init_std", self.table_init_std)
-        if self.table_dtype not in TABLE_DTYPES:
-            raise ConfigError("table_dtype", f"{self.table_dtype!r} is not one of {TABLE_DTYPES}")
-        if self.table_placement not in TABLE_PLACEMENTS:
-            raise ConfigError("table_placement", f"{self.table_placement!r} is not one of {TABLE_PLACEMENTS}")
-        if self.table_dtype == "fp8" and self.table_placement != "device":
-            raise ConfigError("table_placement", f"{self.table_placement!r} with table_dtype 'fp8': fp8 tables are a "
-                                                 "serving format, held where the model is (table_placement: device)")
-        if self.token_compression is not None and not isinstance(self.token_compression, str):
-            raise ConfigError("token_compression", f"{self.token_compression!r} must be a path string or null")
 
     # ------------------------------------------------------------------ the backbone's fields
     @property

@@ -109,14 +109,8 @@ def fail(message: str, exit_code: int, on_this_rank: bool = True) -> int:
     return exit_code
 
 
-def main(argv=None) -> int:
-    # a crash in native code (a kernel, a collective, the exit) prints every thread's Python stack
-    if not faulthandler.is_enabled():
-        faulthandler.enable()
-    silence_known_third_party_warnings()
-    # Megatron's tensor-parallel layers rely on one device connection to order their overlapped
-    # communication (Megatron-LM's launch scripts set it); a value the user set is kept.
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+def build_parser() -> argparse.ArgumentParser:
+    """fe-pretrain's command line: the config, --load/--save, --check and the config overrides."""
     parser = argparse.ArgumentParser(prog="fe-pretrain", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True,
@@ -132,7 +126,28 @@ def main(argv=None) -> int:
                              "resolved, and exit: 0 when it is valid, 2 with the error otherwise; the launch scripts "
                              "run this once before they start the workers")
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
-    args = parser.parse_intermixed_args(argv)  # overrides may sit between the options
+    return parser
+
+
+def print_checked_config(cfg, args) -> None:
+    """--check: print the resolved configuration as JSON, and say on stderr that it is valid."""
+    import dataclasses
+    import json
+
+    print(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
+    print(f"fe-pretrain: {args.config} with {len(args.overrides)} override(s) is a valid configuration",
+          file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    # a crash in native code (a kernel, a collective, the exit) prints every thread's Python stack
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
+    silence_known_third_party_warnings()
+    # Megatron's tensor-parallel layers rely on one device connection to order their overlapped
+    # communication (Megatron-LM's launch scripts set it); a value the user set is kept.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = build_parser().parse_intermixed_args(argv)  # overrides may sit between the options
     import torch
 
     from fe_megatron.config import ConfigError
@@ -152,12 +167,7 @@ def main(argv=None) -> int:
         return fail(f"fe-pretrain: error: {err}", 2,
                     on_this_rank=os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0")
     if args.check:
-        import dataclasses
-        import json
-
-        print(json.dumps(dataclasses.asdict(cfg), indent=1, default=str))
-        print(f"fe-pretrain: {args.config} with {len(args.overrides)} override(s) is a valid configuration",
-              file=sys.stderr)
+        print_checked_config(cfg, args)
         return 0
     from fe_megatron.checkpoint.files import CheckpointError
 

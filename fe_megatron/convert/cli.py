@@ -31,10 +31,8 @@ from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS
 from fe_megatron.presets import PRESETS
 
 
-def main(argv=None) -> int:
-    from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
-
-    silence_known_third_party_warnings()
+def build_parser() -> argparse.ArgumentParser:
+    """fe-convert's subcommands and their flags."""
     parser = argparse.ArgumentParser(prog="fe-convert", description=__doc__.split("\n\n")[0].replace("``", ""))
     commands = parser.add_subparsers(dest="command", required=True)
     to_hf = commands.add_parser("mcore-to-hf", help="an fe-pretrain checkpoint -> a transformers directory")
@@ -68,30 +66,42 @@ def main(argv=None) -> int:
         sub.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to train with (train.yaml)")
         sub.add_argument("--table-sharding", default=None, choices=MEGATRON_TABLE_SHARDINGS,
                          help="the tables' sharding to train with (train.yaml; default: the run's, else replicated)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run_command(args) -> None:
+    """Run the chosen conversion, then print what it wrote and how to use it."""
     from fe_megatron.convert.graft import graft
     from fe_megatron.convert.to_hf import mcore_to_hf
     from fe_megatron.convert.to_mcore import hf_to_mcore, train_yaml_header
 
-    try:
-        if args.command == "mcore-to-hf":
-            out = mcore_to_hf(args.load, args.output, args.iteration, args.tokenizer, table_dtype=args.table_dtype)
-            print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
-                  "fe_megatron.hf, or with trust_remote_code=True")
-        elif args.command == "deepspeed-to-hf":
-            from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
+    if args.command == "mcore-to-hf":
+        out = mcore_to_hf(args.load, args.output, args.iteration, args.tokenizer, table_dtype=args.table_dtype)
+        print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
+              "fe_megatron.hf, or with trust_remote_code=True")
+    elif args.command == "deepspeed-to-hf":
+        from fe_megatron.convert.deepspeed_to_hf import deepspeed_to_hf
 
-            out = deepspeed_to_hf(args.load, args.output, args.tag, args.tokenizer, table_dtype=args.table_dtype)
-            print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
-                  "fe_megatron.hf, or with trust_remote_code=True")
-        elif args.command == "hf-to-mcore":
-            out = hf_to_mcore(args.input, args.output, args.tp, args.pp, args.table_sharding)
-            print(f"wrote {out}. " + " ".join(train_yaml_header(out)))
-        else:
-            out = graft(args.base, args.memory_preset, args.output, args.layers, args.tp, args.pp,
-                        args.table_sharding, args.seed)
-            print(f"wrote {out}. " + " ".join(train_yaml_header(out))
-                  + " (training.freeze_backbone=true trains the memory only)")
+        out = deepspeed_to_hf(args.load, args.output, args.tag, args.tokenizer, table_dtype=args.table_dtype)
+        print(f"wrote {out}: load it with AutoModelForCausalLM.from_pretrained({out!r}) after import "
+              "fe_megatron.hf, or with trust_remote_code=True")
+    elif args.command == "hf-to-mcore":
+        out = hf_to_mcore(args.input, args.output, args.tp, args.pp, args.table_sharding)
+        print(f"wrote {out}. " + " ".join(train_yaml_header(out)))
+    else:
+        out = graft(args.base, args.memory_preset, args.output, args.layers, args.tp, args.pp,
+                    args.table_sharding, args.seed)
+        print(f"wrote {out}. " + " ".join(train_yaml_header(out))
+              + " (training.freeze_backbone=true trains the memory only)")
+
+
+def main(argv=None) -> int:
+    from fe_megatron.training.third_party_warnings import silence_known_third_party_warnings
+
+    silence_known_third_party_warnings()
+    args = build_parser().parse_args(argv)
+    try:
+        run_command(args)
     except (ConversionError, CheckpointError, ConfigError, FileNotFoundError) as err:
         print(f"fe-convert {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -93,7 +93,8 @@ def _load(args):
     return MemoryConfig.from_yaml(args.config), args.config, None
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """fe-plan's flags: where the memory config comes from, the parallel layout and the table storage."""
     parser = argparse.ArgumentParser(prog="fe-plan", description=DESCRIPTION)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", help=f"one of: {', '.join(MemoryConfig.preset_names())}")
@@ -132,7 +133,52 @@ def main(argv=None) -> int:
     storage.add_argument("--table-update", choices=TABLE_UPDATES, default=None,
                          help="optimizer.table_update: adamw (every row, default), or a sparse rule that keeps no "
                               "dense gradient (fe_megatron.tables.update_rules; docs/tables.md)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _run_settings(args, train_config) -> tuple:
+    """(recompute, checkpoints kept, saves, sequence_parallel, fused_attention) for the run estimates: a flag wins,
+    then the training config's value; saves and the two backbone switches are only known from a training config."""
+    recompute = args.recompute or (train_config.training.recompute if train_config is not None else "none")
+    keep = args.keep_checkpoints if args.keep_checkpoints is not None else (
+        train_config.training.keep_checkpoints if train_config is not None else 0)
+    saves, sequence_parallel, fused_attention = None, False, False
+    if train_config is not None:
+        t = train_config.training
+        saves = -(-t.train_steps // t.save_interval)
+        sequence_parallel = train_config.parallel.sequence_parallel
+        fused_attention = t.transformer_impl == "te"
+    return recompute, keep, saves, sequence_parallel, fused_attention
+
+
+def print_rank_estimates(args, config, train_config) -> None:
+    """Print the resolved settings, what one rank holds, the run's estimates and the table storage choices."""
+    settings = resolve_settings(args, train_config)
+    value = {key: entry[0] for key, entry in settings.items()}
+    if value["seq_length"] is None:
+        value["seq_length"], settings["seq_length"] = config.backbone.seq_length, (
+            config.backbone.seq_length, "the backbone's")
+    tp, pp, dp = value["tp"], value["pp"], value["dp"]
+    if value["global_batch_size"] % (value["micro_batch_size"] * dp):
+        raise ValueError(f"global batch {value['global_batch_size']} ({settings['global_batch_size'][1]}) is "
+                         f"not a multiple of micro-batch x DP = {value['micro_batch_size']} x {dp}")
+    recompute, keep, saves, sequence_parallel, fused_attention = _run_settings(args, train_config)
+    storage = TableStorage(value["table_dtype"], value["table_state_dtype"], value["table_placement"],
+                           value["table_update"])
+    print(format_settings(settings))
+    print(format_rank_memory(config, tp, pp, dp, value["table_sharding"], value["distributed_optimizer"],
+                             value["precision"], value["micro_batch_size"], value["seq_length"],
+                             value["global_batch_size"], storage, args.ranks_per_node))
+    print(format_run_estimates(config, tp, pp, dp, value["table_sharding"], value["distributed_optimizer"],
+                               value["precision"], value["micro_batch_size"], value["seq_length"],
+                               value["global_batch_size"], storage, recompute, keep, saves,
+                               args.device_memory, sequence_parallel, fused_attention))
+    print(format_table_storage_choices(config, tp, pp, dp, value["precision"], args.device_memory,
+                                       value["distributed_optimizer"], args.host_memory, args.ranks_per_node))
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         config, name, train_config = _load(args)
         layout_flags = (args.tp, args.pp, args.dp, args.table_sharding)
@@ -142,36 +188,7 @@ def main(argv=None) -> int:
                   f"{config.backbone.num_experts}; they do not split experts over expert-parallel ranks); the budget "
                   "below counts every expert")
         elif per_rank:
-            settings = resolve_settings(args, train_config)
-            value = {key: entry[0] for key, entry in settings.items()}
-            if value["seq_length"] is None:
-                value["seq_length"], settings["seq_length"] = config.backbone.seq_length, (
-                    config.backbone.seq_length, "the backbone's")
-            tp, pp, dp = value["tp"], value["pp"], value["dp"]
-            if value["global_batch_size"] % (value["micro_batch_size"] * dp):
-                raise ValueError(f"global batch {value['global_batch_size']} ({settings['global_batch_size'][1]}) is "
-                                 f"not a multiple of micro-batch x DP = {value['micro_batch_size']} x {dp}")
-            recompute = args.recompute or (train_config.training.recompute if train_config is not None else "none")
-            keep = args.keep_checkpoints if args.keep_checkpoints is not None else (
-                train_config.training.keep_checkpoints if train_config is not None else 0)
-            saves, sequence_parallel, fused_attention = None, False, False
-            if train_config is not None:
-                t = train_config.training
-                saves = -(-t.train_steps // t.save_interval)
-                sequence_parallel = train_config.parallel.sequence_parallel
-                fused_attention = t.transformer_impl == "te"
-            storage = TableStorage(value["table_dtype"], value["table_state_dtype"], value["table_placement"],
-                                   value["table_update"])
-            print(format_settings(settings))
-            print(format_rank_memory(config, tp, pp, dp, value["table_sharding"], value["distributed_optimizer"],
-                                     value["precision"], value["micro_batch_size"], value["seq_length"],
-                                     value["global_batch_size"], storage, args.ranks_per_node))
-            print(format_run_estimates(config, tp, pp, dp, value["table_sharding"], value["distributed_optimizer"],
-                                       value["precision"], value["micro_batch_size"], value["seq_length"],
-                                       value["global_batch_size"], storage, recompute, keep, saves,
-                                       args.device_memory, sequence_parallel, fused_attention))
-            print(format_table_storage_choices(config, tp, pp, dp, value["precision"], args.device_memory,
-                                               value["distributed_optimizer"], args.host_memory, args.ranks_per_node))
+            print_rank_estimates(args, config, train_config)
     except (ConfigError, ValueError) as err:
         print(f"fe-plan: error: {err}", file=sys.stderr)
         return 2

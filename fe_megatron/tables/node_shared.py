@@ -117,6 +117,25 @@ def _gib(size: int) -> str:
     return f"{size:,} bytes ({size / 2 ** 30:.2f} GiB)"
 
 
+@dataclasses.dataclass(frozen=True)
+class _NodeRanks:
+    """This rank's place in the row group, and which of the group's ranks share its node."""
+
+    group: Optional[dist.ProcessGroup]
+    size: int  # ranks in the row group
+    rank: int  # this rank's, in the row group
+    name: str  # the node's key (`node_key`)
+    members: list  # the row group's ranks on this node, in rank order: the first creates the segments
+
+    @property
+    def creates(self) -> bool:
+        return self.rank == self.members[0]
+
+    def gather(self, value) -> list:
+        """``value`` of every rank of the row group (a collective when there are several)."""
+        return _gather(value, self.group) if self.size > 1 else [value]
+
+
 def share_node_rows(stores: list, partitions: list, group: Optional[dist.ProcessGroup], folder: str = DEFAULT_FOLDER,
                     key: Optional[str] = None) -> list:
     """Move every rank's shard of ``stores`` (host `TableStore`s, one per table, row-sharded over ``group`` by
@@ -130,33 +149,52 @@ def share_node_rows(stores: list, partitions: list, group: Optional[dist.Process
     rank = dist.get_rank(group) if group is not None else 0
     me = (key or node_key(), dist.get_rank() if dist.is_initialized() else 0, os.getpid(), secrets.token_hex(4))
     everyone = _gather(me, group) if size > 1 else [me]
-    members = [r for r, entry in enumerate(everyone) if entry[0] == me[0]]
-    creator = everyone[members[0]]
-    run_id, names = creator[3], []
+    ranks = _NodeRanks(group, size, rank, me[0], [r for r, entry in enumerate(everyone) if entry[0] == me[0]])
+    creator = everyone[ranks.members[0]]
+    names = _segment_names(stores, creator)
+    paths = [os.path.join(folder, name) for name in names]
     row_bytes = [store.weight.shape[1] * store.weight.element_size() for store in stores]
-    node_rows = [sum(partition.local_rows(member) for member in members) for partition in partitions]
-    needed = sum(rows * width for rows, width in zip(node_rows, row_bytes))
+    node_rows = [sum(partition.local_rows(member) for member in ranks.members) for partition in partitions]
+    _create_node_segments(folder, paths, [rows * width for rows, width in zip(node_rows, row_bytes)], ranks)
+    segments = _map_node_segments(stores, paths, node_rows, folder, ranks)
+    _copy_shards_in(stores, partitions, segments, ranks)
+    if size > 1:
+        dist.barrier(group=group)  # every shard is in place before any rank reads its node's rows
+    return names
+
+
+def _segment_names(stores: list, creator: tuple) -> list:
+    """The segment files' names, one per table: the run id, the creator's pid and global rank, the table."""
+    run_id, names = creator[3], []
     for number, store in enumerate(stores):
         table = store.layout.table if store.layout is not None else number
         names.append(f"{PREFIX}{run_id}.{creator[2]}.rank{creator[1]}.table{table}")
-    paths = [os.path.join(folder, name) for name in names]
+    return names
+
+
+def _create_node_segments(folder: str, paths: list, sizes: list, ranks: _NodeRanks) -> None:
+    """The node's first rank creates and reserves the segment files; a problem on any node's creator is raised on
+    every rank alike (after one gather over the row group), the files removed."""
     problem = None
-    if rank == members[0]:
+    if ranks.creates:
         try:
-            problem = _create_segments(folder, paths, [rows * width for rows, width in zip(node_rows, row_bytes)],
-                                       needed)
+            problem = _create_segments(folder, paths, sizes, sum(sizes))
         except Exception as error:  # told to every rank below, never raised past their collective
             problem = f"node-shared tables: creating the segments in {folder} failed: {error!r}"
-    problems = _gather(problem, group) if size > 1 else [problem]
+    problems = ranks.gather(problem)
     if any(problems):  # on every rank alike, whichever node's creator found it
-        if rank == members[0]:
+        if ranks.creates:
             _unlink(paths)
-        raise RuntimeError(problems[members[0]] or next(p for p in problems if p))
-    # every rank of the node maps the creator's files (checking they are the same files: a node name shared by
-    # hosts, or containers, that do not share the folder would otherwise map files of their own)
+        raise RuntimeError(problems[ranks.members[0]] or next(p for p in problems if p))
+
+
+def _map_node_segments(stores: list, paths: list, node_rows: list, folder: str, ranks: _NodeRanks) -> list:
+    """Every rank of the node maps the creator's files, ``[rows, width]`` each, and checks with one gather over
+    the row group that they are the same files (a node name shared by hosts, or containers, that do not share the
+    folder would otherwise map files of their own); then the creator removes them from the folder."""
     segments, files, problem = [], [], None
     try:
-        for store, partition, path, rows in zip(stores, partitions, paths, node_rows):
+        for store, path, rows in zip(stores, paths, node_rows):
             if not os.path.exists(path):
                 raise FileNotFoundError(f"{path} is not in this rank's {folder}")
             width = store.weight.shape[1]
@@ -165,33 +203,36 @@ def share_node_rows(stores: list, partitions: list, group: Optional[dist.Process
             segments.append(segment.view(rows, width))
             files.append((status.st_dev, status.st_ino))
     except Exception as error:
-        problem = f"node-shared tables: rank {rank} of the row group cannot map its node's segment: {error}"
-    mapped = _gather((problem, files), group) if size > 1 else [(problem, files)]
-    if rank == members[0]:
+        problem = f"node-shared tables: rank {ranks.rank} of the row group cannot map its node's segment: {error}"
+    mapped = ranks.gather((problem, files))
+    if ranks.creates:
         _unlink(paths)  # every rank of the node has mapped them, or failed to: remove them from the folder
+    members = ranks.members
     problem = next((p for p, _ in mapped if p), None)
     strangers = [member for member in members if mapped[member][1] != mapped[members[0]][1]]
     if problem is None and strangers:
-        problem = (f"node-shared tables: ranks {strangers} of the row group have the node name {me[0]!r} of rank "
+        problem = (f"node-shared tables: ranks {strangers} of the row group have the node name {ranks.name!r} of rank "
                    f"{members[0]} but do not see its files in {folder} (containers or hosts with one name and "
                    f"their own {folder}?): give each host its own name, or use parallel.table_sharding: rows")
     if problem is not None:
         raise RuntimeError(problem)
-    # each rank writes its shard into its slice
+    return segments
+
+
+def _copy_shards_in(stores: list, partitions: list, segments: list, ranks: _NodeRanks) -> None:
+    """Each rank writes its shard into its slice of the node's segments, and gives each store its `NodeRows`."""
+    size, rank = ranks.size, ranks.rank
     node_stores = []
     for store, partition, segment in zip(stores, partitions, segments):
         first, offset = [-1] * size, 0
-        for member in members:
+        for member in ranks.members:
             first[member] = offset
             offset += partition.local_rows(member)
         store.share_rows(segment[first[rank]:first[rank] + partition.local_rows(rank)])
         node_stores.append((segment, first))
-    same_node = torch.tensor([r in members for r in range(size)])
+    same_node = torch.tensor([r in ranks.members for r in range(size)])
     for store, (segment, first) in zip(stores, node_stores):
         store.node = NodeRows(TableStore(segment, "host"), torch.tensor(first, dtype=torch.int64), same_node)
-    if size > 1:
-        dist.barrier(group=group)  # every shard is in place before any rank reads its node's rows
-    return names
 
 
 def _create_segments(folder: str, paths: list, sizes: list, needed: int) -> Optional[str]:

@@ -129,6 +129,25 @@ def row_lookup(store: TableStore, indices: torch.Tensor, partition: RowPartition
     return StageRowExchange([store], [indices], [partition], group).layer_lookup(0)
 
 
+def _check_stores(stores: list) -> None:
+    """Row-sharded tables are read from their `TableStore`s: refuse a layer whose shard is not one."""
+    for layer, store in enumerate(stores):
+        if not isinstance(store, TableStore):
+            what = "has no store" if store is None else f"is a {type(store).__name__}"
+            raise TypeError(f"the row exchange reads row-sharded tables from their TableStores; layer {layer}'s "
+                            f"shard {what}. Row-sharded tables train from stores: "
+                            "fe_megatron.tables.stage_tables.StageTables moves them there")
+
+
+def _common_width(weights: list) -> int:
+    """The tables' row width: the layers exchanged together share one buffer, so one width and one dtype."""
+    widths, dtypes = {w.shape[1] for w in weights}, {w.dtype for w in weights}
+    if len(widths) != 1 or len(dtypes) != 1:
+        raise ValueError(f"the layers exchanged together must share the tables' width and dtype; got widths "
+                         f"{sorted(widths)} and dtypes {sorted(map(str, dtypes))}")
+    return widths.pop()
+
+
 class StageRowExchange:
     """The row lookups of every memory layer of a pipeline stage for one microbatch, exchanged
     together: one all-to-all of counts (the one device synchronization), one of requests and one
@@ -148,88 +167,105 @@ class StageRowExchange:
     """
 
     def __init__(self, stores: list, indices: list, partitions: list, group: dist.ProcessGroup):
-        for layer, store in enumerate(stores):
-            if not isinstance(store, TableStore):
-                what = "has no store" if store is None else f"is a {type(store).__name__}"
-                raise TypeError(f"the row exchange reads row-sharded tables from their TableStores; layer {layer}'s "
-                                f"shard {what}. Row-sharded tables train from stores: "
-                                "fe_megatron.tables.stage_tables.StageTables moves them there")
+        _check_stores(stores)
         self.stores = list(stores)
         self.weights = [store.weight for store in self.stores]
-        widths, dtypes = {w.shape[1] for w in self.weights}, {w.dtype for w in self.weights}
-        if len(widths) != 1 or len(dtypes) != 1:
-            raise ValueError(f"the layers exchanged together must share the tables' width and dtype; got widths "
-                             f"{sorted(widths)} and dtypes {sorted(map(str, dtypes))}")
-        self.width, self.indices, self.partitions, self.group = widths.pop(), indices, partitions, group
-        layers, world = len(stores), partitions[0].size
-        self.layers, self.world = layers, world
+        self.width = _common_width(self.weights)
+        self.indices, self.partitions, self.group = indices, partitions, group
+        self.layers, self.world = len(stores), partitions[0].size
         device = indices[0].device
+        owner, layer_of, local = self._locate_requests()
+        recv_layer = self._send_requests(owner, layer_of, local)
+        self.backend = ops.current_backend(device, self.weights[0].dtype)
+        me = dist.get_rank(group)
+        node = self.stores[0].node  # node-shared tables (fe_megatron.tables.node_shared): the node's rows
+        same_node = [False] * self.world if node is None else node.same_node.tolist()
+        rows_in = [0 if same_node[o] else n for o, n in enumerate(self.send_split)]  # from each owner
+        rows_out = [0 if same_node[r] else n for r, n in enumerate(self.recv_split)]  # to each requester
+        with torch.no_grad():
+            served = self._serve_requests(recv_layer, same_node, sum(rows_out))
+            # and the rows of this node's owners, read from the node's segment (after the counts' exchange:
+            # every rank of the group has finished its last update)
+            self._node_reads, self._remote_positions = [], None
+            if node is not None:
+                self._read_node_rows(node, owner, layer_of, local)
+        self._received = served.new_empty((sum(rows_in), self.width))
+        self._work = None
+        if not all(same_node):  # rows cross between nodes (row-sharded tables: between every two ranks)
+            self._work = dist.all_to_all_single(self._received, served, rows_in, rows_out, group=group, async_op=True)
+        self._unique_rows = None
+        self._pending_grads = [None] * self.layers
+        self.exchanges = {"forward": 2 + (self._work is not None), "backward": 0}  # all-to-alls issued
+        # rows sent to and received from other ranks (the rank itself excluded), for tests and benchmarks
+        self.rows_moved = {"forward_out": sum(rows_out) - rows_out[me], "forward_in": sum(rows_in) - rows_in[me],
+                           "gradients_out": sum(self.send_split) - self.send_split[me]}
+
+    def _locate_requests(self) -> tuple:
+        """Deduplicate each layer's indices (keeping the inverses and the unique counts) and find each unique
+        row's owner.  Returns ``(owner, layer, row id in the owner's buffer)`` of every request, layer by layer."""
+        device = self.indices[0].device
         self.inverses, self.unique_counts, owners, locals_ = [], [], [], []
-        for flat, partition in zip((i.reshape(-1) for i in indices), partitions):
+        for flat, partition in zip((i.reshape(-1) for i in self.indices), self.partitions):
             unique, inverse = unique_rows(flat)
             owner, local = partition.locate(unique)
             self.inverses.append(inverse)
             self.unique_counts.append(unique.numel())
             owners.append(owner)
             locals_.append(local)
-        owner = torch.cat(owners)
-        layer_of = torch.repeat_interleave(torch.arange(layers, device=device),
+        layer_of = torch.repeat_interleave(torch.arange(self.layers, device=device),
                                            torch.tensor(self.unique_counts, device=device))
+        return torch.cat(owners), layer_of, torch.cat(locals_)
+
+    def _send_requests(self, owner: torch.Tensor, layer_of: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Send every request to its owner: the all-to-all of the counts (per owner and layer), then that of the
+        owners' row ids.  Keeps the requests' order, counts and splits, and the requests this rank received
+        (``requested``); returns the layer of each received request."""
+        layers, world, device = self.layers, self.world, self.indices[0].device
         key = owner * layers + layer_of  # requests grouped by owner, then by layer
         self.order = torch.argsort(key, stable=True)
         self.send_counts = torch.bincount(key, minlength=world * layers)  # [owner x layer]
         self.recv_counts = torch.empty_like(self.send_counts)
-        dist.all_to_all_single(self.recv_counts, self.send_counts, group=group)
+        dist.all_to_all_single(self.recv_counts, self.send_counts, group=self.group)
         send, recv = self.send_counts.view(world, layers), self.recv_counts.view(world, layers)
         self.send_split, self.recv_split = send.sum(1).tolist(), recv.sum(1).tolist()
         self.requested = torch.empty(sum(self.recv_split), dtype=torch.int64, device=device)
-        dist.all_to_all_single(self.requested, torch.cat(locals_)[self.order].contiguous(), self.recv_split,
-                               self.send_split, group=group)
+        dist.all_to_all_single(self.requested, local[self.order].contiguous(), self.recv_split,
+                               self.send_split, group=self.group)
         recv_layer = torch.repeat_interleave(torch.arange(layers, device=device).repeat(world), self.recv_counts)
         self.served_positions = [(recv_layer == l).nonzero().flatten() for l in range(layers)]
-        self.backend = ops.current_backend(device, self.weights[0].dtype)
-        me = dist.get_rank(group)
-        node = self.stores[0].node  # node-shared tables (fe_megatron.tables.node_shared): the node's rows
-        same_node = [False] * world if node is None else node.same_node.tolist()
-        rows_in = [0 if same_node[o] else n for o, n in enumerate(self.send_split)]  # from each owner
-        rows_out = [0 if same_node[r] else n for r, n in enumerate(self.recv_split)]  # to each requester
-        # the requests this rank serves through the exchange: all, or (node-shared) other nodes' ranks'
+        return recv_layer
+
+    def _serve_requests(self, recv_layer: torch.Tensor, same_node: list, rows_out: int) -> torch.Tensor:
+        """The rows this rank sends back, in request order, fetched from each layer's store: those of every
+        request it received, or (node-shared) only those of other nodes' ranks."""
+        device = self.indices[0].device
         served_layer, served_ids = recv_layer, self.requested
-        if node is not None:
+        if self.stores[0].node is not None:
             serves = torch.repeat_interleave(torch.tensor([not s for s in same_node], device=device),
                                              torch.tensor(self.recv_split, device=device))
             served_layer, served_ids = recv_layer[serves], self.requested[serves]
-        with torch.no_grad():
-            served = torch.empty(sum(rows_out), self.width, dtype=self.weights[0].dtype, device=device)
-            for l in range(layers):
-                positions = (served_layer == l).nonzero().flatten()
-                if positions.numel():
-                    served.index_copy_(0, positions, self.stores[l].fetch(served_ids.index_select(0, positions),
-                                                                          device).wait())
-            # and the rows of this node's owners, read from the node's segment (after the counts' exchange:
-            # every rank of the group has finished its last update)
-            self._node_reads, self._remote_positions = [], None
-            if node is not None:
-                sorted_owner, sorted_layer = owner[self.order], layer_of[self.order]
-                sorted_local = torch.cat(locals_)[self.order]
-                from_node = node.same_node.to(device)[sorted_owner]
-                # where each row goes among the unique rows (requests are in owner order; rows in id order)
-                self._remote_positions = self.order[~from_node]
-                for l in range(layers):
-                    positions = (from_node & (sorted_layer == l)).nonzero().flatten()
-                    if positions.numel():
-                        self._node_reads.append((self.order.index_select(0, positions), self.stores[l].node.read(
-                            sorted_owner.index_select(0, positions), sorted_local.index_select(0, positions), device)))
-        self._received = served.new_empty((sum(rows_in), self.width))
-        self._work = None
-        if not all(same_node):  # rows cross between nodes (row-sharded tables: between every two ranks)
-            self._work = dist.all_to_all_single(self._received, served, rows_in, rows_out, group=group, async_op=True)
-        self._unique_rows = None
-        self._pending_grads = [None] * layers
-        self.exchanges = {"forward": 2 + (self._work is not None), "backward": 0}  # all-to-alls issued
-        # rows sent to and received from other ranks (the rank itself excluded), for tests and benchmarks
-        self.rows_moved = {"forward_out": sum(rows_out) - rows_out[me], "forward_in": sum(rows_in) - rows_in[me],
-                           "gradients_out": sum(self.send_split) - self.send_split[me]}
+        served = torch.empty(rows_out, self.width, dtype=self.weights[0].dtype, device=device)
+        for l in range(self.layers):
+            positions = (served_layer == l).nonzero().flatten()
+            if positions.numel():
+                served.index_copy_(0, positions, self.stores[l].fetch(served_ids.index_select(0, positions),
+                                                                      device).wait())
+        return served
+
+    def _read_node_rows(self, node, owner: torch.Tensor, layer_of: torch.Tensor, local: torch.Tensor) -> None:
+        """Node-shared tables: start reading the rows this node's owners hold from the node's segment, and note
+        where the rows other nodes send go among the unique rows."""
+        device = self.indices[0].device
+        sorted_owner, sorted_layer = owner[self.order], layer_of[self.order]
+        sorted_local = local[self.order]
+        from_node = node.same_node.to(device)[sorted_owner]
+        # where each row goes among the unique rows (requests are in owner order; rows in id order)
+        self._remote_positions = self.order[~from_node]
+        for l in range(self.layers):
+            positions = (from_node & (sorted_layer == l)).nonzero().flatten()
+            if positions.numel():
+                self._node_reads.append((self.order.index_select(0, positions), self.stores[l].node.read(
+                    sorted_owner.index_select(0, positions), sorted_local.index_select(0, positions), device)))
 
     def layer_lookup(self, layer: int) -> "LayerRowLookup":
         return LayerRowLookup(self, layer)

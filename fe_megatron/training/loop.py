@@ -163,14 +163,7 @@ def _train(run: EngineRun, stop: StopRequests) -> dict:
             batches[0]["loss_mask"] = batches[0]["loss_mask"] * float("nan")
         result = run.train_step(batches)
         if result.nonfinite:
-            report = (f"non-finite loss or gradient norm at step {done} (lm loss {result.lm_loss}, grad norm "
-                      f"{result.grad_norm}):\n  " + "\n  ".join(result.nonfinite))
-            if t.on_nonfinite == "halt":
-                raise NonFiniteError(f"{report}\nHalting without saving (training.on_nonfinite=halt); the "
-                                     "last checkpoint is intact. training.on_nonfinite=skip drops such steps instead.")
-            skipped += 1
-            log(f"{report}\nskipped the update (training.on_nonfinite=skip; {skipped} step(s) skipped so far)")
-            run.metrics.write({"step": done, "skipped_steps": skipped})
+            skipped = _nonfinite_step(run, result, done, skipped)
         run.advance_schedule()
         window_steps += 1
         if done % t.log_interval == 0 or done == t.train_steps:
@@ -178,46 +171,85 @@ def _train(run: EngineRun, stop: StopRequests) -> dict:
             if last:
                 timed["steps"] += window_steps
                 timed["seconds"] += elapsed
-            eta = (time.time() - loop_start) / (done - run.start_step) * (t.train_steps - done)
-            last = {"step": done, "lm_loss": result.lm_loss, "sparsity_loss": result.sparsity_loss,
-                    "lr": run.learning_rate(), "grad_norm": result.grad_norm,
-                    "tokens_per_s": tokens_per_step * window_steps / max(elapsed, 1e-9), "memory_mb": memory_mb(),
-                    "eta_s": round(eta)}
-            run.metrics.write(last)
-            sparsity = f"sparsity {result.sparsity_loss:.4f} | " if cfg.memory is not None else ""
-            log(f"step {done:>6}/{t.train_steps} | lm loss {result.lm_loss:.4f} | "
-                f"{sparsity}lr {last['lr']:.2e} | grad norm {last['grad_norm']:.3f} | "
-                f"{last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB | ETA {_duration(eta)}")
+            last = _log_step(run, result, done, tokens_per_step * window_steps / max(elapsed, 1e-9), loop_start)
             window_start, window_steps = time.time(), 0
         if done % t.eval_interval == 0 or done == t.train_steps:
-            val = run.evaluate(valid_ds, done // max(t.eval_interval, 1))
-            if not math.isfinite(val):
-                raise NonFiniteError(f"validation loss at step {done} is {val}; halting before any save, the last "
-                                     "checkpoint is intact")
-            run.metrics.write({"step": done, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
-            log(f"step {done:>6} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+            _validate(run, valid_ds, done)
             window_start = time.time()
         stopping = stop.agreed()
         exiting = bool(t.exit_after) and done >= t.exit_after
         if cfg.save and (stopping or exiting or done % t.save_interval == 0 or done == t.train_steps):
             run.save(done)
             window_start = time.time()
-        if stopping:
-            log(f"{stop.received or 'a stop signal on another rank'}: stopped after step {done}"
-                f"{' with a checkpoint' if cfg.save else ' (no --save: nothing saved)'}; rerun with --load to resume")
-            if cfg.save and rank == 0:
-                with open(os.path.join(cfg.save, REQUEUE_MARKER), "w") as fh:
-                    fh.write(str(done))
-            return {"event": "preempted", "step": done}
-        if exiting:
-            log(f"exiting after step {done} (training.exit_after)"
-                f"{' with a checkpoint; rerun with --load to resume' if cfg.save else ' (no --save: nothing saved)'}")
-            return {"event": "exit", "step": done}
-    test = run.evaluate(test_ds, 0)
+        if stopping or exiting:
+            return _end_early(run, stop, done, stopping, rank)
     mean_tokens_per_s = (tokens_per_step * timed["steps"] / timed["seconds"] if timed["steps"]
                          else last.get("tokens_per_s"))
-    final = {"event": "final", "step": t.train_steps, "test_loss": test, "test_ppl": math.exp(min(test, 50)),
-             "parameters": run.parameters, "tokens_per_s": mean_tokens_per_s, "skipped_steps": skipped}
+    return _finish(run, test_ds, mean_tokens_per_s, skipped)
+
+
+def _nonfinite_step(run: EngineRun, result, done: int, skipped: int) -> int:
+    """A step with a non-finite loss or gradient norm: halt, or count it as skipped (training.on_nonfinite).
+    Returns the steps skipped so far."""
+    report = (f"non-finite loss or gradient norm at step {done} (lm loss {result.lm_loss}, grad norm "
+              f"{result.grad_norm}):\n  " + "\n  ".join(result.nonfinite))
+    if run.cfg.training.on_nonfinite == "halt":
+        raise NonFiniteError(f"{report}\nHalting without saving (training.on_nonfinite=halt); the "
+                             "last checkpoint is intact. training.on_nonfinite=skip drops such steps instead.")
+    skipped += 1
+    log(f"{report}\nskipped the update (training.on_nonfinite=skip; {skipped} step(s) skipped so far)")
+    run.metrics.write({"step": done, "skipped_steps": skipped})
+    return skipped
+
+
+def _log_step(run: EngineRun, result, done: int, tokens_per_s: float, loop_start: float) -> dict:
+    """Record and log step ``done``: losses, learning rate, gradient norm, the last window's tokens/s, memory
+    and the ETA from the run's mean step time so far.  Returns the record."""
+    t = run.cfg.training
+    eta = (time.time() - loop_start) / (done - run.start_step) * (t.train_steps - done)
+    last = {"step": done, "lm_loss": result.lm_loss, "sparsity_loss": result.sparsity_loss,
+            "lr": run.learning_rate(), "grad_norm": result.grad_norm,
+            "tokens_per_s": tokens_per_s, "memory_mb": memory_mb(), "eta_s": round(eta)}
+    run.metrics.write(last)
+    sparsity = f"sparsity {result.sparsity_loss:.4f} | " if run.cfg.memory is not None else ""
+    log(f"step {done:>6}/{t.train_steps} | lm loss {result.lm_loss:.4f} | "
+        f"{sparsity}lr {last['lr']:.2e} | grad norm {last['grad_norm']:.3f} | "
+        f"{last['tokens_per_s']:,.0f} tok/s | {last['memory_mb']:,.0f} MB | ETA {_duration(eta)}")
+    return last
+
+
+def _validate(run: EngineRun, valid_ds, done: int) -> None:
+    """Evaluate on the validation set after step ``done``, and halt on a non-finite loss before any save."""
+    val = run.evaluate(valid_ds, done // max(run.cfg.training.eval_interval, 1))
+    if not math.isfinite(val):
+        raise NonFiniteError(f"validation loss at step {done} is {val}; halting before any save, the last "
+                             "checkpoint is intact")
+    run.metrics.write({"step": done, "val_loss": val, "val_ppl": math.exp(min(val, 50))})
+    log(f"step {done:>6} | validation loss {val:.4f} | perplexity {math.exp(min(val, 50)):.2f}")
+
+
+def _end_early(run: EngineRun, stop: StopRequests, done: int, stopping: bool, rank: int) -> dict:
+    """End the run after step ``done``: on a stop request all ranks agreed on (rank 0 leaves the requeue
+    marker when it saved), or at training.exit_after."""
+    cfg = run.cfg
+    if stopping:
+        log(f"{stop.received or 'a stop signal on another rank'}: stopped after step {done}"
+            f"{' with a checkpoint' if cfg.save else ' (no --save: nothing saved)'}; rerun with --load to resume")
+        if cfg.save and rank == 0:
+            with open(os.path.join(cfg.save, REQUEUE_MARKER), "w") as fh:
+                fh.write(str(done))
+        return {"event": "preempted", "step": done}
+    log(f"exiting after step {done} (training.exit_after)"
+        f"{' with a checkpoint; rerun with --load to resume' if cfg.save else ' (no --save: nothing saved)'}")
+    return {"event": "exit", "step": done}
+
+
+def _finish(run: EngineRun, test_ds, mean_tokens_per_s, skipped: int) -> dict:
+    """Evaluate on the test set at the end of training, and write and return the final record."""
+    test = run.evaluate(test_ds, 0)
+    final = {"event": "final", "step": run.cfg.training.train_steps, "test_loss": test,
+             "test_ppl": math.exp(min(test, 50)), "parameters": run.parameters, "tokens_per_s": mean_tokens_per_s,
+             "skipped_steps": skipped}
     run.metrics.write(final)
     log(f"test loss {test:.4f} | perplexity {final['test_ppl']:.2f}")
     return final
