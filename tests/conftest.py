@@ -36,7 +36,9 @@ if not torch.cuda.is_available():
 # between the two ends. megatron-core's internals (the contracts), its layers, models and checkpoints;
 # Megatron-LM's own trainer (megatron.training ships from 0.19 on), whose tests also run fe-pretrain's
 # Megatron engine at 1 process with exact resume, TP=2, PP=2, DP=2 with row-sharded tables (a sparse update
-# rule too) and EP=2, and convert to Hugging Face with equal logits; the hybrid model (HybridModel, 0.19 on);
+# rule too) and EP=2, and convert to Hugging Face with equal logits; what the trainer and fe-pretrain's Megatron
+# engine patch, undone after their runs, and nothing patched by importing the package (megatron.training's
+# modules import only here); the hybrid model (HybridModel, 0.19 on);
 # checkpoints across megatron-core releases; DeepSpeed ZeRO-3 at 2 ranks against the Megatron engine and the
 # DeepSpeed internals its clipping wraps; torch's side (torch.compile through the memory branch, the kernels'
 # torch.library operators, cached generation); the install's CUDA decision; a shutdown that leaves other
@@ -50,7 +52,10 @@ NEWEST_STACK_SUBSET = (
     "tests/unit/megatron/test_transformer_layer.py",
     "tests/unit/megatron/test_layer_specs.py",
     "tests/unit/megatron/test_cpu_backend.py",
+    "tests/unit/megatron_lm/test_trainer_patches.py",
+    "tests/unit/test_train.py::test_a_megatron_engine_run_leaves_torch_and_megatron_as_they_were",
     "tests/integration/test_fresh_interpreter.py::test_megatron_lm_spec_module_reads_the_environment",
+    "tests/integration/test_fresh_interpreter.py::test_importing_every_module_of_the_package_changes_nothing_global",
     "tests/unit/megatron/test_hybrid_specs.py",
     "tests/unit/megatron/test_hybrid_model.py",
     "tests/unit/test_hybrid_pattern.py",
@@ -176,10 +181,22 @@ def process_group(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.fixture
+def cpu_backend():
+    """megatron-core on this host (`fe_megatron.megatron.cpu_backend`) for one test that calls megatron-core
+    itself without the ``megatron_world`` fixture; undone after it, as a run undoes it when it ends."""
+    from fe_megatron.megatron import PatchScope, enable_cpu_backend
+
+    with PatchScope("test") as scope:
+        enable_cpu_backend(scope=scope)
+        yield
+
+
 @pytest.fixture(scope="module")
 def megatron_world():
     """megatron.core's process groups for one process (gloo, the CPU backend on a CPU machine), for
-    tests that build Megatron models in the test process."""
+    tests that build Megatron models in the test process; what `initialize` installs (the CPU backend,
+    the tables' gradients into ``main_grad``) is undone by `shutdown` at the module's end."""
     from fe_megatron.megatron.parallel import initialize, shutdown
 
     saved = dict(os.environ)

@@ -118,9 +118,7 @@ def write_megatron_run(source, backbone: BackboneConfig, memory: Optional[Memory
                 if value is None:
                     os.environ.pop(key, None)
         else:
-            from megatron.core import parallel_state
-
-            parallel_state.destroy_model_parallel()
+            shutdown(process_groups=False)  # the caller's group stays; Megatron's state and patches go
 
 
 def _write_megatron_run(source, backbone, memory, tokenizer_path, directory, final_directory, tp, pp,

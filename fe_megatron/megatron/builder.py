@@ -12,7 +12,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.optimizer_param_scheduler import ParamGroupOverride
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.megatron import compat
+from fe_megatron.megatron import compat, patches
 from fe_megatron.megatron.gpt_model import FactorEngramGPTModel
 from fe_megatron.megatron.layer_specs import get_block_spec, get_gpt_layer_with_factorengram_spec, get_local_layer_spec
 from fe_megatron.megatron.table_optimizer import TableChainedOptimizer, TableOptimizer
@@ -34,7 +34,7 @@ def build_gpt_model(transformer_config, vocab_size: int, max_sequence_length: in
                   rotary_base=rotary_base)
     experts = {}
     if transformer_config.num_moe_experts:
-        compat.repair_moe_router_without_te()
+        compat.repair_moe_router_without_te(patches.active())  # the run's scope
         experts = dict(num_experts=transformer_config.num_moe_experts, moe_grouped_gemm=False)
     if memory_config is None:
         if backend == "te":
@@ -65,7 +65,7 @@ def build_hybrid_model(transformer_config, vocab_size: int, max_sequence_length:
     from fe_megatron.megatron.hybrid_specs import local_hybrid_stack_spec
 
     if transformer_config.num_moe_experts:
-        compat.repair_moe_router_without_te()
+        compat.repair_moe_router_without_te(patches.active())  # the run's scope
     spec = local_hybrid_stack_spec(num_experts=transformer_config.num_moe_experts or None)
     kwargs = dict(pre_process=parallel_state.is_pipeline_first_stage(),
                   post_process=parallel_state.is_pipeline_last_stage(),

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from fe_megatron.megatron import compat
+from fe_megatron.megatron.patches import PatchScope
 from fe_megatron.training import faults
 from fe_megatron.checkpoint.commit import agree_on_failure, commit, start_save
 from fe_megatron.checkpoint.files import write_run_info
@@ -45,14 +46,16 @@ def _writer_queue_dies_with_trainer() -> None:
     compat.install_checkpoint_writer_queue(make_queue)
 
 
-def prepare_dist_checkpointing() -> None:
+def prepare_dist_checkpointing(scope: PatchScope) -> None:
     """What megatron-core's ``dist_checkpointing`` needs before a save or load in any engine's process:
     its writer's queue dying with the trainer (`_writer_queue_dies_with_trainer`), and on a host without
-    CUDA the CPU backend (`fe_megatron.megatron.cpu_backend`), which answers its CUDA calls."""
+    CUDA the CPU backend (`fe_megatron.megatron.cpu_backend`), which answers its CUDA calls, until
+    ``scope`` closes (the Megatron engine's world has it already; the DeepSpeed engine's table
+    checkpoints open a scope around each save and load)."""
     from fe_megatron.megatron.cpu_backend import enable_cpu_backend
 
     _writer_queue_dies_with_trainer()
-    enable_cpu_backend()
+    enable_cpu_backend(scope=scope)
 
 
 def _state(model_chunks, optimizer, scheduler, iteration, is_loading: bool, distributed_optimizer: bool):

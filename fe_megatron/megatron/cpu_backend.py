@@ -1,7 +1,11 @@
 """Run megatron.core on CPU with the gloo backend, for development, tests and the demo.
 
-Call `enable_cpu_backend()` once, before building models. On a machine with CUDA it does
-nothing and returns False, so the same script runs unchanged on GPUs.
+`enable_cpu_backend(scope=...)`, before building models, installs what follows into a
+`fe_megatron.megatron.patches.PatchScope`, which undoes all of it when it closes: fe-pretrain's
+Megatron engine calls it when it starts (`fe_megatron.megatron.parallel.initialize`, undone by
+``shutdown``), Megatron-LM's trainer for its run (`fe_megatron.megatron_lm.run`).  On a machine with
+CUDA it does nothing and returns False, so the same script runs unchanged on GPUs.  Importing this
+module changes nothing.
 
 megatron.core assumes CUDA in a handful of places; each is answered here for megatron's own
 callers (megatron.core, and megatron.training with ``trainer=True``); user code sees torch as it is:
@@ -17,8 +21,8 @@ callers (megatron.core, and megatron.training with ``trainer=True``); user code 
 4. Legacy type-string checks (``param.type() == 'torch.cuda.FloatTensor'`` in the
    optimizers and clip_grads) see CUDA-style names for CPU tensors, and ``tensor.cuda()``
    (tied-embedding sync across pipeline stages, optimizer state loading) returns the
-   tensor itself.  These two replace ``torch.Tensor.type`` and ``torch.Tensor.cuda`` for the
-   whole process, and answer differently only when the caller is megatron's.
+   tensor itself.  These two replace ``torch.Tensor.type`` and ``torch.Tensor.cuda`` while the
+   scope is open, and answer differently only when the caller is megatron's.
 5. `torch.cuda.synchronize()` (dist checkpoint save, p2p) is a no-op.
 6. CUDA streams and events (``torch.cuda.current_stream()``, ``torch.cuda.stream(...)``,
    ``torch.cuda.Stream``/``Event``: DDP's gradient sync from megatron-core 0.19 on) are host
@@ -26,23 +30,24 @@ callers (megatron.core, and megatron.training with ``trainer=True``); user code 
 
 Each megatron module in `fe_megatron.megatron.compat.CPU_BACKEND_MODULES` (and, with ``trainer=True``,
 `CPU_TRAINER_MODULES`) gets a `torch` proxy that forwards every attribute to torch except the few
-above; the device RNG functions are replaced through `compat.replace_device_rng_state_functions`. The default causal mask is built on CUDA by
+above; the device RNG functions are replaced through `compat.replace_device_rng_state_functions`
+(`fe_megatron.megatron.compat.cpu` has every target). The default causal mask is built on CUDA by
 megatron; pass an explicit ``attention_mask`` (as fe_megatron's trainer does).
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
 import sys
 import types
+from typing import Optional
 
 import torch
 
+from fe_megatron.megatron import patches
+from fe_megatron.megatron.patches import PatchScope
+
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "zeros_like",
               "ones_like", "empty_like", "full_like", "as_tensor")
-_enabled = False
-_trainer_enabled = False
 
 
 def _cpu_device(device):
@@ -256,42 +261,39 @@ def _cuda_style_type(original):
     return type_
 
 
-def _patch_modules(names, proxy) -> None:
-    for name in names:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:  # an optional part of megatron that this install lacks
-            continue
-        if getattr(module, "torch", None) is torch:
-            module.torch = proxy
+def enable_cpu_backend(trainer: bool = False, scope: Optional[PatchScope] = None) -> bool:
+    """Make megatron.core run on CPU (gloo) until ``scope`` closes. Returns True if enabled, False on a
+    CUDA machine (where nothing is installed).
 
-
-def enable_cpu_backend(trainer: bool = False) -> bool:
-    """Make megatron.core run on CPU (gloo). Returns True if enabled, False on a CUDA machine.
+    ``scope`` defaults to the innermost open `PatchScope`; outside every scope (a script of one's own
+    that calls this bare) the backend stays installed until the process exits.  A scope around
+    ``scope`` that enabled it already keeps it, and nothing is installed twice.
 
     ``trainer=True`` also answers megatron.training's CUDA assumptions (Megatron-LM's trainer, run
     by `fe_megatron.megatron_lm`; megatron-core 0.19 on): its modules in
     `fe_megatron.megatron.compat.CPU_TRAINER_MODULES` see the host as their one device."""
-    global _enabled, _trainer_enabled
     if torch.cuda.is_available():
         return False
+    scope = scope or patches.active()
+    scope.install("cpu backend: megatron.core", _install_core)
+    if trainer:
+        scope.install("cpu backend: megatron.training", _install_trainer)
+    return True
+
+
+def _install_core(scope: PatchScope) -> None:
     from fe_megatron.megatron import compat
 
-    if trainer and not _trainer_enabled:
-        _patch_modules(compat.CPU_TRAINER_MODULES, _TrainerTorchOnCpu())
-        compat.build_fsdp_device_meshes_on(_host_device_mesh)
-        _trainer_enabled = True
-    if _enabled:
-        return True
-    _patch_modules(compat.CPU_BACKEND_MODULES, _TorchOnCpu())
-    from megatron.core.tensor_parallel import random as mcore_random
+    compat.replace_module_torch(scope, compat.CPU_BACKEND_MODULES, _TorchOnCpu())
+    compat.replace_device_rng_state_functions(scope, _get_device_rng_state, _set_device_rng_state)
+    compat.split_sizes_as_numpy_on_the_host(scope)  # the all-to-all MoE dispatcher's split sizes
+    compat.quiet_rng_tracker_warnings(scope)
+    scope.replace(torch.Tensor, "type", _cuda_style_type(torch.Tensor.type))
+    scope.replace(torch.Tensor, "cuda", _cpu_tensor_cuda(torch.Tensor.cuda))
 
-    compat.replace_device_rng_state_functions(_get_device_rng_state, _set_device_rng_state)
-    compat.split_sizes_as_numpy_on_the_host()  # the all-to-all MoE dispatcher's split sizes
-    # The CPU generator stands in for the device generator, so megatron's check that the
-    # CPU RNG is untouched inside a tracker fork would warn on every fork.
-    logging.getLogger(mcore_random.__name__).setLevel(logging.ERROR)
-    torch.Tensor.type = _cuda_style_type(torch.Tensor.type)
-    torch.Tensor.cuda = _cpu_tensor_cuda(torch.Tensor.cuda)
-    _enabled = True
-    return True
+
+def _install_trainer(scope: PatchScope) -> None:
+    from fe_megatron.megatron import compat
+
+    compat.replace_module_torch(scope, compat.CPU_TRAINER_MODULES, _TrainerTorchOnCpu())
+    compat.build_fsdp_device_meshes_on(scope, _host_device_mesh)

@@ -5,6 +5,11 @@ optimizer and schedule, and distributed checkpoints (`fe_megatron.megatron.check
 `set_up` builds a `MegatronRun` (an `fe_megatron.training.run.EngineRun`) that
 `fe_megatron.training.loop.train` drives, the same way as the DeepSpeed engine's
 (`fe_megatron.deepspeed.engine`).
+
+What the run changes in megatron-core and torch (the CPU backend on a host without CUDA, the tables'
+gradients into ``main_grad``) is installed when `set_up` starts the Megatron world
+(`fe_megatron.megatron.parallel.initialize`) and undone by `shut_down`, which fe-pretrain calls when the
+run ends, also after an error (`fe_megatron.megatron.patches`).
 """
 
 from __future__ import annotations
@@ -255,7 +260,7 @@ def build_optimizer_and_schedule(cfg, ddp, tconfig, tables) -> tuple:
 
 
 def shut_down() -> None:
-    """Megatron's model-parallel state and the process group."""
+    """Megatron's model-parallel state, the process group, and the run's patches."""
     from fe_megatron.megatron.parallel import shutdown
 
     shutdown()

@@ -14,7 +14,10 @@ Engine is installed, ``factorengram_te_spec``.
         --spec fe_megatron.megatron.megatron_lm_spec factorengram_te_spec
 
 The model must still be a `FactorEngramGPTModel` and every pipeline stage must get the
-token ids; see examples/megatron_lm/README.md.
+token ids; see examples/megatron_lm/README.md.  Importing this module changes nothing global: for the
+tables' gradients to go straight into Megatron's ``main_grad`` (rather than through a dense gradient), the
+script installs `fe_megatron.megatron.main_grad.use_main_grad_accumulation` in the patch scope it trains
+in (`fe_megatron.megatron_lm.custom_script.with_factorengram` does).
 """
 
 import importlib.util

@@ -15,6 +15,14 @@ model configuration carries the memory branch, the tables follow the table plan,
 forward step sets the sparsity term's gradient scale before calling the script's own. The script's
 batch must give the token ids to every pipeline stage that holds a memory layer (the model hashes
 them); `fe_megatron.megatron_lm.pretrain_gpt` does all of this for Megatron-LM's own script.
+
+What it replaces in megatron.training, megatron-core and torch for that (`fe_megatron.megatron.compat.trainer`,
+the CPU backend on a host without CUDA) lasts until the process exits, or, where the script passes the
+`fe_megatron.megatron.patches.PatchScope` it trains in, until that scope closes:
+
+    with PatchScope() as scope:
+        model_config, forward_step = with_factorengram(args, forward_step, scope)
+        pretrain(...)
 """
 
 from __future__ import annotations
@@ -22,28 +30,34 @@ from __future__ import annotations
 import atexit
 import sys
 from functools import partial
+from typing import Optional
 
+from fe_megatron.megatron.patches import PatchScope
 from fe_megatron.megatron_lm.arguments import add_factorengram_arguments
 
 __all__ = ["add_factorengram_arguments", "with_factorengram"]
 
 
-def with_factorengram(args, forward_step):
+def with_factorengram(args, forward_step, scope: Optional[PatchScope] = None):
     """``(model_config, forward_step)`` for ``megatron.training.pretrain``: Megatron-LM's GPT model
     configuration of ``args`` with the memory branch where the ``--fe-*`` arguments ask for it, and
     ``forward_step`` with the sparsity scale set first. Exits with status 2, after one message naming
-    every argument the run cannot honor, as the drop-in does."""
+    every argument the run cannot honor, as the drop-in does. What it patches goes into ``scope`` (an
+    open one, around the script's ``pretrain``), or into a scope of its own that closes at exit."""
     from fe_megatron.megatron_lm.run import ArgumentsRefused, refuse_arguments, prepare_trainer, set_up_host
     from fe_megatron.training.distributed import destroy_process_groups
 
-    on_host = set_up_host()
+    if scope is None:
+        scope = PatchScope("training script").open()
+        atexit.register(scope.close)  # after destroy_process_groups below: atexit runs the last registered first
+    on_host = set_up_host(scope)
     problems = []
     if args.calculate_per_token_loss and (args.fe_memory_config or args.fe_memory_preset):
         problems.append("--calculate-per-token-loss: the sparsity term of a microbatch is weighted by its tokens, "
                         "which a script's own batch does not report; train with fe_megatron.megatron_lm.pretrain_gpt "
                         "(whose batch counts them), or without per-token loss")
     try:
-        model_config, state = prepare_trainer(args, on_host)
+        model_config, state = prepare_trainer(args, on_host, scope=scope)
     except ArgumentsRefused as refused:
         problems += refused.problems
     if problems:

@@ -1,6 +1,11 @@
 """``megatron.training.pretrain`` with the memory branch: what ``pretrain_gpt.py``'s and
 ``pretrain_hybrid.py``'s mains do, plus the FactorEngram pieces (see `fe_megatron.megatron_lm.pretrain_gpt`
-and `fe_megatron.megatron_lm.pretrain_hybrid`). ``family`` names the model: ``gpt`` or ``hybrid``."""
+and `fe_megatron.megatron_lm.pretrain_hybrid`). ``family`` names the model: ``gpt`` or ``hybrid``.
+
+Everything the run replaces in megatron.training, megatron-core and torch (the trainer's hooks,
+`fe_megatron.megatron.compat.trainer`; the CPU backend on a host without CUDA; the tables' gradients into
+``main_grad``) goes into the run's `fe_megatron.megatron.patches.PatchScope` and is undone when `run`
+returns or raises."""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ from functools import partial
 
 import torch
 
+from fe_megatron.megatron import patches
 from fe_megatron.megatron.cpu_backend import enable_cpu_backend
+from fe_megatron.megatron.patches import PatchScope
 from fe_megatron.training.distributed import destroy_process_groups
 from fe_megatron.training.error_file import tell_the_launcher
 
@@ -28,7 +35,14 @@ MISSING_PATTERN = ("--hybrid-layer-pattern is missing: fe_megatron.megatron_lm.p
 
 
 def run(argv: list, family: str = "gpt") -> int:
-    on_host = set_up_host()
+    """Megatron-LM's trainer on ``argv`` (a ``pretrain_<family>.py`` command line with the ``--fe-*``
+    arguments); its exit status. What it patches lasts until it returns (`PatchScope`)."""
+    with PatchScope("Megatron-LM's trainer") as scope:
+        return _run(argv, family, scope)
+
+
+def _run(argv: list, family: str, scope: PatchScope) -> int:
+    on_host = set_up_host(scope)
     from megatron.training.arguments import parse_and_validate_args
 
     from fe_megatron.megatron import compat
@@ -46,7 +60,7 @@ def run(argv: list, family: str = "gpt") -> int:
         args = parse_and_validate_args(extra_args_provider=add_factorengram_arguments,
                                        args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     try:
-        model_config, state = prepare_trainer(args, on_host, family)
+        model_config, state = prepare_trainer(args, on_host, family, scope)
     except ArgumentsRefused as refused:
         return refuse_arguments(refused.problems, args.rank)
     compat.print_argument_dump(held_dump)
@@ -55,15 +69,17 @@ def run(argv: list, family: str = "gpt") -> int:
     return _pretrain(pretrain_cfg_container_from_args(args, model_config), state)
 
 
-def set_up_host() -> bool:
-    """Megatron-LM's trainer on this machine: on a host without CUDA, the CPU backend answers its CUDA
-    assumptions (returns True there); the dataset helpers are used as the wheel ships them built."""
-    on_host = enable_cpu_backend(trainer=True)
+def set_up_host(scope: PatchScope = None) -> bool:
+    """Megatron-LM's trainer on this machine, until ``scope`` (default: the innermost open one) closes: on a
+    host without CUDA, the CPU backend answers its CUDA assumptions (returns True there); the dataset
+    helpers are used as the wheel ships them built."""
+    scope = scope or patches.active()
+    on_host = enable_cpu_backend(trainer=True, scope=scope)
     from fe_megatron.megatron import compat
 
     if on_host:
-        compat.run_trainer_on_host()
-    compat.use_built_dataset_helpers()
+        compat.run_trainer_on_host(scope)
+    compat.use_built_dataset_helpers(scope)
     return on_host
 
 
@@ -75,32 +91,52 @@ class ArgumentsRefused(ValueError):
         self.problems = problems
 
 
-def prepare_trainer(args, on_host: bool, family: str = "gpt"):
+def prepare_trainer(args, on_host: bool, family: str = "gpt", scope: PatchScope = None):
     """``(model_config, state)``: Megatron-LM's model configuration of ``family`` (``gpt`` or ``hybrid``)
     for ``args`` (validated arguments, with the ``--fe-*`` ones), with the memory branch where they ask
     for it, and the `TrainerState` the trainer's callbacks share; megatron.training's hooks (the table
     member of the optimizer chain, the log entries, the checkpoint seal, the loader on torch's Adam) are
-    installed.
+    installed into ``scope`` (default: the innermost open one) until it closes (`install_trainer_hooks`).
     Raises `ArgumentsRefused` with everything the run cannot honor (`start_up_check`)."""
-    from megatron.training.argument_utils import gpt_config_from_args
-
-    from fe_megatron.megatron import compat
-
+    scope = scope or patches.active()
     checked = start_up_check(args, on_host, family)
     if checked.problems:
         raise ArgumentsRefused(checked.problems)
-    memory, config, plan = checked.memory, checked.config, checked.plan
-    allocator = None
-    if plan is not None and (plan.placement == "host" or on_host):  # the tables' host work: see host_allocator
-        from fe_megatron.tables.host_allocator import keep_freed_host_memory
+    announce(args, checked.plan, host_allocator(checked.plan, on_host))
+    model_config = model_config_of(args, checked.memory, on_host, family)
+    state = TrainerState(args, checked.memory, checked.config, checked.plan, family)
+    if state.memory is not None and state.plan.in_stores:
+        # as fe-pretrain's Megatron engine: the tables move into stores before the trainer wraps the model in
+        # DDP, and the table optimizer joins the chain the trainer builds (`install_trainer_hooks`)
+        model_config.tables_into_stores = state.take_tables
+    model_config.post_wrap_hooks.append(state.remember_model)
+    install_trainer_hooks(scope, args, state)
+    return model_config, state
 
-        allocator = keep_freed_host_memory()
-    if args.rank == 0:
-        if plan is not None:
-            print(f"fe_megatron: {plan.describe()}", flush=True)
-        if allocator is not None:
-            print(f"fe_megatron: {allocator}", flush=True)
-        print(f"fe_megatron: {conversion_notice(args)}", flush=True)
+
+def host_allocator(plan, on_host: bool):
+    """The host allocator that keeps freed blocks for the tables' host work (see host_allocator), where the
+    tables live on the host or the run does; None otherwise."""
+    if plan is None or not (plan.placement == "host" or on_host):
+        return None
+    from fe_megatron.tables.host_allocator import keep_freed_host_memory
+
+    return keep_freed_host_memory()
+
+
+def announce(args, plan, allocator) -> None:
+    """On rank 0: who trains the tables, the host allocator, and whether checkpoints convert to Hugging Face."""
+    if args.rank != 0:
+        return
+    if plan is not None:
+        print(f"fe_megatron: {plan.describe()}", flush=True)
+    if allocator is not None:
+        print(f"fe_megatron: {allocator}", flush=True)
+    print(f"fe_megatron: {conversion_notice(args)}", flush=True)
+
+
+def model_config_of(args, memory, on_host: bool, family: str):
+    """Megatron-LM's model configuration of ``family`` for ``args``, with ``memory``'s branch (None: none)."""
     if family == "hybrid":
         from megatron.training.argument_utils import hybrid_config_from_args
 
@@ -109,46 +145,48 @@ def prepare_trainer(args, on_host: bool, family: str = "gpt"):
         # always the project's class: its builder takes megatron-core's local layers where Transformer Engine
         # is missing, which the stock builder cannot
         model_config = hybrid_config_from_args(args, model_config_cls=FactorEngramHybridModelConfig)
-        if memory is not None:
-            compat.add_trainer_param_group_overrides(_table_group_overrides(args))
-            compat.repair_gpt_to_hybrid_memory_load()  # a GPT checkpoint with memory loads into this model
-            model_config.memory_config = memory
-            model_config.table_sharding = args.fe_table_sharding
-    elif memory is None:
-        model_config = gpt_config_from_args(args)
-        if on_host and args.sequence_parallel:  # megatron's torch norm refuses SP: the project's norm takes it
-            from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
-
-            model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
     else:
+        from megatron.training.argument_utils import gpt_config_from_args
+
         from fe_megatron.megatron_lm.model import FactorEngramGPTModelConfig
 
-        compat.add_trainer_param_group_overrides(_table_group_overrides(args))
+        if memory is None and not (on_host and args.sequence_parallel):
+            return gpt_config_from_args(args)
+        # with memory; or on the host under SP, which megatron's torch norm refuses and the project's norm takes
         model_config = gpt_config_from_args(args, model_config_cls=FactorEngramGPTModelConfig)
+    if memory is not None:
         model_config.memory_config = memory
         model_config.table_sharding = args.fe_table_sharding
-    state = TrainerState(args, memory, config, plan, family)
-    if memory is not None and state.plan.in_stores:
-        # as fe-pretrain's Megatron engine: the tables move into stores before the trainer wraps the model in
-        # DDP, and the table optimizer joins the chain the trainer builds
-        model_config.tables_into_stores = state.take_tables
-        compat.extend_trainer_optimizer(state.add_table_member)
-    model_config.post_wrap_hooks.append(state.remember_model)
-    compat.add_training_log_entries(state.log_entries)
+    return model_config
+
+
+def install_trainer_hooks(scope: PatchScope, args, state) -> None:
+    """megatron.training's hooks for this run, in ``scope``: the tables' gradients into ``main_grad``, their
+    parameter group and optimizer member, the log entries, the Megatron-FSDP checkpoint's wrappers, the
+    checkpoint seal and the loader on torch's Adam (`fe_megatron.megatron.compat.trainer`)."""
+    from fe_megatron.megatron import compat
+    from fe_megatron.megatron.checkpointing import adopt_loaded_adam_step_counts, give_fresh_adam_states_a_step
+    from fe_megatron.megatron.main_grad import use_main_grad_accumulation
+
+    use_main_grad_accumulation(scope)
+    if state.memory is not None:
+        compat.add_trainer_param_group_overrides(scope, _table_group_overrides(args))
+        if state.family == "hybrid":
+            compat.repair_gpt_to_hybrid_memory_load(scope)  # a GPT checkpoint with memory loads into this model
+        if state.plan.in_stores:
+            compat.extend_trainer_optimizer(scope, state.add_table_member)
+    compat.add_training_log_entries(scope, state.log_entries)
     if getattr(args, "use_megatron_fsdp", False) and args.ckpt_format == "fsdp_dtensor":
         from fe_megatron.megatron_lm.fsdp_checkpoint import fsdp_checkpointing
 
-        compat.repair_fsdp_dtensor_swiglu_lookup()
+        compat.repair_fsdp_dtensor_swiglu_lookup(scope)
         tables_beside = state.plan is not None and not state.plan.tables_in_model_state_dict
-        compat.wrap_trainer_checkpointing(*fsdp_checkpointing(args, tables_beside))
-    compat.after_each_save(state.seal_checkpoint)  # after the wrappers above: seals what they wrote too
-    from fe_megatron.megatron.checkpointing import adopt_loaded_adam_step_counts, give_fresh_adam_states_a_step
-
+        compat.wrap_trainer_checkpointing(scope, *fsdp_checkpointing(args, tables_beside))
+    compat.after_each_save(scope, state.seal_checkpoint)  # after the wrappers above: seals what they wrote too
     # megatron-core's distributed optimizer on torch's Adam (no Apex or Transformer Engine: a CPU machine)
     # cannot build the state dict a checkpoint loads into from a fresh optimizer, and leaves that fresh step
     # count in place; fe-pretrain's loader does the same around megatron-core's
-    compat.around_trainer_loads(give_fresh_adam_states_a_step, adopt_loaded_adam_step_counts)
-    return model_config, state
+    compat.around_trainer_loads(scope, give_fresh_adam_states_a_step, adopt_loaded_adam_step_counts)
 
 
 def unknown_options(argv: list) -> list:

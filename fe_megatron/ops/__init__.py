@@ -297,13 +297,28 @@ def gather_rows_backward(grad_rows: torch.Tensor, flat_indices: torch.Tensor, ou
 _WEIGHT_GRADIENT_SINKS: list = []
 
 
-def register_weight_gradient_sink(sink) -> None:
+def register_weight_gradient_sink(sink) -> bool:
     """Let an engine take a table's row gradients where it keeps gradients: ``sink(weight, add_row_gradients)``
     returns the tensor autograd gets for ``weight`` once it has added the rows itself, or None to leave the
     table to the next sink or to a dense gradient (`table_weight_gradient`).  The Megatron adapter
-    registers Megatron's fused accumulation into ``main_grad`` (`fe_megatron.megatron.main_grad`)."""
-    if sink not in _WEIGHT_GRADIENT_SINKS:
-        _WEIGHT_GRADIENT_SINKS.append(sink)
+    registers Megatron's fused accumulation into ``main_grad`` for the length of a run
+    (`fe_megatron.megatron.main_grad.use_main_grad_accumulation`).  Returns whether ``sink`` was not
+    registered before (the caller that registered it is the one to `unregister_weight_gradient_sink` it)."""
+    if sink in _WEIGHT_GRADIENT_SINKS:
+        return False
+    _WEIGHT_GRADIENT_SINKS.append(sink)
+    return True
+
+
+def unregister_weight_gradient_sink(sink) -> None:
+    """Tables' gradients no longer go to ``sink`` (nothing where it is not registered)."""
+    if sink in _WEIGHT_GRADIENT_SINKS:
+        _WEIGHT_GRADIENT_SINKS.remove(sink)
+
+
+def weight_gradient_sinks() -> tuple:
+    """The registered sinks, in the order `table_weight_gradient` asks them."""
+    return tuple(_WEIGHT_GRADIENT_SINKS)
 
 
 def table_weight_gradient(weight: torch.Tensor, add_row_gradients, dense_dtype: torch.dtype = None) -> torch.Tensor:

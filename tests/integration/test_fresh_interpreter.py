@@ -1,4 +1,5 @@
-"""What a new Python process sees: the training entry module imports nothing heavy, the tests' start-up hook
+"""What a new Python process sees: the training entry module imports nothing heavy, importing every module
+of the package changes nothing global, the tests' start-up hook
 is in place (megatron-core's jit_fuser plain), Triton on a CPU
 without its interpreter says how to make it available, the spec module Megatron-LM's own scripts import
 reads its memory from the environment, and destroying the process groups leaves other libraries' caches
@@ -13,6 +14,7 @@ import textwrap
 import pytest
 
 from tests.helpers.kernels import CUDA
+from tests.helpers.paths import ROOT
 
 
 def test_the_training_entry_module_imports_nothing_heavy():
@@ -23,6 +25,41 @@ def test_the_training_entry_module_imports_nothing_heavy():
               "if m in sys.modules]; print(heavy)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+IMPORT_EVERY_MODULE = textwrap.dedent("""
+    import importlib, os, sys, warnings
+    warnings.filterwarnings("ignore")
+    from tests.helpers.patched import changed, snapshot
+    from tests.helpers.paths import PACKAGE
+
+    before = snapshot()
+    assert not [name for name in sys.modules if name.startswith("fe_megatron")], "imported before the snapshot"
+    names = []
+    for folder, _, files in os.walk(PACKAGE):
+        for file in sorted(files):
+            dotted = os.path.relpath(os.path.join(folder, file), os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+            if file.endswith(".py") and file != "__main__.py":
+                names.append(dotted[:-len(".__init__")] if dotted.endswith(".__init__") else dotted)
+    missing = []
+    for name in sorted(names):
+        try:
+            importlib.import_module(name)
+        except ImportError as error:  # an optional stack this install lacks (vllm; megatron.training before 0.19)
+            missing.append(f"{name}: {error}")
+    print(f"imported {len(names) - len(missing)} of {len(names)} modules; without their stack: {missing}")
+    print("changed:", changed(before, snapshot()))
+""")
+
+
+def test_importing_every_module_of_the_package_changes_nothing_global():
+    """No monkeypatch and no registration at import: torch.Tensor's ``cuda`` and ``type``, the kernels'
+    gradient sinks and every megatron attribute the adapter replaces (tests/helpers/patched.py) are what
+    they were before; a run installs them (`fe_megatron.megatron.patches`)."""
+    done = subprocess.run([sys.executable, "-c", IMPORT_EVERY_MODULE], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-5000:]
+    assert done.stdout.strip().splitlines()[-1] == "changed: []", done.stdout
 
 
 def test_the_processes_the_tests_start_find_megatron_core_s_jit_fuser_plain():

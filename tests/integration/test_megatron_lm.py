@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 from fe_megatron.megatron import compat
 from tests.helpers.megatron_lm import MEMORY, STEPS, launch, losses, megatron_lm_arguments, memory_yaml
 from tests.helpers.paths import ROOT
-from tests.helpers.torchrun_util import clean_environment
+from tests.helpers.torchrun_util import clean_environment, run_in_own_session
 
 needs_trainer = pytest.mark.skipif(not compat.has_megatron_lm_trainer(), reason=(
     f"megatron-core {compat.megatron_core_version()} has no Megatron-LM trainer (megatron.training, "
@@ -210,6 +211,48 @@ def test_resuming_tables_trained_the_other_way_with_the_distributed_optimizer_is
                    "rowwise_adagrad"], nproc=1, expect_ok=False)
     assert proc.returncode != 0
     assert "trained its tables as Megatron's parameters" in proc.stderr, proc.stderr[-3000:]
+
+
+# Megatron-LM's trainer in this one process (no torchrun), then what it patched, during its run and after it
+IN_ONE_PROCESS = textwrap.dedent("""
+    import json, os, socket, sys, warnings
+    warnings.filterwarnings("ignore")
+    from tests.helpers.patched import changed, snapshot
+
+    before = snapshot()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from fe_megatron.megatron_lm import pretrain_gpt, run
+
+    during, pretrain = {}, run._pretrain
+
+    def pretrain_seen(*args, **kwargs):  # megatron.training's pretrain, once everything is installed
+        during.update(snapshot())
+        return pretrain(*args, **kwargs)
+
+    run._pretrain = pretrain_seen
+    assert pretrain_gpt.main(json.loads(sys.argv[1])) == 0
+    print("installed during the run:", len(changed(before, during)))
+    print("changed:", changed(before, snapshot()))
+""")
+
+
+@needs_trainer
+def test_a_trainer_run_leaves_torch_and_megatron_as_they_were(small_data, tmp_path):
+    """Two steps of Megatron-LM's trainer with memory, in one process: what it patched (its hooks, the CPU
+    backend, the tables' gradients into ``main_grad``: tests/helpers/patched.py) is the original again after."""
+    arguments = megatron_lm_arguments(small_data, str(tmp_path / "run"), memory_yaml(tmp_path))
+    save = arguments.index("--save")
+    del arguments[save:save + 4]  # --save and --save-interval: nothing to write
+    arguments += ["--train-iters", "2", "--eval-iters", "0", "--lr-warmup-iters", "0"]
+    proc = run_in_own_session([sys.executable, "-c", IN_ONE_PROCESS, json.dumps(arguments)], clean_environment())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    lines = proc.stdout.strip().splitlines()
+    assert int(lines[-2].split(": ")[1]) > 0, lines[-2:]  # the run did patch
+    assert lines[-1] == "changed: []", lines[-1]
 
 
 @pytest.mark.skipif(compat.has_megatron_lm_trainer(), reason="this megatron-core has the Megatron-LM trainer")
