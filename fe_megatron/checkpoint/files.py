@@ -7,8 +7,9 @@ Layout of ``<run>/``::
         fe_run.json                      the resolved training config, the tokenizer's path and sha256,
                                          the parallel layout that wrote it
         fe_manifest.json                 sha256 and size of every other file, written last
-        fe_tables/                       beside a Megatron-FSDP checkpoint (fsdp_dtensor): the tables in
-                                         stores and their optimizer state, a dist checkpoint by global row
+        fe_tables/                       beside a DeepSpeed checkpoint (tables outside ZeRO) or a Megatron-FSDP
+                                         one (fsdp_dtensor): the tables in stores and their optimizer state,
+                                         a dist checkpoint (torch_dist) by global row, from the one table writer
     iter_0000200.tmp/                    a save in progress (or one that never finished: ignored)
 
 A checkpoint is written under ``.tmp``, its files are hashed, the manifest is written, the
@@ -32,8 +33,8 @@ from typing import Optional
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "fe_manifest.json"
 RUN_INFO = "fe_run.json"
-# the tables' checkpoint beside an engine's own (fe_megatron.megatron.table_checkpoint: the DeepSpeed
-# engine's; fe_megatron.megatron_lm.fsdp_checkpoint: Megatron-FSDP's)
+# the tables' checkpoint beside an engine's own (fe_megatron.megatron.table_checkpoint, the one table writer:
+# the DeepSpeed engine's tables outside ZeRO, and Megatron-FSDP's tables)
 TABLES_BESIDE = "fe_tables"
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 

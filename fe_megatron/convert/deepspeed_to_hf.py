@@ -2,10 +2,12 @@
 
 The fp32 weights are consolidated the way DeepSpeed's ``zero_to_fp32`` does it, in its lazy mode
 (the ZeRO partitions are memory-mapped and each tensor is assembled only when its turn comes to
-be written); tables kept outside ZeRO are read from the tables' checkpoint of every engine
-(``fe_tables/``, by global row, `fe_megatron.megatron.table_checkpoint`), or from the ``tables_rank_NNNNN.pt``
-files of a checkpoint written before it (row-sharded ones assembled from every rank's).  Tensors
-stream into safetensors shards one at a time.
+be written); tables kept outside ZeRO are read from ``fe_tables/`` (the one table writer's, by global
+row, `fe_megatron.megatron.table_checkpoint`) through the reader of every engine's ``torch_dist`` tables
+(`fe_megatron.convert.megatron_reader.tables_beside`, as for Megatron-FSDP), or from the
+``tables_rank_NNNNN.pt`` files of a checkpoint written before it (row-sharded ones assembled from every
+rank's).  Tables as ZeRO's parameters are in DeepSpeed's own files and consolidate with every other
+parameter.  Tensors stream into safetensors shards one at a time.
 """
 
 from __future__ import annotations
@@ -66,17 +68,15 @@ class DeepSpeedWeights:
 
 def table_reader(folder: str, info: dict, memory):
     """The reader of the tables a DeepSpeed run kept outside ZeRO (None: ZeRO held them, or no memory):
-    `fe_megatron.convert.megatron_reader.DistCheckpoint` over its ``fe_tables/``, the format of every
-    engine (`fe_megatron.megatron.table_checkpoint`), else, for a checkpoint written before it, `RankFileTables`."""
-    from fe_megatron.checkpoint.files import TABLES_BESIDE, has_tables_beside
-    from fe_megatron.convert.megatron_reader import DistCheckpoint
+    its ``fe_tables/`` (`fe_megatron.convert.megatron_reader.tables_beside`, the one table writer's format),
+    else, for a checkpoint written before it, `RankFileTables`."""
+    from fe_megatron.convert.megatron_reader import tables_beside
     from fe_megatron.tables.plan import TablePlan
 
     if TablePlan.saved_mode(info) in (None, "zero") or memory is None:
         return None
-    if has_tables_beside(folder):
-        return DistCheckpoint(os.path.join(folder, TABLES_BESIDE))
-    return RankFileTables(folder, info, memory)
+    beside = tables_beside(folder)
+    return beside if beside is not None else RankFileTables(folder, info, memory)
 
 
 class RankFileTables:

@@ -96,6 +96,18 @@ class DistCheckpoint:
         return tensor
 
 
+def tables_beside(folder: str):
+    """The tables a checkpoint folder holds beside its engine's own files, in ``fe_tables/`` (the one table
+    writer's, `fe_megatron.megatron.table_checkpoint`: the DeepSpeed engine's tables outside ZeRO, and
+    Megatron-FSDP's tables), as a `DistCheckpoint` under the Megatron engine's names; None: no ``fe_tables/``.
+    Every converter and reader opens ``fe_tables/`` here; a folder it cannot read is refused by
+    `DistCheckpoint`, naming it."""
+    from fe_megatron.checkpoint.files import TABLES_BESIDE
+
+    tables = os.path.join(folder, TABLES_BESIDE)
+    return DistCheckpoint(tables) if os.path.isdir(tables) else None
+
+
 # a Megatron-FSDP checkpoint's model tensors: "model." and its wrappers' "module." before each name
 _FSDP_MODEL_TENSOR = re.compile(r"^model\.(module\.)+")
 # SwiGLU's fc1, which Megatron-FSDP's checkpoint keeps as two halves (gate "_w", up "_v") so that each
@@ -108,15 +120,12 @@ class FsdpDtensorCheckpoint:
     `DistCheckpoint`'s methods and names: its DTensors under ``model.module.<name>``, SwiGLU's
     ``linear_fc1`` as the halves ``<name>_w`` and ``<name>_v`` (joined here in that order, Megatron's
     layout at one tensor-parallel rank), and the tables in stores beside it, in ``fe_tables/``
-    (`fe_megatron.megatron_lm.fsdp_checkpoint`)."""
+    (`tables_beside`)."""
 
     def __init__(self, folder: str):
-        from fe_megatron.checkpoint.files import TABLES_BESIDE
-
         self.folder = folder
         self.model = DistCheckpoint(folder)
-        tables = os.path.join(folder, TABLES_BESIDE)
-        self.tables = DistCheckpoint(tables) if os.path.isdir(tables) else None
+        self.tables = tables_beside(folder)
         self.sources = {}  # {name: (checkpoint, [stored names, concatenated along dim 0])}
         for stored, meta in self.model.metadata.items():
             if not _FSDP_MODEL_TENSOR.match(stored) or not hasattr(meta, "size"):

@@ -23,12 +23,14 @@ optimizer section's learning-rate and weight-decay multipliers.
 Gradient clipping: one global norm over DeepSpeed's parameters and the tables, as Megatron's
 engine clips (`fe_megatron.deepspeed.clipping`: DeepSpeed's norm is widened by the tables').
 
-Checkpoints: the tables' format of every engine (`fe_megatron.megatron.table_checkpoint`): a ``torch_dist``
-checkpoint in ``fe_tables/`` beside DeepSpeed's files, by global row, under the Megatron engine's
-names, which resumes at any data-parallel size and row split and which ``fe-convert``, ``fe-eval`` and
-``fe-inspect`` read as they read the Megatron engine's.  Checkpoints written before it hold
-``tables_rank_NNNNN.pt`` files (one per rank, rank 0's alone for whole tables); `StoredTables.load`
-still reads them, at any data-parallel size.
+Checkpoints: the one table writer of every engine whose own files are not Megatron's
+(`fe_megatron.megatron.table_checkpoint`, as Megatron-FSDP's): a ``torch_dist`` checkpoint in
+``fe_tables/`` beside DeepSpeed's files, by global row, under the Megatron engine's names, which resumes at
+any data-parallel size and row split and which ``fe-convert``, ``fe-eval`` and ``fe-inspect`` read as they
+read the Megatron engine's.  Checkpoints written before it hold ``tables_rank_NNNNN.pt`` files (one per
+rank, rank 0's alone for whole tables); `StoredTables.load` still reads them, at any data-parallel size.
+Tables as ZeRO's parameters (``table_sharding: zero``, or ``replicated`` when the plan keeps no table in a
+store) are in DeepSpeed's own files, partitioned as every other parameter.
 """
 
 from __future__ import annotations
@@ -84,17 +86,17 @@ class StoredTables:
         return norm
 
     def save(self, folder: str) -> None:
-        """The rows and their optimizer state, by global row, in ``folder``'s ``fe_tables/``: the
-        tables' checkpoint format of every engine (`fe_megatron.megatron.table_checkpoint`); every rank takes
-        part, each writing the rows it holds (whole tables: the first rank)."""
+        """The rows and their optimizer state, by global row, in ``folder``'s ``fe_tables/``: the one
+        table writer (`fe_megatron.megatron.table_checkpoint`); every rank takes part, each writing the rows
+        it holds (whole tables: the first rank)."""
         from fe_megatron.megatron.table_checkpoint import save_tables
 
         save_tables(folder, self.tables)
 
     def load(self, folder: str) -> None:
         """The rows and their optimizer state from ``folder``, saved at any number of ranks and row
-        split: from its ``fe_tables/``, or, for a checkpoint written before the engines shared that
-        format, from its ``tables_rank_*.pt`` files (`load_rank_files`)."""
+        split: from its ``fe_tables/`` (the one table writer's), or, for a checkpoint written before the
+        engines shared that format, from its ``tables_rank_*.pt`` files (`load_rank_files`)."""
         if has_tables_beside(folder):
             from fe_megatron.megatron.table_checkpoint import load_tables
 

@@ -13,7 +13,9 @@ own table optimizer holds otherwise, `fe_megatron.megatron.memory_layer`), so th
 * the scheduler sets its learning rate and weight decay (its parameter group carries
   ``max_lr``/``min_lr``/``lr_mult``/``wd_mult`` as the engine's table group does);
 * checkpoints hold its moments under the names Megatron gives an optimizer's state
-  (``optimizer.state.exp_avg.<table>``), sharded as the tables are, so they reshard the same way;
+  (``optimizer.state.exp_avg.<table>``), by global row as the tables are, so they reshard the same way
+  (the tables' one checkpoint description, `fe_megatron.megatron.table_shards`, which ``fe_tables/``
+  holds too);
 * one global gradient norm covers the backbone and the tables: `TableChainedOptimizer` hands the
   norm it computes to the table optimizer, which clips the tables by it (the chain clips its
   members through their parameters' ``.grad``, which tables in stores do not have).
@@ -25,11 +27,14 @@ by 1 / (DP x CP).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from megatron.core import parallel_state
 
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.parallel import table_row_group
+from fe_megatron.megatron.table_shards import row_slices_factory, table_state
 from fe_megatron.memory.branch import memory_branches
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.tables.stage_tables import StageTables
@@ -144,43 +149,54 @@ class TableOptimizer(compat.fp32_optimizer_class()):
         return self.step_with_ready_grads(), self.global_grad_norm, None
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata=None):
-        """As `FP32Optimizer`'s, over the tables (which `get_parameters` does not list), with the
-        step count always written, from the counter every stage keeps: only global rank 0 writes a
-        checkpoint's common part, and its stage may hold no table.
+        """As `FP32Optimizer`'s, over the tables (which `get_parameters` does not list): each table's state
+        described by the tables' one checkpoint description (`fe_megatron.megatron.table_shards`), under
+        the model's name of the table (``optimizer.state.exp_avg.<table>``), by global row, and the step
+        count always written, from the counter every stage keeps: only global rank 0 writes a checkpoint's
+        common part, and its stage may hold no table.
 
         The rule's per-row state (`fe_megatron.tables.update_rules.UpdateRule.row_state_keys`, e.g.
         ``rowwise_adagrad``'s accumulator) is written as ``optimizer.state.row_<key>.<table>``, a [global
-        rows, 1] tensor sharded by rows as the table is (`row_state_sharding`): 4 bytes per row instead
-        of per table parameter.  ``rowwise_adagrad``'s checkpoints written before that
-        (``momentum_layout = "columns"``, which `load_checkpoint` sets from the checkpoint's own keys) hold
-        its accumulator repeated across the row's columns, under ``optimizer.state.momentum.<table>``; it is
-        read back from the first column."""
-        if is_loading:
-            self.optimizer.initialize_state()
+        rows, 1] tensor: 4 bytes per row instead of per table parameter. ``rowwise_adagrad``'s checkpoints
+        written before that (``momentum_layout = "columns"``, which `load_checkpoint` sets from the
+        checkpoint's own keys) hold its accumulator repeated across the row's columns, under
+        ``optimizer.state.momentum.<table>``; it is read back from the first column."""
+        from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+        self.optimizer.initialize_state()  # every table has all its keys, also before its first update
         state_dict = self.state_dict()
-        row_keys, per_row = self.tables.rule.row_state_keys, {}
+        model_tables = compat.sharded_parameters(model_sharded_state_dict, self.tables.weights)
         for index, state in list(state_dict["state"].items()):
-            if not any(key in state for key in row_keys):
-                continue
-            kept = dict(state)  # a new dict: torch's state_dict shares the live state's
-            for key in row_keys:
-                value = kept.pop(key)
-                if key == "momentum" and self.momentum_layout == "columns":
-                    width = self.tables.weights[index].shape[1]
-                    kept[key] = value.new_zeros(value.shape[0], width) if is_loading else \
-                        value.unsqueeze(1).expand(-1, width).contiguous()
-                else:
-                    per_row[index, key] = value.new_zeros(value.shape[0], 1) if is_loading else value.unsqueeze(1)
-            state_dict["state"][index] = kept
-        compat.optimizer_state_sharding(state_dict, model_sharded_state_dict, self.tables.weights, exclude_keys="step")
-        if per_row:
-            tables = compat.sharded_parameters(model_sharded_state_dict, self.tables.weights)
-            for (index, key), value in per_row.items():
-                name = UpdateRule.checkpoint_key(key, per_row=True)
-                state_dict["state"][index][name] = row_state_sharding(
-                    value, tables[index], self.tables.layouts[index], name)
+            values, entries = self._state_as_checkpointed(index, state, is_loading)
+            # each table's step count is not saved: FP32Optimizer's loader sets it from common_step
+            state_dict["state"][index] = table_state(self.tables, index, model_tables[index].key, values, entries,
+                                                     row_slices_factory)
         state_dict["state"]["common_step"] = torch.tensor(float(self.tables.steps))
+        # the groups' parameters are this run's, not the checkpoint's (as megatron-core's optimizers keep them)
+        state_dict["param_groups"] = copy.deepcopy(state_dict["param_groups"])
+        for group in state_dict["param_groups"]:
+            group["params"] = LocalNonpersistentObject(group["params"])
         return state_dict
+
+    def _state_as_checkpointed(self, index: int, state: dict, is_loading: bool) -> tuple:
+        """``(values, entries)``: table ``index``'s state ``state`` as its checkpoint holds it (see
+        `sharded_state_dict`), ``entries`` as `UpdateRule.state_layout`. Per-row state is [rows, 1], and
+        zeros to load into (the loaded values reach the optimizer through `load_state_dict`)."""
+        values, entries = {}, []
+        for entry in self.tables.rule.state:
+            value = state[entry.key]
+            if entry.per_row and entry.key == "momentum" and self.momentum_layout == "columns":
+                width = self.tables.weights[index].shape[1]
+                values[entry.key] = value.new_zeros(value.shape[0], width) if is_loading else \
+                    value.unsqueeze(1).expand(-1, width).contiguous()
+                entries.append((entry.key, False))
+            elif entry.per_row:
+                values[entry.key] = value.new_zeros(value.shape[0], 1) if is_loading else value.unsqueeze(1)
+                entries.append((entry.key, True))
+            else:
+                values[entry.key] = value
+                entries.append((entry.key, False))
+        return values, tuple(entries)
 
     def load_state_dict(self, state_dict) -> None:
         self.tables.steps = int(state_dict["state"]["common_step"])
@@ -190,44 +206,6 @@ class TableOptimizer(compat.fp32_optimizer_class()):
                 if isinstance(state, dict) and name in state:
                     state[key] = state.pop(name)  # [rows, 1]: the optimizer reads its first column
         super().load_state_dict(state_dict)
-
-
-def row_state_sharding(state: torch.Tensor, table, layout, name: str):
-    """A table's per-row state ``state`` ([local rows, 1]) as the checkpoint's [global rows, 1]
-    tensor ``optimizer.state.<name>.<table>``, sharded by rows as the table is (``table``: the table's
-    ShardedTensor, or for row shards its factory; ``layout``: its `TableLayout`).  The tensor-parallel
-    ranks of a row hold the same value (a row's squares are summed over its columns), so they are
-    replicas of each other: the shape does not depend on the layout, and a checkpoint reshards across
-    TP, DP and row sharding as the table does."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
-
-    key = f"optimizer.state.{name}.{table.key}"
-
-    def replica(table_replica, local, width):  # the table's replica id, and the columns' rank
-        return (*(table_replica if isinstance(table_replica, tuple) else (table_replica,)), local // width)
-
-    if isinstance(table, ShardedTensor):  # whole tables, their columns split over TP
-        local_shape = tuple(table.local_shape[:-1]) + (1,)
-        return ShardedTensor(key=key, data=state.view(local_shape), dtype=torch.float32, local_shape=local_shape,
-                             global_shape=tuple(table.global_shape[:-1]) + (1,),
-                             global_offset=tuple(table.global_offset[:-1]) + (0,), axis_fragmentations=None,
-                             replica_id=replica(table.replica_id, table.global_offset[-1], table.local_shape[-1]))
-    pieces = table.build_fn(table.key, table.data, table.replica_id, None)  # the table's own row pieces
-    first_piece = next(iter(pieces.values()))
-    global_rows = first_piece.global_shape[0]
-    replica_id = replica(table.replica_id, first_piece.global_offset[1], first_piece.local_shape[1])
-
-    def build(key, data, _replica_id, flattened_range):
-        return {f"rows{first}": ShardedTensor(key=key, data=data[local:local + rows], dtype=data.dtype,
-                                              local_shape=(rows, 1), global_shape=(global_rows, 1),
-                                              global_offset=(first, 0), axis_fragmentations=None,
-                                              replica_id=replica_id)
-                for first, rows, local in layout.row_slices}
-
-    def merge(loaded):
-        return torch.cat([loaded[f"rows{first}"] for first, _, _ in layout.row_slices])
-
-    return ShardedTensorFactory(key, state, build, merge, replica_id)
 
 
 class TableChainedOptimizer(compat.chained_optimizer_class()):

@@ -3,11 +3,12 @@
 Megatron-FSDP saves what it shards (the backbone and the memory's dense weights) as torch DCP
 DTensors. The tables in stores are not its parameters, and every rank of a row-sharded table holds
 other rows, which its writer would take for one replicated tensor. So the tables go beside its
-checkpoint, in the same iteration folder, under ``fe_tables/``: a distributed checkpoint
-(``torch_dist``) of the tables' rows and of the table optimizer's state, by global row, under the
-names of every other Megatron-engine checkpoint of the project (``decoder.layers.<i>.memory.tables.
-weight``). It reshards as those do, across data-parallel sizes and row splits, and ``fe-convert``
-reads it as it reads a ``torch_dist`` checkpoint (`fe_megatron.convert.megatron_reader`).
+checkpoint, in the same iteration folder, under ``fe_tables/``, written and read by the one table
+writer (`fe_megatron.megatron.table_checkpoint`, as the DeepSpeed engine's tables outside ZeRO): a
+distributed checkpoint (``torch_dist``) of the tables' rows and of the table optimizer's state, by global
+row, under the names of every other checkpoint of the project (``decoder.layers.<i>.memory.tables.weight``).
+It reshards as those do, across data-parallel sizes and row splits, and ``fe-convert`` reads it as it reads
+a ``torch_dist`` checkpoint (`fe_megatron.convert.megatron_reader`).
 
 The tables are written before Megatron-FSDP's part, and Megatron-LM's trainer moves its tracker
 (``latest_checkpointed_iteration.txt``) after its own part: a save interrupted in between leaves
@@ -24,30 +25,7 @@ import os
 
 import torch
 
-from fe_megatron.checkpoint.files import TABLES_BESIDE as TABLES_FOLDER
-from fe_megatron.checkpoint.files import TRACKER, CheckpointError, iteration_dir
-
-
-def table_sharded_state_dict(model_chunks: list) -> dict:
-    """``{checkpoint name: ShardedTensor or factory}`` of this rank's tables in ``model_chunks``
-    (Megatron-LM's wrapped chunks), named as a ``torch_dist`` checkpoint of the model names them."""
-    from megatron.core.utils import unwrap_model
-
-    from fe_megatron.megatron.memory_layer import memory_sharded_state_dict
-    from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
-
-    sharded = {}
-    for chunk in model_chunks:
-        inner = unwrap_model(chunk)
-        while isinstance(getattr(inner, "module", None), torch.nn.Module):  # Megatron-FSDP, Float16Module
-            inner = inner.module
-        for layer in inner.modules():
-            if isinstance(layer, FactorEngramTransformerLayer) and layer.memory is not None:
-                # the global layer number, as the model's sharded state dict names layers with memory
-                prefix = f"decoder.layers.{layer.layer_number - 1}.memory."
-                sharded.update(memory_sharded_state_dict(layer.memory, prefix,
-                                                         state={"tables.weight": layer.memory.tables.weight}))
-    return sharded
+from fe_megatron.checkpoint.files import TRACKER, iteration_dir
 
 
 def table_member(optimizer):
@@ -69,42 +47,6 @@ def without_table_member(optimizer):
 
     members = [m for m in compat.optimizer_members(optimizer) if not isinstance(m, TableOptimizer)]
     return compat.chained_optimizer_class()(members)
-
-
-def save_tables(folder: str, model_chunks: list, optimizer) -> None:
-    """The tables and their optimizer state into ``folder/fe_tables`` (every rank takes part)."""
-    from megatron.core import dist_checkpointing
-
-    target = os.path.join(folder, TABLES_FOLDER)
-    if torch.distributed.get_rank() == 0:
-        os.makedirs(target, exist_ok=True)
-    torch.distributed.barrier()
-    model = table_sharded_state_dict(model_chunks)
-    member = table_member(optimizer)
-    dist_checkpointing.save({"model": model, "optimizer": member.sharded_state_dict(model)}, target)
-
-
-def load_tables(folder: str, model_chunks: list, optimizer, with_optimizer: bool = True) -> None:
-    """The tables (and with ``with_optimizer`` their optimizer state) from ``folder/fe_tables``."""
-    from megatron.core import dist_checkpointing
-
-    source = os.path.join(folder, TABLES_FOLDER)
-    if not os.path.isfile(os.path.join(source, "metadata.json")):
-        raise CheckpointError(f"{folder}: no {TABLES_FOLDER}/ with the memory tables beside the Megatron-FSDP "
-                              "checkpoint (a run without memory wrote it, or its save was interrupted); resume "
-                              "from a checkpoint of this run (--ckpt-step), or start without --load")
-    model = table_sharded_state_dict(model_chunks)
-    member = table_member(optimizer)
-    state = {"model": model}
-    if with_optimizer:
-        state["optimizer"] = member.sharded_state_dict(model, is_loading=True)
-    weights = {name: sharded.data for name, sharded in model.items()}  # the stores' rows, before the load
-    loaded = dist_checkpointing.load(state, source)
-    with torch.no_grad():
-        for name, tensor in loaded["model"].items():
-            weights[name].copy_(tensor)
-    if with_optimizer:
-        member.load_state_dict(loaded["optimizer"])
 
 
 def checkpoint_to_load(args):
@@ -160,13 +102,14 @@ def fsdp_checkpointing(args, tables_beside: bool):
     and with it step the fresh optimizer once on zero gradients: Adam's step count would then start at
     1, and the run leave the curve of one started without ``--load`` at its second update (as the
     recipes are launched: ``--save`` and ``--load`` the same folder)."""
+    from fe_megatron.megatron.table_checkpoint import load_tables, save_tables
 
     def save(save_checkpoint):
         def save_fsdp_dtensor(iteration, model, optimizer, *rest, **kwargs):
             if optimizer is not None:
                 give_empty_shards_a_state(optimizer)
                 if tables_beside and not kwargs.get("non_persistent_ckpt", False):
-                    save_tables(iteration_dir(args.save, iteration), model, optimizer)
+                    save_tables(iteration_dir(args.save, iteration), table_member(optimizer).tables)
                     optimizer = without_table_member(optimizer)
             return save_checkpoint(iteration, model, optimizer, *rest, **kwargs)
 
@@ -183,7 +126,8 @@ def fsdp_checkpointing(args, tables_beside: bool):
                 return load_checkpoint(ddp_model, optimizer, *rest, **kwargs)
             result = load_checkpoint(ddp_model, without_table_member(optimizer), *rest, **kwargs)
             # (--pretrained-checkpoint sets args.finetune in the loader: the tables' values, not their state)
-            load_tables(folder, ddp_model, optimizer, with_optimizer=not (args.no_load_optim or args.finetune))
+            with_optimizer = not (args.no_load_optim or args.finetune)
+            load_tables(folder, table_member(optimizer).tables, with_optimizer=with_optimizer)
             return result
 
         return load_fsdp_dtensor

@@ -27,7 +27,8 @@ def test_a_row_wise_rule_trains_alike_at_every_layout_and_resumes_across_them(re
     all-reduced) and TP=2 (a row's squares summed over its columns), and the step-1 checkpoints resumed at
     DP=1: losses, gradient norms and every weight within 1e-5.  The replicas and TP=2 run for
     ``rowwise_adagrad`` only: what they exercise (the row union, `SparseTableOptimizer.row_mean_square`,
-    the per-row state's TP replicas in `row_state_sharding`) is the same code for every row-wise rule.  The rule's per-row state is checkpointed by global
+    the per-row state's TP replicas in `fe_megatron.megatron.table_shards.replica_ids`) is the same code for
+    every row-wise rule.  The rule's per-row state is checkpointed by global
     row, one value per row (its registry entry's keys)."""
     init, record, final = str(reference / "init"), str(tmp_path / "dp1.json"), str(tmp_path / "dp1_final")
     update = ("--table-update", rule)
@@ -53,7 +54,7 @@ def test_a_row_wise_rule_trains_alike_at_every_layout_and_resumes_across_them(re
         if rule == "partial_rowwise_adam":  # its first moment, per parameter, sharded as the table
             assert tuple(saved[f"optimizer.state.exp_avg.{name}"].size) == (rows, width)
     resumed = {"rows_step1": ()}
-    if rule == "rowwise_adagrad":  # TP=2's per-row state is the rules' shared code (row_state_sharding)
+    if rule == "rowwise_adagrad":  # TP=2's per-row state is the rules' shared code (table_shards)
         check_sharding("--tables", "replicated", "--tp", "2", *update, "--init", init, "--steps", "0:3", *compare,
                        "--save-step", "1", str(tmp_path / "tp2_step1"), *ACROSS_TP, nproc=2)
         resumed["tp2_step1"] = ACROSS_TP

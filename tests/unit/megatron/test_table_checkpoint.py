@@ -1,6 +1,8 @@
-"""`fe_megatron.megatron.table_checkpoint` in one process: a stage's tables and their optimizer state come back
-from ``fe_tables/`` exactly, and a checkpoint without this run's tensors is refused naming the first one missing
-and the settings to keep. Across ranks, layouts and engines: tests/integration/test_deepspeed.py."""
+"""`fe_megatron.megatron.table_checkpoint`, the one table writer, in one process: a stage's tables and their
+optimizer state come back from ``fe_tables/`` exactly (also from ``fe_tables/`` as Megatron-FSDP runs wrote it
+before the one writer), a folder without ``fe_tables/`` or without this run's tensors is refused by name, and
+the Megatron engine's description of the table optimizer's state (`TableOptimizer.sharded_state_dict`) is
+``fe_tables/``'s, piece for piece. Across ranks, layouts and engines: tests/integration/test_deepspeed.py."""
 
 import pytest
 import torch
@@ -63,3 +65,101 @@ def test_a_checkpoint_of_another_update_rule_is_refused_naming_the_missing_state
                                               r"missing\); it was saved by a run with other memory layers or another "
                                               r"optimizer\.table_update: resume with the settings it was saved with"):
         load_tables(str(tmp_path), stage_tables("rowwise_adagrad", seed=2))
+
+
+def test_a_folder_without_fe_tables_is_refused_naming_it(tmp_path, process_group):
+    from fe_megatron.megatron.table_checkpoint import load_tables
+
+    with pytest.raises(CheckpointError, match=rf"{tmp_path}: no fe_tables/ holding the memory tables .*start without "
+                                              r"--load"):
+        load_tables(str(tmp_path), stage_tables("adamw", seed=2))
+
+
+def test_without_the_optimizer_only_the_rows_load(tmp_path, process_group):
+    """Megatron-LM's --no-load-optim and --finetune: the rows, not their state nor the step counts."""
+    from fe_megatron.megatron.table_checkpoint import load_tables, save_tables
+
+    saved = trained("adamw", seed=1)
+    save_tables(str(tmp_path), saved)
+    resumed = stage_tables("adamw", seed=2)
+    resumed.optimizer.initialize_state()
+    load_tables(str(tmp_path), resumed, with_optimizer=False)
+    assert resumed.steps == 0
+    for name, store in saved.stores.items():
+        other = resumed.stores[name]
+        assert torch.equal(other.weight, store.weight)
+        assert not resumed.optimizer.state[other.weight]["exp_avg"].any()
+
+
+def fsdp_era_state(tables) -> dict:
+    """``tables`` as Megatron-FSDP runs wrote ``fe_tables/`` before the one writer: the model's tables
+    (megatron-core's regular-grid ShardedTensors) and the table optimizer's state dict, whose parameter
+    groups (without their parameters) and step count (``common_step``; no table's own) are the common part."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+    model, state = {}, {}
+    for index, store in enumerate(tables.stores.values()):
+        name = f"decoder.layers.{store.layout.table}.memory.tables.weight"
+        model[name] = ShardedTensor.from_rank_offsets(name, store.weight, replica_id=(0, 0, 0))
+        saved = tables.optimizer.state[store.weight]
+        state[index] = {key: ShardedTensor.from_rank_offsets(f"optimizer.state.{key}.{name}", saved[key],
+                                                             replica_id=(0, 0, 0))
+                        for key in ("exp_avg", "exp_avg_sq")}
+    state["common_step"] = torch.tensor(float(tables.steps))
+    groups = [{"lr": 1e-2, "params": LocalNonpersistentObject(list(range(len(tables.stores))))}]
+    return {"model": model, "optimizer": {"param_groups": groups, "state": state}}
+
+
+def test_fe_tables_of_megatron_fsdp_runs_before_the_one_writer_still_load(tmp_path, process_group, cpu_backend):
+    from megatron.core import dist_checkpointing
+
+    from fe_megatron.megatron.table_checkpoint import load_tables
+
+    saved = trained("adamw", seed=1)
+    (tmp_path / "fe_tables").mkdir()
+    dist_checkpointing.save(fsdp_era_state(saved), str(tmp_path / "fe_tables"))
+    resumed = stage_tables("adamw", seed=2)
+    load_tables(str(tmp_path), resumed)
+    assert resumed.steps == saved.steps == 2
+    for name, store in saved.stores.items():
+        other = resumed.stores[name]
+        assert torch.equal(other.weight, store.weight)
+        for key in ("exp_avg", "exp_avg_sq", "step"):  # each table's step count: the common one
+            assert torch.equal(resumed.optimizer.state[other.weight][key], saved.optimizer.state[store.weight][key])
+
+
+@pytest.mark.parametrize("update", ["adamw", "rowwise_adagrad"])
+def test_the_megatron_engine_describes_the_optimizer_state_as_fe_tables_does(update, process_group, cpu_backend):
+    """One description: the table optimizer's sharded state dict (the Megatron engine's and Megatron-LM's
+    torch_dist checkpoints) builds, for every state tensor, the pieces ``fe_tables/`` writes: the same keys,
+    global shapes and offsets, and the live state's values (per-row state as [rows, 1])."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from fe_megatron.megatron.table_shards import sharded_state_dict
+
+    tables = trained(update, seed=1)
+    member = table_member(tables)
+    model = {f"decoder.layers.{store.layout.table}.memory.tables.weight": ShardedTensor.from_rank_offsets(
+        f"decoder.layers.{store.layout.table}.memory.tables.weight", store.weight) for store in tables.stores.values()}
+    megatron = member.sharded_state_dict(model)["state"]
+    fe_tables = sharded_state_dict(tables)["optimizer"]
+    for index, store in enumerate(tables.stores.values()):
+        name = f"decoder.layers.{store.layout.table}.memory.tables.weight"
+        assert set(megatron[index]) == set(fe_tables[name])  # each table's step count: common_step
+        for key, factory in megatron[index].items():
+            built, expected = factory.build(), fe_tables[name][key]
+            assert set(built) == set(expected)
+            for rows, piece in built.items():
+                other = expected[rows]
+                assert (piece.key, piece.global_shape, piece.global_offset, piece.replica_id) == \
+                    (other.key, other.global_shape, other.global_offset, other.replica_id)
+                assert torch.equal(piece.data, other.data)
+
+
+def table_member(tables):
+    """The Megatron engine's chain member over ``tables`` (`TableOptimizer`), with a minimal optimizer config."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from fe_megatron.megatron.table_optimizer import TableOptimizer
+
+    return TableOptimizer(tables, OptimizerConfig(lr=1e-2, min_lr=0.0, clip_grad=1.0))
