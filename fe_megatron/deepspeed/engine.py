@@ -53,7 +53,7 @@ from fe_megatron.checkpoint.resume import start_run
 from fe_megatron.deepspeed.clipping import JointClipping
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
-from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups, microbatch_feed
+from fe_megatron.tables.lookahead import MEMORY_INPUTS, MicrobatchLookups, microbatch_feed
 from fe_megatron.memory.loss import weighted_sparsity
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.memory.sharding import ROW_SHARDED
@@ -93,9 +93,8 @@ class DeepSpeedRun(EngineRun):
             group["weight_decay"] = schedule["weight_decay"] * group.get("wd_mult", 1.0)
 
     def _losses(self, batch: dict):
-        lookups = batch.get(MEMORY_LOOKUPS)
         output = self.engine(input_ids=batch["tokens"], position_ids=batch["position_ids"], use_cache=False,
-                             **({"memory_lookups": lookups} if lookups is not None else {}))
+                             memory_inputs=batch.get(MEMORY_INPUTS))
         lm = masked_mean(per_token_cross_entropy(output.logits, batch["labels"]), batch["loss_mask"])
         memory = self.cfg.memory
         if output.sparsity_loss is None or memory is None:

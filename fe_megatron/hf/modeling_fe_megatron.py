@@ -25,6 +25,7 @@ This file is also written next to converted weights, for ``trust_remote_code=Tru
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Optional
@@ -241,9 +242,9 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.LongTensor] = None, past_key_values=None,
                 inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None, cache=None,
-                memory_lookups: Optional[dict] = None, **kwargs):
-        """``memory_lookups``: ``{layer_index: lookup}`` started ahead by `start_memory_lookups` for these
-        ``input_ids`` (the host tier's prefetch; training only)."""
+                memory_inputs: Optional[MemoryInputs] = None, **kwargs):
+        """``memory_inputs``: the lookups `start_memory_lookups` started ahead for these ``input_ids`` (the host
+        tier's prefetch; training only), or addresses hashed by the caller (`fe_megatron.memory.inputs`)."""
         cache = _one_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         recomputed = self._memory_recomputed()
@@ -268,7 +269,7 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                          attention_mask=attention_mask, position_ids=position_ids,
                                          **{CACHE_KEYWORD: cache})
-        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_lookups, recomputed) \
+        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_inputs, recomputed) \
             if self.memory_layers else None
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -286,13 +287,13 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         return FactorEngramModelOutput(last_hidden_state=hidden_states, sparsity_loss=sparsity,
                                        **{CACHE_KEYWORD: cache if use_cache else None})
 
-    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
-        """``{layer_index: started lookup}`` of every memory layer for ``input_ids`` ([b, s]), hashed where
-        the ids are (the host tier hashes on the host) with the rows bound for ``device``; pass the
-        result to ``forward`` as ``memory_lookups``."""
+    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> MemoryInputs:
+        """The `MemoryInputs` of every memory layer for ``input_ids`` ([b, s]) with every lookup started now,
+        hashed where the ids are (the host tier hashes on the host) with the rows bound for ``device``; pass
+        the result to ``forward`` as ``memory_inputs``."""
         branches = self._memory_branches()
-        return start_lookups(branches, {index: branch.addresses(input_ids) for index, branch in branches.items()},
-                             device)
+        return MemoryInputs(lookups=start_lookups(
+            branches, {index: branch.addresses(input_ids) for index, branch in branches.items()}, device))
 
     def _memory_branches(self) -> dict:
         return {index: self.layers[index].memory for index in self.memory_layers}
@@ -302,27 +303,25 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         return self.training and torch.is_grad_enabled() and any(
             getattr(self.layers[index], "gradient_checkpointing", False) for index in self.memory_layers)
 
-    def _memory_inputs(self, input_ids, attention_mask, cache, memory_lookups: Optional[dict],
+    def _memory_inputs(self, input_ids, attention_mask, cache, given: Optional[MemoryInputs],
                        recomputed: bool) -> MemoryInputs:
         """This forward's `MemoryInputs` (`fe_megatron.memory.inputs`): every memory layer's addresses, hashed
         here once (token by token, after the cache's ids). Row-sharded tables start every layer's lookup now,
         in one exchange; otherwise, and under gradient checkpointing (``recomputed``), each layer starts its
-        own when it runs, on its own device. Lookups started ahead (``memory_lookups``) are kept."""
+        own when it runs, on its own device. What ``given`` holds (lookups started ahead) is kept."""
         decodings = self._decodings(input_ids, attention_mask, cache)
-        if memory_lookups is not None and decodings:
-            raise ValueError("memory_lookups (lookups started ahead, for training) cannot be used with padding or a "
-                             "cache; pass use_cache=False and no attention_mask, or no memory_lookups")
-        if memory_lookups is not None and recomputed:
-            raise ValueError("memory_lookups (lookups started ahead) are read once, and gradient checkpointing runs "
-                             "each layer twice; pass no memory_lookups while gradient checkpointing is on")
+        given = given if given is not None else MemoryInputs()
+        if given.lookups and decodings:
+            raise ValueError("lookups started ahead (memory_inputs, for training) cannot be used with padding or a "
+                             "cache; pass use_cache=False and no attention_mask, or no memory_inputs")
+        if given.lookups and recomputed:
+            raise ValueError("lookups started ahead (memory_inputs) are read once, and gradient checkpointing runs "
+                             "each layer twice; pass no memory_inputs while gradient checkpointing is on")
         branches = self._memory_branches()
-        addresses = dict(memory_lookups or {})
-        for index, branch in branches.items():
-            if index not in addresses:
-                addresses[index] = branch.addresses(input_ids, decodings.get(index))
-        row_sharded = any(branch.row_partition is not None for branch in branches.values())
-        return schedule_lookups(branches, addresses, recomputed=recomputed, start_now=row_sharded,
-                                decodings=decodings)
+        inputs = given.complete(branches, lambda index: branches[index].addresses(input_ids, decodings.get(index)))
+        row_sharded = any(branch.tables.exchange_group is not None for branch in branches.values())
+        return schedule_lookups(branches, dataclasses.replace(inputs, decodings=decodings), recomputed=recomputed,
+                                start_now=row_sharded)
 
     def _decodings(self, input_ids, attention_mask, cache) -> dict:
         """``{layer_index: Decoding}``: the padding of the new positions and, with a cache, each

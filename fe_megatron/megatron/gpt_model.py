@@ -8,11 +8,12 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.megatron.hasher import MicrobatchHasher
+from fe_megatron.megatron.hasher import MicrobatchHasher, refuse_renamed_keywords
 from fe_megatron.megatron.memory_inputs import (handed_to, lookups_started_ahead, stage_branches,
                                                 stage_memory_inputs)
 from fe_megatron.megatron.sparsity import pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
+from fe_megatron.memory.inputs import MemoryInputs
 
 
 class FactorEngramGPTModel(GPTModel):
@@ -20,9 +21,10 @@ class FactorEngramGPTModel(GPTModel):
     memory layers of this pipeline stage for the length of that forward (`fe_megatron.megatron.memory_inputs`).
 
     Same constructor and forward as GPTModel, plus ``memory_config`` and an optional
-    ``memory_indices`` forward argument (precomputed ``{layer_index: [s, b, branches]}``,
-    e.g. hashed before a context-parallel split, or lookups started ahead by `start_memory_lookups`).
-    Every pipeline stage that holds a memory layer needs ``input_ids`` (or ``memory_indices``), not only
+    ``memory_inputs`` forward argument (a `fe_megatron.memory.inputs.MemoryInputs`: addresses
+    ``{layer_index: [s, b, branches]}`` hashed before a context-parallel split, or lookups started ahead by
+    `start_memory_lookups`). Every pipeline stage that holds a memory layer needs ``input_ids`` (or
+    ``memory_inputs``), not only
     the first and last. The sparsity loss scale is set once per step with
     `fe_megatron.megatron.sparsity.SparsityLossAutoScaler.set_loss_scale`.
     """
@@ -48,7 +50,8 @@ class FactorEngramGPTModel(GPTModel):
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs: Optional[dict] = None,
-                runtime_gather_output=None, *, memory_indices: Optional[dict] = None, **kwargs):
+                runtime_gather_output=None, *, memory_inputs: Optional[MemoryInputs] = None, **kwargs):
+        refuse_renamed_keywords(kwargs)
         def gpt_forward():
             return super(FactorEngramGPTModel, self).forward(
                 input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels,
@@ -57,19 +60,18 @@ class FactorEngramGPTModel(GPTModel):
 
         if not self.stage_memory_layers:
             return gpt_forward()
-        memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
-        branches = stage_branches(self.stage_memory_layers)
-        inputs = stage_memory_inputs(self.config, self.training, branches, memory_indices,
+        inputs = self.hasher.for_forward(input_ids, memory_inputs, self.config.context_parallel_size)
+        inputs = stage_memory_inputs(self.config, self.training, stage_branches(self.stage_memory_layers), inputs,
                                      start_lookups_now=self.prefetch_table_rows)
         with handed_to(self.stage_memory_layers, inputs):
             return gpt_forward()
 
-    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
-        """``{layer_index: started lookup}`` of this stage's memory layers for ``input_ids`` ([b, s]),
-        hashed where the ids are (the host tier hashes on the host, so starting needs no device
+    def start_memory_lookups(self, token_ids: torch.Tensor, device) -> MemoryInputs:
+        """The `MemoryInputs` of this stage's memory layers for ``token_ids`` ([b, s]) with every lookup started
+        now, hashed where the ids are (the host tier hashes on the host, so starting needs no device
         synchronization) with the rows bound for ``device``; pass the result to ``forward`` as
-        ``memory_indices``."""
-        return lookups_started_ahead(self.stage_memory_layers, self.hasher, input_ids, device)
+        ``memory_inputs``."""
+        return lookups_started_ahead(self.stage_memory_layers, self.hasher, token_ids, device)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.memory.inputs import MemoryInputs
 from fe_megatron.ngram import NgramHasher
 
 
@@ -23,34 +24,48 @@ class MicrobatchHasher:
         self.layers = list(memory_config.layers if layers is None else layers)
         self.hasher = NgramHasher(memory_config, self.layers)  # only this stage's layers
 
-    def __call__(self, input_ids: torch.Tensor) -> dict:
-        """``[b, s]`` ids -> ``{layer_index: [s, b, branches]}`` for this stage's memory layers."""
-        per_layer = self.hasher.indices_per_layer(input_ids)
+    def __call__(self, token_ids: torch.Tensor) -> dict:
+        """``[b, s]`` token ids -> ``{layer_index: [s, b, branches] addresses}`` for this stage's memory layers."""
+        per_layer = self.hasher.indices_per_layer(token_ids)
         return {layer: indices.transpose(0, 1).contiguous() for layer, indices in per_layer.items()}
 
-    def for_forward(self, input_ids: Optional[torch.Tensor], memory_indices: Optional[dict],
-                    context_parallel_size: int) -> dict:
-        """A model forward's indices: ``memory_indices`` where given, else ``input_ids`` hashed here;
-        refused where that cannot be (a context-parallel split, a stage without token ids)."""
-        if memory_indices is not None:
-            return memory_indices
+    def for_forward(self, token_ids: Optional[torch.Tensor], memory_inputs: Optional[MemoryInputs],
+                    context_parallel_size: int) -> MemoryInputs:
+        """A model forward's `MemoryInputs` for this stage's layers: ``memory_inputs`` (addresses hashed by the
+        batch, lookups started ahead) where they address a layer, the other layers hashed here from
+        ``token_ids``; refused where that cannot be (a context-parallel split, a stage without token ids)."""
+        given = memory_inputs if memory_inputs is not None else MemoryInputs()
+        if not isinstance(given, MemoryInputs):
+            raise TypeError(f"memory_inputs must be a fe_megatron.memory.inputs.MemoryInputs, got a "
+                            f"{type(given).__name__}")
+        if all(layer in given.layers for layer in self.layers):
+            return given.complete(self.layers, None)
         if context_parallel_size > 1:
-            raise ValueError("with context parallelism the n-grams must be hashed on the full sequence before "
-                             "the split: pass memory_indices=hash_then_split_for_context_parallel(...)")
-        if input_ids is None:
+            raise ValueError("with context parallelism the n-grams must be hashed on the full sequence before the "
+                             "split: pass memory_inputs=MemoryInputs(addresses=hash_then_split_for_context_parallel"
+                             "(...))")
+        if token_ids is None:
             raise ValueError(f"this pipeline stage holds memory layers {self.layers} and needs input_ids (or "
-                             "memory_indices); give token ids to every pipeline stage")
-        return self(input_ids)
+                             "memory_inputs); give token ids to every pipeline stage")
+        return given.complete(self.layers, self(token_ids).__getitem__)
 
 
-def hash_then_split_for_context_parallel(hasher: MicrobatchHasher, input_ids: torch.Tensor, cp_size: int,
+def refuse_renamed_keywords(kwargs: dict) -> None:
+    """A clear error for the memory keyword the models took before `MemoryInputs` carried their inputs."""
+    if "memory_indices" in kwargs:
+        raise TypeError("memory_indices= is now memory_inputs=: pass "
+                        "fe_megatron.memory.inputs.MemoryInputs(addresses=...) for row indices, or the result of "
+                        "model.start_memory_lookups(...) for lookups started ahead")
+
+
+def hash_then_split_for_context_parallel(hasher: MicrobatchHasher, token_ids: torch.Tensor, cp_size: int,
                                          cp_rank: int) -> dict:
-    """Hash the full sequence, then keep this CP rank's chunks in Megatron's load-balanced order
-    (chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of ``2 cp_size``)."""
-    indices = hasher(input_ids)
+    """``{layer_index: addresses}``: the full sequence hashed, then this CP rank's chunks kept in Megatron's
+    load-balanced order (chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of ``2 cp_size``)."""
+    indices = hasher(token_ids)
     if cp_size == 1:
         return indices
-    seq = input_ids.shape[1]
+    seq = token_ids.shape[1]
     if seq % (2 * cp_size):
         raise ValueError(f"sequence length {seq} is not divisible by 2 * context_parallel_size = {2 * cp_size}")
     chunk = seq // (2 * cp_size)

@@ -30,12 +30,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.hybrid_pattern import memory_positions
-from fe_megatron.megatron.hasher import MicrobatchHasher
+from fe_megatron.megatron.hasher import MicrobatchHasher, refuse_renamed_keywords
 from fe_megatron.megatron.memory_inputs import (handed_to, lookups_started_ahead, stage_branches,
                                                 stage_memory_inputs)
 from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.sparsity import attach_sparsity_loss, pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import HostsMemory
+from fe_megatron.memory.inputs import MemoryInputs
 
 
 class MemoryBeforeAttentionLayer(HostsMemory, TransformerLayer):
@@ -80,8 +81,8 @@ def with_memory_before_attention(stack_spec: ModuleSpec, memory_config: MemoryCo
 
 class FactorEngramHybridModel(HybridModel):
     """``HybridModel`` with the memory branch (see the module docstring): the same constructor plus
-    ``memory_config`` and ``table_sharding``, and the same forward plus an optional ``memory_indices``
-    (``{memory layer index: [s, b, branches]}``, e.g. hashed before a context-parallel split)."""
+    ``memory_config`` and ``table_sharding``, and the same forward plus an optional ``memory_inputs``
+    (a `fe_megatron.memory.inputs.MemoryInputs`, e.g. addresses hashed before a context-parallel split)."""
 
     def __init__(self, config, hybrid_stack_spec: ModuleSpec, vocab_size: int, max_sequence_length: int,
                  hybrid_layer_pattern: str, memory_config: MemoryConfig, table_sharding: str = "replicated",
@@ -104,20 +105,20 @@ class FactorEngramHybridModel(HybridModel):
         self.hasher = MicrobatchHasher(memory_config, [layer.memory_index for layer in self.stage_memory_layers]) \
             if self.stage_memory_layers else None
 
-    def forward(self, input_ids, position_ids, attention_mask, *args, memory_indices: Optional[dict] = None,
-                **kwargs):
+    def forward(self, input_ids, position_ids, attention_mask, *args,
+                memory_inputs: Optional[MemoryInputs] = None, **kwargs):
+        refuse_renamed_keywords(kwargs)
         if not self.stage_memory_layers:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
-        memory_indices = self.hasher.for_forward(input_ids, memory_indices, self.config.context_parallel_size)
-        inputs = stage_memory_inputs(self.config, self.training, stage_branches(self.stage_memory_layers),
-                                     memory_indices)
+        inputs = self.hasher.for_forward(input_ids, memory_inputs, self.config.context_parallel_size)
+        inputs = stage_memory_inputs(self.config, self.training, stage_branches(self.stage_memory_layers), inputs)
         with handed_to(self.stage_memory_layers, inputs):
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
-    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
-        """As `FactorEngramGPTModel.start_memory_lookups`: this stage's lookups for ``input_ids`` started now
-        (the host tier's lookahead, one microbatch ahead), to pass as ``memory_indices``."""
-        return lookups_started_ahead(self.stage_memory_layers, self.hasher, input_ids, device)
+    def start_memory_lookups(self, token_ids: torch.Tensor, device) -> MemoryInputs:
+        """As `FactorEngramGPTModel.start_memory_lookups`: this stage's lookups for ``token_ids`` started now
+        (the host tier's lookahead, one microbatch ahead), to pass as ``memory_inputs``."""
+        return lookups_started_ahead(self.stage_memory_layers, self.hasher, token_ids, device)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """As `FactorEngramGPTModel.pop_sparsity_loss`."""

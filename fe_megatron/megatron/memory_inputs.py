@@ -11,8 +11,8 @@ schedule never share one: each forward hands its own and takes it back.
 
 Full recompute runs a layer twice: inside the checkpoint's forward (grad disabled), and again in backward,
 after later microbatches' forwards may have run, when no forward of the model hands it anything. There the
-inputs hold the hashed addresses (a started lookup is read once), and each memory layer queues the entry of
-every checkpointed forward and takes the oldest in each recomputation (`lookup_of_this_call`): Megatron's
+inputs hold the hashed addresses (a started lookup is read once), and each memory layer queues the addresses
+of every checkpointed forward and takes the oldest in each recomputation (`lookup_of_this_call`): Megatron's
 schedules run the backwards of a stage's microbatches in the order of their forwards (one model chunk per
 stage, as the memory requires). The lookup, and with row-sharded tables its row exchange, runs again there.
 """
@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from fe_megatron.memory.inputs import MemoryInputs, schedule_lookups, start_lookups, started
+from fe_megatron.memory.inputs import MemoryInputs, schedule_lookups, start_lookups
 from fe_megatron.tables.store import StartedLookup
 
 
@@ -37,21 +37,21 @@ def recomputed_fully(config, training: bool) -> bool:
     return config.recompute_granularity == "full" and training
 
 
-def lookups_started_ahead(layers: list, hasher, input_ids: torch.Tensor, device) -> dict:
-    """``{block: started lookup}`` of a stage's memory ``layers`` for ``input_ids`` ([b, s]), hashed by
-    ``hasher`` where the ids are (the host tier hashes on the host, so starting needs no device
-    synchronization), the rows bound for ``device``: a model's ``memory_indices`` one microbatch ahead."""
+def lookups_started_ahead(layers: list, hasher, token_ids: torch.Tensor, device) -> MemoryInputs:
+    """The `MemoryInputs` of a stage's memory ``layers`` for ``token_ids`` ([b, s]) with every lookup started
+    now, hashed by ``hasher`` where the ids are (the host tier hashes on the host, so starting needs no device
+    synchronization), the rows bound for ``device``: a model's ``memory_inputs`` one microbatch ahead."""
     if hasher is None:
-        return {}
-    return start_lookups(stage_branches(layers), hasher(input_ids), device)
+        return MemoryInputs()
+    return MemoryInputs(lookups=start_lookups(stage_branches(layers), hasher(token_ids), device))
 
 
-def stage_memory_inputs(config, training: bool, branches: dict, addresses: dict,
+def stage_memory_inputs(config, training: bool, branches: dict, inputs: MemoryInputs,
                         start_lookups_now: bool = True) -> MemoryInputs:
-    """This forward's `MemoryInputs` for ``branches`` (``{block: branch}``) from ``addresses`` (``{block:
-    [s, b, branches] row indices, or a lookup started a microbatch ahead}``), per
+    """This forward's `MemoryInputs` for ``branches`` (``{block: branch}``) from ``inputs`` (``{block:
+    [s, b, branches] addresses, or a lookup started a microbatch ahead}``), per
     `fe_megatron.memory.inputs.schedule_lookups`."""
-    return schedule_lookups(branches, addresses, recomputed=recomputed_fully(config, training),
+    return schedule_lookups(branches, inputs, recomputed=recomputed_fully(config, training),
                             start_now=start_lookups_now)
 
 
@@ -70,16 +70,16 @@ def handed_to(layers: list, inputs: MemoryInputs):
 def lookup_of_this_call(layer, device) -> StartedLookup:
     """The lookup memory ``layer`` (a `HostsMemory` layer: ``memory_index``, ``memory``, ``memory_inputs``
     set by its model, ``pending_recomputations``) reads in this call: its model's for this forward, or, in a
-    full recompute's recomputation (in backward, no forward of the model running), what its checkpointed
-    forward queued; one started now has its rows bound for ``device`` (the layer's hidden states')."""
+    full recompute's recomputation (in backward, no forward of the model running), one started from the
+    addresses its checkpointed forward queued; one started now has its rows bound for ``device`` (the
+    layer's hidden states')."""
     recomputing_fully = recomputed_fully(layer.config, layer.training)
     if layer.memory_inputs is not None:
-        entry = layer.memory_inputs.entry(layer.memory_index)
         if recomputing_fully and not torch.is_grad_enabled():  # the checkpoint's forward: recomputed later
-            layer.pending_recomputations.append(entry)
-        return started(entry, layer.memory, device)
+            layer.pending_recomputations.append(layer.memory_inputs.addresses_of(layer.memory_index))
+        return layer.memory_inputs.lookup_of(layer.memory_index, layer.memory, device)
     if recomputing_fully and torch.is_grad_enabled() and layer.pending_recomputations:
-        return started(layer.pending_recomputations.popleft(), layer.memory, device)
+        return layer.memory.start_lookup(layer.pending_recomputations.popleft(), device)
     raise RuntimeError(f"the memory layer of block {layer.memory_index} (layer {layer.layer_number - 1}, 0-based) "
                        "got no memory inputs: run it inside its model's forward (FactorEngramGPTModel or "
-                       "FactorEngramHybridModel), with input_ids (or memory_indices) on every pipeline stage")
+                       "FactorEngramHybridModel), with input_ids (or memory_inputs) on every pipeline stage")

@@ -27,7 +27,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
@@ -36,8 +35,11 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.memory_parallel import MegatronParallelHooks
 from fe_megatron.megatron.parallel import table_row_group
+from fe_megatron.megatron.table_shards import row_slices_factory
 from fe_megatron.memory import MemoryBranch, build_memory
-from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, ROW_SHARDINGS, param_sharding
+from fe_megatron.memory.sharding import MEGATRON_TABLE_SHARDINGS, param_sharding
+from fe_megatron.tables.layout import TableLayout
+from fe_megatron.tables.plan import shards_rows
 
 
 def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, layer_index: int,
@@ -51,7 +53,7 @@ def build_memory_branch(config: TransformerConfig, memory_config: MemoryConfig, 
                          "model); the Megatron layers train fp32 or bf16 tables")
     tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
     cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
-    memory_parallel_group = table_row_group() if table_sharding in ROW_SHARDINGS else None
+    memory_parallel_group = table_row_group() if shards_rows(table_sharding) else None  # the plan's rule
     hooks = MegatronParallelHooks(tp_group, config.sequence_parallel, cp_group, memory_parallel_group)
     branch = build_memory(memory_config, layer_index, hooks, initialize=config.perform_initialization)
     for name, param in branch.named_parameters():
@@ -89,23 +91,12 @@ def memory_sharded_state_dict(branch: MemoryBranch, prefix: str, sharded_offsets
     return sharded
 
 
-def _row_sharded_factory(branch: MemoryBranch, name: str, param: torch.Tensor, key: str) -> ShardedTensorFactory:
-    """This rank's rows of a table, per branch, each at its global offset (the chunks are uneven, so
-    the grid is irregular: ``axis_fragmentations=None``).  A factory, so that the optimizer's states
-    of the table are saved the same way."""
-    global_shape = branch.global_shape(name)
-    slices = branch.global_row_slices(name)
-    column_offset = branch.parallel.tensor_parallel_rank * param.shape[1]
-    replica_id = (0, 0, 0)  # every rank of the row group holds other rows, of other layers or columns elsewhere
-
-    def build(key, data, replica_id, flattened_range):
-        return {f"rows{first}": ShardedTensor(key=key, data=data[local:local + rows], dtype=data.dtype,
-                                              local_shape=(rows, data.shape[1]), global_shape=global_shape,
-                                              global_offset=(first, column_offset), axis_fragmentations=None,
-                                              replica_id=replica_id)
-                for first, rows, local in slices}
-
-    def merge(loaded):
-        return torch.cat([loaded[f"rows{first}"] for first, _, _ in slices])
-
-    return ShardedTensorFactory(key, param, build, merge, replica_id)
+def _row_sharded_factory(branch: MemoryBranch, name: str, param: torch.Tensor, key: str):
+    """This rank's rows of a table, per branch, each at its global offset: the tables' one checkpoint
+    description (`fe_megatron.megatron.table_shards.row_slices_factory`). A factory, so that the optimizer's
+    states of the table are saved the same way."""
+    global_rows, global_width = branch.global_shape(name)
+    layout = TableLayout(branch.layer_index, tuple(branch.global_row_slices(name)),
+                         branch.parallel.tensor_parallel_rank * param.shape[1], global_width)
+    # every rank of the row group holds other rows, of other layers or columns elsewhere
+    return row_slices_factory(key, param, layout, global_rows, (0, 0, 0))

@@ -13,7 +13,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from fe_megatron.megatron import compat
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler
 from fe_megatron.tables import lookahead
-from fe_megatron.tables.lookahead import MEMORY_LOOKUPS, MicrobatchLookups
+from fe_megatron.megatron.batch import Microbatch, forward_microbatch
+from fe_megatron.tables.lookahead import MicrobatchLookups
 from fe_megatron.training.losses import masked_mean, nonfinite_microbatch, nonfinite_report
 from fe_megatron.training.distributed import current_device
 from fe_megatron.training.run import StepResult
@@ -34,16 +35,15 @@ def lm_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 def forward_step(data_iterator, model):
     """Batches are dicts with ``tokens``, ``labels``, ``loss_mask``, ``position_ids``, ``attention_mask``
-    (all ``[b, s]`` but the mask). Every pipeline stage receives the tokens: memory layers need them.
-    With the host tier the iterator is a `MicrobatchLookups`: each batch brings its lookups, and
-    the next microbatch's start once this forward is issued."""
-    batch = next(data_iterator)
-    lookups = batch.get(MEMORY_LOOKUPS)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"],
-                   **({"memory_indices": lookups} if lookups is not None else {}))
+    (all ``[b, s]`` but the mask), run as a `Microbatch` (`forward_microbatch`, the forward Megatron-LM's
+    trainer runs too). Every pipeline stage receives the tokens: memory layers need them. With the host tier
+    the iterator is a `MicrobatchLookups`: each batch brings its started lookups, and the next microbatch's
+    start once this forward is issued."""
+    batch = Microbatch.of(next(data_iterator))
+    output = forward_microbatch(model, batch)
     if isinstance(data_iterator, MicrobatchLookups):
         data_iterator.start_next()
-    return output, partial(lm_loss, batch["loss_mask"])
+    return output, partial(lm_loss, batch.loss_mask)
 
 
 def _unwrap(chunk):

@@ -4,33 +4,23 @@ Megatron-LM's ``get_batch`` gives the tokens to the first pipeline stage (labels
 to the last) and nothing to the stages between. A stage that holds a memory layer hashes the
 token ids itself, so `get_batch` reads the whole batch there. Under context parallelism the
 n-grams are hashed on the full sequence before the split (`hash_then_split_for_context_parallel`)
-and travel as ``memory_indices``.
+and travel as the microbatch's ``memory_inputs`` (their addresses). The microbatch is the one both Megatron
+trainers run (`fe_megatron.megatron.batch`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
-import torch
 from megatron.core import mpu
 from megatron.core.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank
 from megatron.training import get_args
 from megatron.training.utils import is_first_or_last_pipeline_stage
 
+from fe_megatron.megatron.batch import Microbatch
 from fe_megatron.megatron.hasher import hash_then_split_for_context_parallel
+from fe_megatron.memory.inputs import MemoryInputs
 from fe_megatron.training.distributed import current_device
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-
-
-class Microbatch(NamedTuple):
-    tokens: Optional[torch.Tensor]
-    labels: Optional[torch.Tensor]
-    loss_mask: Optional[torch.Tensor]
-    attention_mask: Optional[torch.Tensor]
-    position_ids: Optional[torch.Tensor]
-    memory_indices: Optional[dict]  # {layer_index: [s, b, branches]} hashed before a context-parallel split
-    loss_tokens: Optional[torch.Tensor] = None  # this rank's loss-mask tokens, on a stage with memory layers
 
 
 def stage_reads_data(vp_stage=None, holds_memory: bool = False) -> bool:
@@ -61,14 +51,14 @@ def get_batch(data_iterator, vp_stage=None, hasher=None) -> Microbatch:
         seq_length=args.seq_length, mtp_on_this_rank=False,
         pipeline_model_parallel_size=1 if whole else args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage())
-    memory_indices = None
+    memory_inputs = None
     cp_size = args.context_parallel_size
     if hasher is not None and cp_size > 1:
-        memory_indices = hash_then_split_for_context_parallel(hasher, batch["tokens"], cp_size,
-                                                              mpu.get_context_parallel_rank())
+        memory_inputs = MemoryInputs(addresses=hash_then_split_for_context_parallel(
+            hasher, batch["tokens"], cp_size, mpu.get_context_parallel_rank()))
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     last = mpu.is_pipeline_last_stage()
     loss_tokens = batch["loss_mask"].sum() if hasher is not None else None  # per-token weighting of the sparsity
     return Microbatch(batch.get("tokens"), batch.get("labels") if last else None,
                       batch.get("loss_mask") if last else None, batch.get("attention_mask"),
-                      batch.get("position_ids"), memory_indices, loss_tokens)
+                      batch.get("position_ids"), memory_inputs, loss_tokens)

@@ -18,6 +18,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.training import get_args, get_timers, print_rank_0
 from megatron.training.utils import get_blend_and_blend_per_split
 
+from fe_megatron.megatron.batch import forward_microbatch
 from fe_megatron.megatron.sparsity import SparsityLossAutoScaler, microbatch_gradient_scale
 from fe_megatron.megatron_lm.batch import get_batch, stage_reads_data
 from fe_megatron.training.distributed import current_device
@@ -68,7 +69,6 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, st
     hasher = get_attr_wrapped_model(model, "hasher") if state.memory is not None else None
     batch = get_batch(data_iterator, vp_stage, hasher)
     timers("batch-generator").stop()
-    kwargs = {}
     if state.memory is not None:
         scale = sparsity_scale(model, batch.loss_tokens)  # refuses per-token loss without a loss mask, by name
         # under per-token loss a microbatch's term is logged by its tokens, as its gradient is scaled by them
@@ -77,10 +77,7 @@ def forward_step(data_iterator, model, return_schedule_plan: bool = False, *, st
         SparsityLossAutoScaler.set_loss_scale(scale, log_weight)
         if per_token and model.training:
             state.step_loss_tokens += log_weight
-        if batch.memory_indices is not None:
-            kwargs["memory_indices"] = batch.memory_indices
-    output_tensor = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels,
-                          loss_mask=batch.loss_mask, **kwargs)
+    output_tensor = forward_microbatch(model, batch)
     if state.memory is not None and not model.training:
         get_attr_wrapped_model(model, "pop_sparsity_loss")()  # evaluation's terms stay out of the training log
     return output_tensor, partial(loss_func, batch.loss_mask)

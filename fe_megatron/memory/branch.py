@@ -14,7 +14,7 @@ from fe_megatron.config import MemoryConfig
 from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
-from fe_megatron.tables.row_exchange import RowPartition, row_lookup
+from fe_megatron.tables.row_exchange import RowPartition
 from fe_megatron.memory.sharding import local_shape, param_sharding
 from fe_megatron.memory.short_conv import ShortConv
 from fe_megatron.tables.store import StartedLookup
@@ -132,21 +132,21 @@ class MemoryBranch(nn.Module):
                 raise ValueError("decoding (padding masks, incremental state) needs a single-process branch: load "
                                  "the model in one process, or run it without a padding mask and without a cache")
             return decoding.indices(self, token_ids)
-        indices = self.hasher.indices(token_ids)
-        return indices.transpose(0, 1) if self.parallel.sequence_dim == 0 else indices
+        addresses = self.hasher.indices(token_ids)
+        return addresses.transpose(0, 1) if self.parallel.sequence_dim == 0 else addresses
 
-    def start_lookup(self, indices: torch.Tensor, device=None) -> StartedLookup:
-        """Start the lookup of ``indices`` (`addresses`) and return its handle, whose ``rows()`` are this
-        rank's table rows of every position (the one lookup protocol, `fe_megatron.tables.store.
-        StartedLookup`): with row-sharded tables the row exchange (requests sent, rows on their way back),
-        with tables in a `TableStore` the gather (and, from host memory, the copy to ``device``, by default
-        the indices' device), with tables the module holds a gather when read. When each starts:
-        `fe_megatron.memory.inputs`."""
-        device = indices.device if device is None else torch.device(device)
-        if self.row_partition is not None:
-            return row_lookup(self.tables.store, indices.to(device), self.row_partition,
-                              self.parallel.memory_parallel_group)
-        return self.tables.start_lookup(indices, device)
+    def start_lookup(self, addresses: torch.Tensor, device=None) -> StartedLookup:
+        """Start the lookup of ``addresses`` (Eq. 1's row indices, `addresses`) and return its handle, whose
+        ``rows()`` are this rank's table rows of every position (the one lookup protocol, `fe_megatron.tables.store.
+        StartedLookup`), from whatever holds the tables (`fe_megatron.tables.holders`): with row-sharded
+        tables the row exchange (requests sent, rows on their way back), with tables in a `TableStore` the
+        gather (and, from host memory, the copy to ``device``, by default the addresses' device), with tables
+        the module holds a gather when read. When each starts: `fe_megatron.memory.inputs`."""
+        if self.row_partition is not None and self.tables.exchange_group is None:
+            raise RuntimeError(f"layer {self.layer_index}: its tables are row-sharded, and their rows are looked up "
+                               "from their owners' stores: hand them to fe_megatron.tables.stage_tables.StageTables "
+                               "first")
+        return self.tables.start_lookup(addresses, addresses.device if device is None else torch.device(device))
 
     def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],
                lookup: Optional[StartedLookup], decoding: Optional[Decoding] = None) -> torch.Tensor:
@@ -154,12 +154,12 @@ class MemoryBranch(nn.Module):
         tensor parallelism), in the hidden states' dtype, from a started ``lookup`` or, with
         ``token_ids``, from one started now (``decoding``: after earlier calls' ids)."""
         if lookup is not None and not isinstance(lookup, StartedLookup):
-            raise TypeError(f"lookup must be a started lookup (branch.start_lookup(indices)), got a "
+            raise TypeError(f"lookup must be a started lookup (branch.start_lookup(addresses)), got a "
                             f"{type(lookup).__name__}")
-        self._check_inputs(hidden_states, token_ids, None if lookup is None else lookup.indices)
+        self._check_inputs(hidden_states, token_ids, None if lookup is None else lookup.indices)  # its addresses
         if lookup is None:
             lookup = self.start_lookup(self.addresses(token_ids, decoding), hidden_states.device)
-        return lookup.rows().flatten(-2).to(hidden_states.dtype)
+        return self.tables(lookup).to(hidden_states.dtype)  # read through the module's call (its hooks)
 
     def refine(self, values: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""

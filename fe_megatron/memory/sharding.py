@@ -31,6 +31,9 @@ from typing import Optional
 
 import torch
 
+# the rows split over the row group, each row with one owner rank: the table plan's vocabulary
+from fe_megatron.tables.plan import NODE_SHARED, ROW_SHARDED, ROW_SHARDINGS  # noqa: F401 (re-exported)
+
 # ``parallel.table_sharding``: where the tables' rows live, across data-parallel ranks.
 TABLE_SHARDINGS = {
     "replicated": "every data-parallel rank holds every row (gradients all-reduced, as for any weight)",
@@ -40,10 +43,7 @@ TABLE_SHARDINGS = {
             "(/dev/shm), which every rank of the node reads directly; rows move only between nodes",
     "zero": "DeepSpeed engine only: the tables are ordinary parameters that ZeRO partitions and gathers whole",
 }
-ROW_SHARDED = "rows"
-NODE_SHARED = "node"
-ROW_SHARDINGS = (ROW_SHARDED, NODE_SHARED)  # the rows split over the row group (each row has one owner rank)
-MEGATRON_TABLE_SHARDINGS = ("replicated", "rows", "node")  # the Megatron engine, the converters and fe-plan
+MEGATRON_TABLE_SHARDINGS = ("replicated", ROW_SHARDED, NODE_SHARED)  # the Megatron engine, the converters and fe-plan
 
 
 def pipeline_stage_layers(num_layers: int, pipeline_size: int, stage: int) -> range:

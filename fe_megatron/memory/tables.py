@@ -13,8 +13,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from fe_megatron.tables.holders import EngineParameter, ReadOnlyRows
+from fe_megatron.tables.holders import ReadOnlyRows, holder_for, store_holder
 from fe_megatron.tables.layout import TableLayout
+from fe_megatron.tables.plan import PARAMETER, module_holder
+from fe_megatron.tables.row_exchange import RowPartition
 from fe_megatron.tables.storage import STORAGE, has_row_scale, quantize_table
 from fe_megatron.tables.store import StartedLookup, TableStore
 
@@ -23,8 +25,9 @@ class NgramTables(nn.Module):
     """``weight``: [total_rows, width]; branch b owns rows ``[offset_b, offset_b + M_b)``; with
     ``table_dtype="fp8"`` also ``row_scale``: [total_rows].
 
-    ``forward(indices)`` gathers all branches in one kernel call and concatenates them in the
-    fixed branch order: [..., branches] -> [..., branches * width] (``z_t`` of Eq. 6), in fp32.
+    ``forward(lookup)`` reads a started lookup's rows (all branches in one kernel call) and concatenates
+    them in the fixed branch order: [..., branches] -> [..., branches * width] (``z_t`` of Eq. 6), in fp32;
+    ``gather(indices)`` does the same for indices, now.
     Under tensor parallelism ``width`` is this rank's column slice of ``s_b``, and the result is
     its slice of every branch, branch-major.
 
@@ -46,8 +49,9 @@ class NgramTables(nn.Module):
     def __init__(self, total_rows: int, width: int, table_dtype: str = "fp32"):
         super().__init__()
         self.table_dtype = table_dtype
-        trained = table_dtype == "fp32"  # trained tables take the module's dtype, as every other weight
-        self.holder = EngineParameter(self) if trained else ReadOnlyRows(self, table_dtype)
+        trained = module_holder(table_dtype) == PARAMETER  # the plan decides (fe_megatron.tables.plan)
+        self.holder = holder_for(module_holder(table_dtype), self, table_dtype)
+        # trained tables take the module's dtype, as every other weight
         self.weight = nn.Parameter(torch.empty(total_rows, width, dtype=None if trained else STORAGE[table_dtype]),
                                    requires_grad=trained)
         if has_row_scale(table_dtype):  # fp32 whatever the default dtype a loader builds the model under
@@ -55,14 +59,29 @@ class NgramTables(nn.Module):
         self.store: Optional[TableStore] = None
         self.store_in_state_dict = True
 
-    def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.holder.gather(indices).flatten(-2)  # [..., nb, w] -> [..., nb * w]
+    def forward(self, lookup: StartedLookup) -> torch.Tensor:
+        """The rows of a started ``lookup`` (`start_lookup`), concatenated: [..., nb, w] -> [..., nb * w].
+        Read through the module's call, so that what frameworks run around its forward runs (ZeRO-3 gathers
+        a partitioned parameter there); the lookup then reads its holder, and nothing calls back."""
+        return lookup.rows().flatten(-2)
 
-    def start_lookup(self, indices: torch.Tensor, device: torch.device) -> StartedLookup:
-        """A lookup of ``indices`` ([..., branches]) in these tables, the rows bound for ``device``: the holder's
-        (`fe_megatron.tables.holders`): a whole `TableStore`'s gather started, or, for rows the module holds, a
-        `ModuleLookup` (this module called when the rows are read)."""
-        return self.holder.start_lookup(indices, device)
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        """The rows of ``indices`` ([..., branches]) gathered now, concatenated ([..., nb * w]), outside any
+        framework's hooks (serving, tests)."""
+        return self.holder.gather(indices).flatten(-2)
+
+    def start_lookup(self, addresses: torch.Tensor, device: torch.device) -> StartedLookup:
+        """A lookup of ``addresses`` ([..., branches] row indices) in these tables, the rows bound for ``device``:
+        the holder's (`fe_megatron.tables.holders`): a whole `TableStore`'s gather started, for rows the module
+        holds a `ModuleLookup` (gathered when read), or, for row-sharded rows, their exchange. Read it with
+        ``self(lookup)``."""
+        return self.holder.start_lookup(addresses, device)
+
+    @property
+    def exchange_group(self):
+        """The row group whose ranks own these tables' rows (row-sharded tables), or None: lookups of tables
+        with the same group start in one exchange (`fe_megatron.memory.inputs.start_lookups`)."""
+        return self.holder.exchange_group
 
     @property
     def weight(self) -> torch.Tensor:
@@ -90,11 +109,14 @@ class NgramTables(nn.Module):
         self.holder.initialize(draw)
 
     def manage(self, placement: str, device=None, in_state_dict: bool = True,
-               layout: Optional[TableLayout] = None) -> TableStore:
+               layout: Optional[TableLayout] = None, partition: Optional[RowPartition] = None,
+               row_group=None) -> TableStore:
         """Hand the rows to a `TableStore` in ``placement`` ("device": on ``device``, default where
         they are; "host": host memory), stored as ``table_dtype`` (fp32 or bf16), with ``layout`` (where
         they sit in the whole table); the parameter is dropped.  ``in_state_dict``: whether the module's
         state dict keeps the rows (under the same name), or an engine saves them in files of its own.
+        ``partition``: these rows are this rank's shard of tables row-sharded over ``row_group``, looked up
+        by row exchange (`fe_megatron.tables.holders.RowShardedRows`).
         Idempotent.  `fe_megatron.tables.stage_tables.StageTables` calls it, and owns the store."""
         if self.store is not None:
             if layout is not None:
@@ -105,7 +127,7 @@ class NgramTables(nn.Module):
             weight = weight.to(device)
         del self._parameters["weight"]
         self.store, self.store_in_state_dict = TableStore(weight, placement, layout), in_state_dict
-        self.holder = self.store
+        self.holder = store_holder(self.store, partition, row_group)
         return self.store
 
     def _in_state_dict(self) -> dict:

@@ -9,6 +9,9 @@ through exactly one holder, and never ask which kind it is:
 * `fe_megatron.tables.store.TableStore`: rows that fe_megatron's table optimizer trains
   (`fe_megatron.tables.stage_tables.StageTables`, the owner of a stage's tables), kept outside the module's
   parameters and buffers;
+* `RowShardedRows`: this rank's shard of row-sharded (or node-shared) tables, in a `TableStore` that
+  fe_megatron's table optimizer trains; a lookup is a row exchange over the tables' row group
+  (`fe_megatron.tables.row_exchange`), which the lookups of every layer sharded over the same group share;
 * `ReadOnlyRows`: the serving kinds, which nothing trains: bf16 rows, fp8 rows with one scale per row
   (``row_scale``, `fe_megatron.tables.storage`), or rows mapped from a checkpoint file
   (`fe_megatron.hf.mmap_tables`; until a file is mapped, an unset placeholder).  A lookup gathers the rows and
@@ -17,20 +20,25 @@ through exactly one holder, and never ask which kind it is:
 The interface (``TableStore`` answers it too, all but ``rows_for_store``: its rows are in a store already):
 
 * ``weight``: the rows, [rows, width];
-* ``gather(indices)``: the rows of ``indices`` ([..., branches] -> [..., branches, width]), now (the module's
-  forward);
+* ``gather(indices)``: the rows of ``indices`` ([..., branches] -> [..., branches, width]), now;
 * ``start_lookup(indices, device)``: a started lookup (`fe_megatron.tables.store.StartedLookup`);
 * ``initialize(draw)``: fill the rows from ``draw`` (which writes an fp32 or bf16 tensor in place), in the
   holder's format;
 * ``rows_for_store()``: the rows, detached, for a `TableStore` to take over (the module then drops its
   parameter), or a ValueError naming why this holder's rows cannot be trained from a store;
 * ``outside_module``: the tensors the holder keeps outside the module's parameters and buffers, by name
-  (a store's rows), which the module's state dict and the engines' parameter counts add.
+  (a store's rows), which the module's state dict and the engines' parameter counts add;
+* ``exchange_group``: the process group whose ranks own the rows (row-sharded tables), or None: the
+  lookups of holders with the same group start together (`start_exchanged_lookups`).
+
+Which holder a table has is decided in one place: `fe_megatron.tables.plan` (`module_holder` for the rows
+a module holds; `TablePlan.holder` for a run's), and `NgramTables` builds it (`holder_for`).
 
 The engine's and the serving holders read the module's registered tensors when asked, never a copy:
 transformers' loading, DeepSpeed and ``module.to`` replace or move those tensors in place of the holder.
-Their started lookups (`ModuleLookup`) read the rows by calling the module, so that what frameworks run
-around its forward runs: ZeRO-3 gathers a partitioned parameter there.
+Their started lookups (`ModuleLookup`) gather when read; the branch reads every lookup through the module's
+call (``tables(lookup)``), so that what frameworks run around its forward runs: ZeRO-3 gathers a partitioned
+parameter there. A lookup goes one way: the module asks its holder, and the holder never calls the module.
 """
 
 from __future__ import annotations
@@ -39,9 +47,15 @@ import types
 
 import torch
 
+from typing import Optional
+
+import torch.distributed as dist
+
 from fe_megatron import ops
+from fe_megatron.tables.plan import PARAMETER, READ_ONLY
+from fe_megatron.tables.row_exchange import RowPartition, StageRowExchange
 from fe_megatron.tables.storage import ROW_SCALE, dequantize_rows, has_row_scale
-from fe_megatron.tables.store import StartedLookup
+from fe_megatron.tables.store import StartedLookup, TableStore
 
 
 NOTHING_OUTSIDE = types.MappingProxyType({})  # the rows are the module's own parameter or buffer
@@ -59,6 +73,7 @@ class _ModuleRows:
     """Rows held in the module's own tensors (``tables``: the `NgramTables`), read when asked."""
 
     outside_module = NOTHING_OUTSIDE
+    exchange_group = None
 
     def __init__(self, tables):
         self.tables = tables
@@ -68,7 +83,7 @@ class _ModuleRows:
         return _registered(self.tables, "weight")
 
     def start_lookup(self, indices: torch.Tensor, device) -> StartedLookup:
-        return ModuleLookup(self.tables, indices.to(device))
+        return ModuleLookup(self, indices.to(device))
 
 
 class EngineParameter(_ModuleRows):
@@ -127,14 +142,72 @@ class ReadOnlyRows(_ModuleRows):
         return self.weight.detach()
 
 
-class ModuleLookup(StartedLookup):
-    """A lookup in rows the module holds (the engine's parameter, read-only serving rows): gathered when read,
-    and again at each read (a recomputed layer), by calling the module (``tables(indices)``), so that the hooks
-    frameworks put around its forward run (ZeRO-3 gathers a partitioned parameter there)."""
+class RowShardedRows:
+    """This rank's rows of row-sharded tables (``store``: its shard, trained by fe_megatron's table optimizer),
+    split over ``group`` as ``partition`` says. A lookup sends each address to the rank that owns its row and
+    receives the rows back (`fe_megatron.tables.row_exchange`); there is no local gather of global rows."""
 
-    def __init__(self, tables, indices: torch.Tensor):
-        self.tables, self.indices = tables, indices
+    def __init__(self, store: TableStore, partition: RowPartition, group: dist.ProcessGroup):
+        self.store, self.partition, self.exchange_group = store, partition, group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.store.weight
+
+    @property
+    def outside_module(self) -> dict:
+        return self.store.outside_module
+
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.start_lookup(indices, indices.device).rows()
+
+    def start_lookup(self, indices: torch.Tensor, device) -> StartedLookup:
+        """This layer's row exchange, alone (`start_exchanged_lookups` starts one for several layers)."""
+        return start_exchanged_lookups([self], [indices.to(device)])[0]
+
+    def initialize(self, draw) -> None:
+        self.store.initialize(draw)
+
+    def rows_for_store(self) -> torch.Tensor:
+        raise ValueError("these tables are row-sharded in a store already")
+
+
+def start_exchanged_lookups(holders: list, indices: list) -> list:
+    """One started lookup per holder in ``holders`` (row-sharded holders of one exchange group), for its
+    ``indices``, all in one `StageRowExchange`: one set of all-to-alls whatever the number of layers."""
+    groups = {id(holder.exchange_group) for holder in holders}
+    if len(groups) != 1 or None in [holder.exchange_group for holder in holders]:
+        raise ValueError("one row exchange serves holders of one row group; start the others apart")
+    exchange = StageRowExchange([holder.store for holder in holders], list(indices),
+                                [holder.partition for holder in holders], holders[0].exchange_group)
+    return [exchange.layer_lookup(position) for position in range(len(holders))]
+
+
+def holder_for(kind: str, tables, table_dtype: str):
+    """The holder of kind ``kind`` (`fe_megatron.tables.plan.module_holder`) over the module ``tables``."""
+    if kind == PARAMETER:
+        return EngineParameter(tables)
+    if kind == READ_ONLY:
+        return ReadOnlyRows(tables, table_dtype)
+    raise ValueError(f"a module holds its rows as {PARAMETER!r} or {READ_ONLY!r}, not {kind!r}")
+
+
+def store_holder(store: TableStore, partition: Optional[RowPartition] = None,
+                 group: Optional[dist.ProcessGroup] = None):
+    """The holder of rows a store took over: the store itself, or, for rows sharded over ``group``
+    (``partition``), a `RowShardedRows` over it."""
+    return store if partition is None else RowShardedRows(store, partition, group)
+
+
+class ModuleLookup(StartedLookup):
+    """A lookup in rows the module holds (the engine's parameter, read-only serving rows): gathered by the
+    holder when read, and again at each read (a recomputed layer). The branch reads it through the module's
+    call (`fe_megatron.memory.tables.NgramTables.forward`), so that the hooks frameworks put around its
+    forward have run (ZeRO-3 gathers a partitioned parameter there)."""
+
+    def __init__(self, holder: _ModuleRows, indices: torch.Tensor):
+        self.holder, self.indices = holder, indices
 
     def rows(self) -> torch.Tensor:
         """``[*indices.shape, width]``: the parameter's rows in its dtype (differentiable), serving rows in fp32."""
-        return self.tables(self.indices).unflatten(-1, (self.indices.shape[-1], -1))
+        return self.holder.gather(self.indices)

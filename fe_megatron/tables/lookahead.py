@@ -12,7 +12,7 @@ the step begins.
 
 Each microbatch dict must carry its token ids in host memory as ``host_tokens``
 (`fe_megatron.training.run.EngineRun.batches`); the iterator yields the dicts with the started
-lookups added as ``memory_lookups`` (``{layer_index: lookup}``).  `microbatch_feed` is the one feed
+lookups added as ``memory_inputs`` (the `fe_megatron.memory.inputs.MemoryInputs` that ``start`` returns).  `microbatch_feed` is the one feed
 both engines walk a step's microbatches with: without ``host_tokens`` it hands the batches out as
 they are.
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 HOST_TOKENS = "host_tokens"
-MEMORY_LOOKUPS = "memory_lookups"
+MEMORY_INPUTS = "memory_inputs"
 
 
 def microbatch_feed(batches: list, start: Callable[[object], dict]) -> "MicrobatchLookups":
@@ -34,13 +34,13 @@ def microbatch_feed(batches: list, start: Callable[[object], dict]) -> "Microbat
 
 class MicrobatchLookups:
     """An iterator over ``batches`` (dicts with ``host_tokens``) that adds each one's lookups,
-    started one microbatch ahead by ``start(host_tokens) -> {layer_index: lookup}`` (``start`` None:
+    started one microbatch ahead by ``start(host_tokens) -> MemoryInputs`` (``start`` None:
     the batches as they are, and `start_next` does nothing)."""
 
     def __init__(self, batches: list, start: Optional[Callable[[object], dict]]):
         self.batches, self.start = list(batches), start
         self.position = 0  # the next microbatch to hand out
-        self.ahead: Optional[dict] = None  # the lookups of microbatch `position`, once started
+        self.ahead = None  # the lookups of microbatch `position`, once started
         self.started = 0  # lookups started so far (for tests and benchmarks)
 
     def __iter__(self):
@@ -54,7 +54,7 @@ class MicrobatchLookups:
             return self.batches[self.position - 1]
         if self.ahead is None:  # the step's first microbatch (or a caller that never called start_next)
             self.start_next()
-        batch = dict(self.batches[self.position], **{MEMORY_LOOKUPS: self.ahead})
+        batch = dict(self.batches[self.position], **{MEMORY_INPUTS: self.ahead})
         self.position += 1
         self.ahead = None
         return batch

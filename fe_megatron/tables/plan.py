@@ -37,6 +37,25 @@ from fe_megatron.tables.optimizer import DTYPE_BYTES
 from fe_megatron.tables.update_rules import UpdateRule, update_rule
 
 ENGINE, STORES = "engine", "stores"
+# Who holds a table's rows (`fe_megatron.tables.holders`): a parameter of the module (trained by the engine's
+# optimizer), read-only serving rows of the module, a `TableStore`, or a store's shard of row-sharded rows.
+PARAMETER, READ_ONLY, STORE, ROW_SHARDED_STORE = "parameter", "read_only", "store", "row_sharded_store"
+# parallel.table_sharding values whose rows each have one owner rank in the tables' row group
+ROW_SHARDED, NODE_SHARED = "rows", "node"
+ROW_SHARDINGS = (ROW_SHARDED, NODE_SHARED)
+
+
+def module_holder(table_dtype: str) -> str:
+    """Who holds a table's rows before any store takes them: fp32 rows are a parameter the engine's optimizer
+    can train; bf16 and fp8 rows are served as they are (a run's plan moves trained bf16 rows into a store,
+    `TablePlan.holder`)."""
+    return PARAMETER if table_dtype == "fp32" else READ_ONLY
+
+
+def shards_rows(table_sharding: str) -> bool:
+    """Whether ``table_sharding`` splits each table's rows over the tables' row group (and so whether a
+    layer needs that group to look its rows up)."""
+    return table_sharding in ROW_SHARDINGS
 
 
 @dataclass(frozen=True)
@@ -53,13 +72,14 @@ class TablePlan:
     reasons: tuple = ()  # why STORES: the settings that asked for it
     sharded_backbone: bool = False  # the backbone under Megatron-FSDP: the tables are checkpointed beside its state
     shared_folder: str = "/dev/shm"  # node-shared tables: the node's shared-memory folder (parallel.shared_table_folder)
+    recompute: str = "none"  # training.recompute: none | selective | full
 
     @classmethod
     def resolve(cls, engine: str = "megatron", dtype: str = "fp32", state_dtype: str = "fp32",
                 placement: str = "device", sharding: str = "replicated", update: str = "adamw",
                 bf16_run: bool = False, stage_without_memory: bool = False,
                 expert_parallel: int = 1, sharded_backbone: bool = False,
-                shared_folder: str = "/dev/shm") -> "TablePlan":
+                shared_folder: str = "/dev/shm", recompute: str = "none") -> "TablePlan":
         rule = update_rule(update)
         reasons = []
         if dtype != "fp32":
@@ -83,7 +103,7 @@ class TablePlan:
         if engine == "megatron" and sharded_backbone:
             reasons.append("a backbone under Megatron-FSDP")
         return cls(engine, dtype, state_dtype, placement, sharding, update, STORES if reasons else ENGINE,
-                   tuple(reasons), engine == "megatron" and sharded_backbone, shared_folder)
+                   tuple(reasons), engine == "megatron" and sharded_backbone, shared_folder, recompute)
 
     @classmethod
     def for_run(cls, cfg, bf16_run: bool = False, stage_without_memory: bool = False,
@@ -95,7 +115,7 @@ class TablePlan:
         memory, o, p = cfg.memory, cfg.optimizer, cfg.parallel
         return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
                            p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert,
-                           sharded_backbone, p.shared_table_folder)
+                           sharded_backbone, p.shared_table_folder, cfg.training.recompute)
 
     @classmethod
     def saved_mode(cls, info: dict):
@@ -121,15 +141,30 @@ class TablePlan:
     def row_sharded(self) -> bool:
         """Whether every row has one owner rank in the tables' row group (``rows``, and ``node``, whose
         nodes share their ranks' rows)."""
-        return self.sharding in ("rows", "node")
+        return shards_rows(self.sharding)
 
     @property
     def node_shared(self) -> bool:
-        return self.sharding == "node"
+        return self.sharding == NODE_SHARED
 
     @property
     def in_stores(self) -> bool:
         return self.trainer == STORES
+
+    @property
+    def holder(self) -> str:
+        """Who holds a trained layer's rows in this run (`fe_megatron.tables.holders`): the engine's
+        parameter, a store, or a store's shard of row-sharded rows."""
+        if not self.in_stores:
+            return PARAMETER
+        return ROW_SHARDED_STORE if self.row_sharded else STORE
+
+    @property
+    def lookahead(self) -> bool:
+        """Whether each microbatch's table rows are fetched one microbatch ahead (`fe_megatron.tables.
+        lookahead`): tables in host memory, except under full recompute, whose layers run twice and
+        look their rows up themselves."""
+        return self.placement == "host" and self.recompute != "full"
 
     @property
     def tables_in_model_state_dict(self) -> bool:

@@ -87,7 +87,8 @@ class StageTables:
             layout = TableLayout(branch.layer_index, tuple(branch.global_row_slices("tables.weight")),
                                  branch.parallel.tensor_parallel_rank * branch.tables.weight.shape[1],
                                  branch.config.branch_width)
-            store = branch.tables.manage(plan.placement, self.device, plan.tables_in_model_state_dict, layout)
+            store = branch.tables.manage(plan.placement, self.device, plan.tables_in_model_state_dict, layout,
+                                         branch.row_partition, branch.parallel.memory_parallel_group)
             if self.sparse:
                 store.allocate_row_gradients()
             else:

@@ -142,6 +142,8 @@ class TableStore:
     """One layer's table (or this rank's row shard of it) and its gradient, in ``placement``, and where its
     rows and columns sit in the whole table (``layout``, a `TableLayout`; None: the whole table)."""
 
+    exchange_group = None  # the holder interface (`fe_megatron.tables.holders`): whole tables
+
     def __init__(self, weight: torch.Tensor, placement: str, layout: Optional[TableLayout] = None):
         if placement not in ("device", "host"):
             raise ValueError(f"placement {placement!r} is not one of ('device', 'host')")

@@ -90,10 +90,9 @@ class EngineRun:
     @property
     def fetches_rows_ahead(self) -> bool:
         """Whether each microbatch's table rows are fetched from host memory one microbatch ahead
-        (`fe_megatron.tables.lookahead`): the host tier, except under full recompute, whose layers
-        look their rows up themselves."""
-        memory = self.cfg.memory
-        return memory is not None and memory.table_placement == "host" and self.cfg.training.recompute != "full"
+        (`fe_megatron.tables.lookahead`): the table plan's decision (`TablePlan.lookahead`)."""
+        plan = table_plan(self.cfg)
+        return plan is not None and plan.lookahead
 
     def evaluation_batches(self, dataset, index: int) -> list:
         """This rank's microbatches of the ``index``-th window of ``eval_steps`` global batches of

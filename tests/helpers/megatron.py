@@ -6,12 +6,12 @@ import torch
 from tests.helpers.configs import tiny_transformer_config
 
 
-def build(memory_config=None, **transformer_overrides):
+def build(memory_config=None, table_sharding: str = "replicated", **transformer_overrides):
     """The tiny GPT (vocabulary 128, 32 positions) with ``memory_config``'s branches, or without memory."""
     from fe_megatron.megatron.builder import build_gpt_model
 
     cfg = tiny_transformer_config(**transformer_overrides)
-    return build_gpt_model(cfg, 128, 32, memory_config)
+    return build_gpt_model(cfg, 128, 32, memory_config, table_sharding=table_sharding)
 
 
 def batches(n, seq=32, mbs=2):

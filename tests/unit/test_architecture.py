@@ -134,6 +134,43 @@ def test_no_module_asks_which_kind_of_holder_keeps_a_table():
     assert not found, "\n".join(found)
 
 
+# Where a table's rows are (docs/architecture.md, "Who decides how the tables are kept"): the tables package
+# keeps them, and `NgramTables` (fe_megatron/memory/tables.py) hands them to their holder. Every other module
+# reaches rows through the holder's interface (`start_lookup`, `exchange_group`, ...) or the owner of a stage's
+# tables (`StageTables.stores`), never through a store: no `<anything>.store` attribute, and no import of what
+# reads a store directly.
+OWNS_THE_STORES = ("fe_megatron.tables", "fe_megatron.memory.tables")
+READS_A_STORE = {"TableStore", "StoreLookup", "row_lookup", "StageRowExchange", "RowShardedRows"}
+
+
+def reaches_past_the_holder(name: str, path: str) -> list:
+    """Where module ``name`` reads a table's store itself: ``.store`` attributes, and imports of what reads one."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        triton_store = isinstance(getattr(node, "value", None), ast.Name) and node.value.id == "tl"  # tl.store
+        if isinstance(node, ast.Attribute) and node.attr == "store" and not triton_store:
+            found.append(f"{name}:{node.lineno} reads .store")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fe_megatron"):
+            found += [f"{name}:{node.lineno} imports {alias.name}" for alias in node.names
+                      if alias.name in READS_A_STORE]
+    return found
+
+
+def test_no_module_reaches_a_table_store_past_its_holder():
+    found = [line for name, path in sorted(modules().items())
+             if not any(name == owner or name.startswith(owner + ".") for owner in OWNS_THE_STORES)
+             for line in reaches_past_the_holder(name, path)]
+    assert not found, "\n".join(found)
+
+
+def test_the_holder_check_sees_a_store_read_and_an_import(tmp_path):
+    """The check above would catch what it is for (and not only three strings)."""
+    module = tmp_path / "reader.py"
+    module.write_text("from fe_megatron.tables.row_exchange import row_lookup\n"
+                      "def rows(branch, ids):\n    return row_lookup(branch.tables.store, ids)\n")
+    assert reaches_past_the_holder("reader", str(module)) == ["reader:1 imports row_lookup", "reader:3 reads .store"]
+
+
 def test_inside_the_core_the_tables_sit_below_the_memory_branches(graph):
     _, edges = graph
 

@@ -63,10 +63,11 @@ def test_started_now_at_each_run_or_ahead_the_branch_gives_the_same_output_and_g
     for schedule in ("now", "at each run", "ahead"):
         branch = copy.deepcopy(reference)
         branches, addresses = {1: branch}, {1: branch.addresses(ids)}
-        if schedule == "ahead":
-            addresses = start_lookups(branches, addresses)
-        inputs = schedule_lookups(branches, addresses, recomputed=False, start_now=schedule == "now")
-        assert isinstance(inputs.entry(1), torch.Tensor) == (schedule == "at each run")
+        given = MemoryInputs(lookups=start_lookups(branches, addresses)) if schedule == "ahead" \
+            else MemoryInputs(addresses=addresses)
+        inputs = schedule_lookups(branches, given, recomputed=False, start_now=schedule == "now")
+        assert (1 in inputs.addresses) == (schedule == "at each run")
+        assert (1 in inputs.lookups) == (schedule != "at each run")
         results.append(run(branch, inputs))
     for m, grads in results[1:]:
         torch.testing.assert_close(m, results[0][0], rtol=0, atol=0)
@@ -86,19 +87,26 @@ def test_a_host_tier_lookup_read_twice_says_why():
 def test_a_recomputed_forward_keeps_the_addresses_and_refuses_lookups_started_ahead():
     branch, ids = branch_and_ids()
     branches, addresses = {1: branch}, {1: branch.addresses(ids)}
-    inputs = schedule_lookups(branches, addresses, recomputed=True)
-    assert inputs.entry(1) is addresses[1]
+    inputs = schedule_lookups(branches, MemoryInputs(addresses=addresses), recomputed=True)
+    assert inputs.addresses_of(1) is addresses[1] and not inputs.lookups
     first, second = inputs.lookup_of(1, branch), inputs.lookup_of(1, branch)  # each run starts its own
     assert first is not second and torch.equal(first.rows(), second.rows())
     with pytest.raises(ValueError, match=r"memory layers \[1\]: where a forward is recomputed"):
-        schedule_lookups(branches, start_lookups(branches, addresses), recomputed=True)
+        schedule_lookups(branches, MemoryInputs(lookups=start_lookups(branches, addresses)), recomputed=True)
 
 
 def test_missing_layers_and_foreign_entries_are_refused_by_name():
     branch, ids = branch_and_ids()
+    addresses = branch.addresses(ids)
     with pytest.raises(ValueError, match=r"no entry for memory layers \[1\] \(they have \[3\]\)"):
-        schedule_lookups({1: branch}, {3: branch.addresses(ids)}, recomputed=False)
+        schedule_lookups({1: branch}, MemoryInputs(addresses={3: addresses}), recomputed=False)
     with pytest.raises(RuntimeError, match=r"no memory inputs for memory layer 4 in this forward \(it has \[1\]\)"):
-        MemoryInputs({1: branch.addresses(ids)}).entry(4)
-    with pytest.raises(TypeError, match="addresses .* or a started lookup; got a list"):
-        MemoryInputs({1: [1, 2]}).lookup_of(1, branch)
+        MemoryInputs(addresses={1: addresses}).lookup_of(4, branch)
+    with pytest.raises(TypeError, match="memory layer 1: addresses are a tensor of row indices, got a list"):
+        MemoryInputs(addresses={1: [1, 2]})
+    with pytest.raises(TypeError, match=r"memory layer 1: a started lookup \(branch.start_lookup\(addresses\)\), got a "
+                                        "Tensor"):
+        MemoryInputs(lookups={1: addresses})
+    lookup = branch.start_lookup(addresses)
+    with pytest.raises(ValueError, match=r"memory layers \[1\] have both addresses and a started lookup"):
+        MemoryInputs(addresses={1: addresses}, lookups={1: lookup})

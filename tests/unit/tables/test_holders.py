@@ -45,7 +45,7 @@ def test_every_holder_reads_the_rows_it_was_given(holder, tmp_path):
     rows = lookup.rows()
     assert rows.shape == (3, 7, branch.config.num_branches, expected.shape[1]) and rows.dtype == torch.float32
     torch.testing.assert_close(rows.detach(), expected[indices], rtol=0, atol=0)
-    torch.testing.assert_close(branch.tables(indices), expected[indices].flatten(-2), rtol=0, atol=0)
+    torch.testing.assert_close(branch.tables.gather(indices), expected[indices].flatten(-2), rtol=0, atol=0)
     assert rows.requires_grad == (not isinstance(branch.tables.holder, ReadOnlyRows))  # nothing trains serving rows
 
 
@@ -95,7 +95,7 @@ def test_an_unmapped_table_is_not_drawn_and_refuses_a_lookup():
     drawn = [name for name, param in branch.named_parameters() if param.abs().sum() > 0]
     assert drawn and not any(name.startswith("tables.") for name in drawn)
     with pytest.raises(RuntimeError, match="neither in memory nor mapped: table_storage='mmap' maps them"):
-        branch.tables(torch.zeros(2, branch.config.num_branches, dtype=torch.long))
+        branch.tables.gather(torch.zeros(2, branch.config.num_branches, dtype=torch.long))
 
 
 def test_an_fp8_table_is_drawn_as_the_fp32_draw_quantized():
@@ -117,7 +117,7 @@ def test_a_copied_module_reads_its_own_rows(holder, tmp_path):
     with torch.no_grad():
         branch.tables.weight.copy_(torch.zeros(branch.tables.weight.shape))
     indices = torch.randint(0, expected.shape[0], (4, branch.config.num_branches))
-    torch.testing.assert_close(copied.tables(indices), expected[indices].flatten(-2), rtol=0, atol=0)
+    torch.testing.assert_close(copied.tables.gather(indices), expected[indices].flatten(-2), rtol=0, atol=0)
 
 
 def test_the_engines_parameter_is_read_when_replaced():
@@ -127,18 +127,22 @@ def test_the_engines_parameter_is_read_when_replaced():
     replacement = torch.nn.Parameter(torch.randn(branch.tables.weight.shape))
     branch.tables.weight = replacement
     indices = torch.randint(0, replacement.shape[0], (4, branch.config.num_branches))
-    torch.testing.assert_close(branch.tables(indices), replacement.detach()[indices].flatten(-2), rtol=0, atol=0)
+    torch.testing.assert_close(branch.tables.gather(indices), replacement.detach()[indices].flatten(-2), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("holder", ["parameter", "fp8"])
 def test_a_started_lookup_reads_the_rows_through_the_module_s_call(holder, tmp_path):
     """ZeRO-3 gathers a partitioned parameter in hooks around the module's forward: a lookup started ahead of
-    the forward reads its rows by calling the module, so those hooks run when the rows are read."""
+    the forward gathers nothing until the branch reads it, and the branch reads it by calling the module, so
+    those hooks have run when the rows are gathered. The holder never calls the module back (one way)."""
     branch, expected = tables_held_by(holder, tmp_path)
     calls = []
-    branch.tables.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    branch.tables.register_forward_pre_hook(lambda module, args: calls.append(args[0]))
     indices = torch.randint(0, expected.shape[0], (2, 3, branch.config.num_branches))
     lookup = branch.tables.start_lookup(indices, torch.device("cpu"))
-    assert calls == []
-    lookup.rows()
-    assert calls == [indices.shape]
+    torch.testing.assert_close(lookup.rows().float(), expected[indices].float(), rtol=0, atol=0)
+    assert calls == []  # read by itself, the lookup asked its holder only
+    hidden = torch.randn(2, 3, branch.config.hidden_size)
+    rows = branch.lookup(hidden, None, lookup)
+    assert calls == [lookup]
+    torch.testing.assert_close(rows, expected[indices].flatten(-2).to(hidden.dtype), rtol=0, atol=0)

@@ -2,7 +2,7 @@
 
 import torch
 
-from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_LOOKUPS, MicrobatchLookups, microbatch_feed
+from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_INPUTS, MicrobatchLookups, microbatch_feed
 
 
 def test_each_microbatch_s_rows_are_fetched_once_the_previous_forward_is_issued():
@@ -15,7 +15,7 @@ def test_each_microbatch_s_rows_are_fetched_once_the_previous_forward_is_issued(
 
     feed = MicrobatchLookups(batches, start)
     for batch in feed:
-        events.append(f"forward {batch[MEMORY_LOOKUPS]['rows of']}")
+        events.append(f"forward {batch[MEMORY_INPUTS]['rows of']}")
         feed.start_next()
     assert events == ["fetch 0", "forward 0", "fetch 1", "forward 1", "fetch 2", "forward 2"]
     assert feed.started == 3
@@ -34,5 +34,5 @@ def test_the_engines_feed_starts_lookups_only_for_batches_with_host_tokens():
     assert handed == plain and started == [] and feed.started == 0
     hosted = [{HOST_TOKENS: torch.full((1, 4), index)} for index in range(2)]
     feed = microbatch_feed(hosted, lambda tokens: {"rows of": int(tokens[0, 0])})
-    assert [batch[MEMORY_LOOKUPS]["rows of"] for batch in feed] == [0, 1]
+    assert [batch[MEMORY_INPUTS]["rows of"] for batch in feed] == [0, 1]
     assert list(microbatch_feed([], lambda tokens: {})) == []

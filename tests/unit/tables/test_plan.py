@@ -52,3 +52,28 @@ def test_the_plan_says_where_the_tables_are_checkpointed(engine, settings, in_mo
     """Megatron's dist-checkpoint saves the tables with the model, except beside a backbone under
     Megatron-FSDP, whose fsdp_dtensor checkpoint has them beside it (as the DeepSpeed engine's files do)."""
     assert TablePlan.resolve(engine, **settings).tables_in_model_state_dict is in_model
+
+
+@pytest.mark.parametrize("settings, holder", [
+    ({}, "parameter"),
+    ({"dtype": "bf16"}, "store"),
+    ({"placement": "host"}, "store"),
+    ({"sharding": "rows"}, "row_sharded_store"),
+    ({"sharding": "node", "placement": "host"}, "row_sharded_store"),
+    ({"engine": "deepspeed", "sharding": "zero"}, "parameter"),
+])
+def test_the_plan_decides_who_holds_the_rows(settings, holder):
+    assert TablePlan.resolve(**settings).holder == holder
+
+
+@pytest.mark.parametrize("placement, recompute, ahead", [
+    ("host", "none", True), ("host", "selective", True), ("host", "full", False), ("device", "none", False)])
+def test_the_plan_decides_whether_rows_are_fetched_a_microbatch_ahead(placement, recompute, ahead):
+    assert TablePlan.resolve(placement=placement, recompute=recompute).lookahead is ahead
+
+
+def test_the_plan_decides_which_shardings_need_the_row_group_and_what_a_module_holds():
+    from fe_megatron.tables.plan import module_holder, shards_rows
+
+    assert [sharding for sharding in ("replicated", "rows", "node", "zero") if shards_rows(sharding)] == ["rows", "node"]
+    assert [module_holder(dtype) for dtype in ("fp32", "bf16", "fp8")] == ["parameter", "read_only", "read_only"]

@@ -51,7 +51,7 @@ def test_a_quantized_branch_gathers_its_stored_rows(table_dtype):
     indices = torch.randint(0, full.tables.weight.shape[0], (3, 17, small_config().num_branches))
     flat = indices.reshape(-1)
     expected = dequantize_rows(stored["weight"][flat], stored["row_scale"][flat] if table_dtype == "fp8" else None)
-    assert torch.equal(quantized.tables(indices), expected.reshape(3, 17, -1))
+    assert torch.equal(quantized.tables.gather(indices), expected.reshape(3, 17, -1))
     hidden = torch.randn(3, 17, small_config().hidden_size)
     tokens = torch.randint(0, small_config().vocab_size, (3, 17))
     with torch.no_grad():
