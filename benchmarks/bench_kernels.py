@@ -138,7 +138,7 @@ def main():
     def backward_dense():
         backward_into(lambda layer: torch.zeros_like(tables[layer]))
 
-    ops.register_weight_gradient_sink(accumulate_into_main_grad)  # (importing the adapter registers it too)
+    ops.register_weight_gradient_sink(accumulate_into_main_grad)  # as a Megatron run installs it in its scope
 
     def full_path():
         per_layer = hasher.indices_per_layer(ids, validate=False)

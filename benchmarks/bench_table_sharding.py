@@ -37,11 +37,9 @@ MODES = (("replicated", "replicated", True), ("rows", "rows", True), ("rows-per-
          ("rows-no-prefetch", "rows", False))
 
 
-def start_each_layer_alone(branches: dict, indices: dict, device=None) -> dict:
+def start_each_layer_alone(branches: dict, addresses: dict, device=None) -> dict:
     """The lookups as they were started before the stage exchange: each layer its own exchange."""
-    from fe_megatron.memory.inputs import started
-
-    return {index: started(value, branches[index], device) for index, value in indices.items()}
+    return {index: branches[index].start_lookup(value, device) for index, value in addresses.items()}
 
 
 class AllToAllCounter:

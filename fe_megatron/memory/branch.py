@@ -145,7 +145,8 @@ class MemoryBranch(nn.Module):
         if self.row_partition is not None and self.tables.exchange_group is None:
             raise RuntimeError(f"layer {self.layer_index}: its tables are row-sharded, and their rows are looked up "
                                "from their owners' stores: hand them to fe_megatron.tables.stage_tables.StageTables "
-                               "first")
+                               "first (or tables.manage(..., partition=branch.row_partition, "
+                               "row_group=branch.parallel.memory_parallel_group))")
         return self.tables.start_lookup(addresses, addresses.device if device is None else torch.device(device))
 
     def lookup(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor],

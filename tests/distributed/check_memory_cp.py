@@ -56,7 +56,8 @@ def main():
         par.load_state_dict(shard_state_dict(ref.state_dict(), mc.kind, 0, 1, par.row_partition))
         store = None
         if par.row_partition is not None:  # row-sharded tables train from a store, as the table plan keeps them
-            store = par.tables.manage("device", torch.device("cpu"))
+            store = par.tables.manage("device", torch.device("cpu"), partition=par.row_partition,
+                                      row_group=par.parallel.memory_parallel_group)
             store.allocate_gradient(torch.float32)
         seq, batch = 48, 2
         h = torch.randn(seq, batch, mc.hidden_size)

@@ -118,8 +118,10 @@ def rows3(start):
 
 
 @pytest.mark.distributed
+# ZeRO-0's clipping hook runs in the rows case (the backbone inside ZeRO, the tables outside it): a ZeRO-0 case
+# with the tables inside too would run the same hook over a subset, so there is none (CI's time budget).
 @pytest.mark.parametrize("stage,launcher,sharding", [(0, "torchrun", "rows"), (1, "deepspeed", "node"),
-                                                     (2, "torchrun", "replicated"), (0, "torchrun", "replicated")])
+                                                     (2, "torchrun", "replicated")])
 def test_zero_0_1_and_2_match_the_megatron_engine(start, megatron_run, rows3, tmp_path, stage, launcher, sharding):
     """Same batches, same weights, clipping active: the loss curves and the logged gradient norms agree
     to fp32 rounding, with the tables as ZeRO's parameters and with them row-sharded outside it (also
