@@ -40,7 +40,8 @@ from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPr
                                                       LlamaRotaryEmbedding)
 
 from fe_megatron.memory import Decoding, DecodingState, MemoryBranch, build_memory, layer_sparsity, weighted_sparsity
-from fe_megatron.memory.inputs import MemoryInputs, schedule_lookups, start_lookups
+from fe_megatron.memory.inputs import (MemoryInputs, given_inputs, refuse_renamed_keywords, schedule_lookups,
+                                      start_lookups)
 
 from .configuration_fe_megatron import FactorEngramConfig
 
@@ -244,7 +245,9 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
                 inputs_embeds: Optional[torch.Tensor] = None, use_cache: Optional[bool] = None, cache=None,
                 memory_inputs: Optional[MemoryInputs] = None, **kwargs):
         """``memory_inputs``: the lookups `start_memory_lookups` started ahead for these ``input_ids`` (the host
-        tier's prefetch; training only), or addresses hashed by the caller (`fe_megatron.memory.inputs`)."""
+        tier's prefetch; training only), or addresses hashed by the caller (`fe_megatron.memory.inputs`); neither
+        with padding or a cache, whose positions the model hashes itself."""
+        refuse_renamed_keywords(kwargs)
         cache = _one_cache(cache, past_key_values)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         recomputed = self._memory_recomputed()
@@ -310,10 +313,11 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         in one exchange; otherwise, and under gradient checkpointing (``recomputed``), each layer starts its
         own when it runs, on its own device. What ``given`` holds (lookups started ahead) is kept."""
         decodings = self._decodings(input_ids, attention_mask, cache)
-        given = given if given is not None else MemoryInputs()
-        if given.lookups and decodings:
-            raise ValueError("lookups started ahead (memory_inputs, for training) cannot be used with padding or a "
-                             "cache; pass use_cache=False and no attention_mask, or no memory_inputs")
+        given = given_inputs(given)
+        if given.layers and decodings:
+            raise ValueError("memory_inputs (lookups started ahead or addresses hashed by the caller, for training) "
+                             "cannot be used with padding or a cache, whose positions the model hashes itself; pass "
+                             "use_cache=False and no attention_mask, or no memory_inputs")
         if given.lookups and recomputed:
             raise ValueError("lookups started ahead (memory_inputs) are read once, and gradient checkpointing runs "
                              "each layer twice; pass no memory_inputs while gradient checkpointing is on")
@@ -365,11 +369,12 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None, memory_lookups=None,
-                **kwargs):
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None,
+                memory_inputs: Optional[MemoryInputs] = None, **kwargs):
+        refuse_renamed_keywords(kwargs)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=_one_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
-                             use_cache=use_cache, memory_lookups=memory_lookups, **kwargs)
+                             use_cache=use_cache, memory_inputs=memory_inputs, **kwargs)
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
@@ -382,8 +387,8 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
         return FactorEngramCausalLMOutput(loss=loss, logits=logits, sparsity_loss=outputs.sparsity_loss,
                                           **{CACHE_KEYWORD: getattr(outputs, CACHE_KEYWORD)})
 
-    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> dict:
-        """`FactorEngramModel.start_memory_lookups`: pass the result to ``forward`` as ``memory_lookups``."""
+    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> MemoryInputs:
+        """`FactorEngramModel.start_memory_lookups`: pass the result to ``forward`` as ``memory_inputs``."""
         return self.model.start_memory_lookups(input_ids, device)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):

@@ -8,12 +8,12 @@ import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.megatron.hasher import MicrobatchHasher, refuse_renamed_keywords
+from fe_megatron.megatron.hasher import MicrobatchHasher
 from fe_megatron.megatron.memory_inputs import (handed_to, lookups_started_ahead, stage_branches,
                                                 stage_memory_inputs)
 from fe_megatron.megatron.sparsity import pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import FactorEngramTransformerLayer
-from fe_megatron.memory.inputs import MemoryInputs
+from fe_megatron.memory.inputs import MemoryInputs, refuse_renamed_keywords
 
 
 class FactorEngramGPTModel(GPTModel):

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from fe_megatron.config import MemoryConfig
-from fe_megatron.memory.inputs import MemoryInputs
+from fe_megatron.memory.inputs import MemoryInputs, given_inputs
 from fe_megatron.ngram import NgramHasher
 
 
@@ -34,10 +34,7 @@ class MicrobatchHasher:
         """A model forward's `MemoryInputs` for this stage's layers: ``memory_inputs`` (addresses hashed by the
         batch, lookups started ahead) where they address a layer, the other layers hashed here from
         ``token_ids``; refused where that cannot be (a context-parallel split, a stage without token ids)."""
-        given = memory_inputs if memory_inputs is not None else MemoryInputs()
-        if not isinstance(given, MemoryInputs):
-            raise TypeError(f"memory_inputs must be a fe_megatron.memory.inputs.MemoryInputs, got a "
-                            f"{type(given).__name__}")
+        given = given_inputs(memory_inputs)
         if all(layer in given.layers for layer in self.layers):
             return given.complete(self.layers, None)
         if context_parallel_size > 1:
@@ -48,14 +45,6 @@ class MicrobatchHasher:
             raise ValueError(f"this pipeline stage holds memory layers {self.layers} and needs input_ids (or "
                              "memory_inputs); give token ids to every pipeline stage")
         return given.complete(self.layers, self(token_ids).__getitem__)
-
-
-def refuse_renamed_keywords(kwargs: dict) -> None:
-    """A clear error for the memory keyword the models took before `MemoryInputs` carried their inputs."""
-    if "memory_indices" in kwargs:
-        raise TypeError("memory_indices= is now memory_inputs=: pass "
-                        "fe_megatron.memory.inputs.MemoryInputs(addresses=...) for row indices, or the result of "
-                        "model.start_memory_lookups(...) for lookups started ahead")
 
 
 def hash_then_split_for_context_parallel(hasher: MicrobatchHasher, token_ids: torch.Tensor, cp_size: int,

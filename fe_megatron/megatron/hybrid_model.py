@@ -30,13 +30,13 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from fe_megatron.config import MemoryConfig
 from fe_megatron.hybrid_pattern import memory_positions
-from fe_megatron.megatron.hasher import MicrobatchHasher, refuse_renamed_keywords
+from fe_megatron.megatron.hasher import MicrobatchHasher
 from fe_megatron.megatron.memory_inputs import (handed_to, lookups_started_ahead, stage_branches,
                                                 stage_memory_inputs)
 from fe_megatron.megatron.memory_layer import build_memory_branch
 from fe_megatron.megatron.sparsity import attach_sparsity_loss, pop_stage_sparsity_loss
 from fe_megatron.megatron.transformer_layer import HostsMemory
-from fe_megatron.memory.inputs import MemoryInputs
+from fe_megatron.memory.inputs import MemoryInputs, refuse_renamed_keywords
 
 
 class MemoryBeforeAttentionLayer(HostsMemory, TransformerLayer):

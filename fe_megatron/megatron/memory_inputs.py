@@ -48,8 +48,8 @@ def lookups_started_ahead(layers: list, hasher, token_ids: torch.Tensor, device)
 
 def stage_memory_inputs(config, training: bool, branches: dict, inputs: MemoryInputs,
                         start_lookups_now: bool = True) -> MemoryInputs:
-    """This forward's `MemoryInputs` for ``branches`` (``{block: branch}``) from ``inputs`` (``{block:
-    [s, b, branches] addresses, or a lookup started a microbatch ahead}``), per
+    """This forward's `MemoryInputs` for ``branches`` (``{block: branch}``) from ``inputs`` (every block's
+    ``[s, b, branches]`` addresses, or its lookup started a microbatch ahead), per
     `fe_megatron.memory.inputs.schedule_lookups`."""
     return schedule_lookups(branches, inputs, recomputed=recomputed_fully(config, training),
                             start_now=start_lookups_now)

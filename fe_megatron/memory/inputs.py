@@ -32,6 +32,7 @@ The Megatron models (`fe_megatron.megatron.memory_inputs`) and the Hugging Face 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -121,13 +122,48 @@ def start_lookups(branches: dict, addresses: dict, device=None) -> dict:
     return lookups
 
 
-def schedule_lookups(branches: dict, inputs: MemoryInputs, *, recomputed: bool,
-                     start_now: bool = True) -> MemoryInputs:
+RENAMED_KEYWORDS = {"memory_indices": "MemoryInputs(addresses=...) for row indices",
+                    "memory_lookups": "the MemoryInputs that start_memory_lookups returns"}
+
+
+def refuse_renamed_keywords(kwargs: dict) -> None:
+    """A clear error for the memory keywords the models took before `MemoryInputs` carried their inputs."""
+    for old, new in RENAMED_KEYWORDS.items():
+        if old in kwargs:
+            raise TypeError(f"{old}= is now memory_inputs=: pass {new} (fe_megatron.memory.inputs)")
+
+
+def given_inputs(inputs) -> "MemoryInputs":
+    """``inputs`` as a `MemoryInputs` (None: none given), or a TypeError naming what was passed."""
+    if inputs is None:
+        return MemoryInputs()
+    if not isinstance(inputs, MemoryInputs):
+        raise TypeError(f"memory_inputs must be a fe_megatron.memory.inputs.MemoryInputs, got a "
+                        f"{type(inputs).__name__}")
+    return inputs
+
+
+def _from_entries(entries: dict, decodings: Optional[dict]) -> MemoryInputs:
+    """The `MemoryInputs` of the ``{layer: addresses or started lookup}`` dict earlier releases scheduled
+    (the model file `fe-convert` copied next to weights converted between 2026-11-28 and 2026-11-29 passes
+    one, with its decodings)."""
+    warnings.warn("schedule_lookups takes a MemoryInputs; a dict of addresses and started lookups is deprecated",
+                  DeprecationWarning, stacklevel=3)
+    lookups = {index: entry for index, entry in entries.items() if isinstance(entry, StartedLookup)}
+    addresses = {index: entry for index, entry in entries.items() if index not in lookups}
+    return MemoryInputs(addresses, lookups, dict(decodings or {}))
+
+
+def schedule_lookups(branches: dict, inputs: MemoryInputs, *, recomputed: bool, start_now: bool = True,
+                     decodings: Optional[dict] = None) -> MemoryInputs:
     """This forward's `MemoryInputs` for ``branches`` (``{layer index: branch}``) from ``inputs`` (every
     layer's addresses, or a lookup started a microbatch ahead), per the module docstring: where the layers
     run twice (``recomputed``), the addresses, each run starting its own lookup (lookups started ahead are
     refused: they are read once); otherwise every lookup started now (``start_now``), or at each layer's run.
-    Lookups started ahead are kept."""
+    Lookups started ahead are kept. (``decodings`` and a dict for ``inputs``: the call of converted folders'
+    model files of 2026-11-28, deprecated.)"""
+    if not isinstance(inputs, MemoryInputs):
+        inputs = _from_entries(inputs, decodings)
     missing = [index for index in branches if index not in inputs.addresses and index not in inputs.lookups]
     if missing:
         raise ValueError(f"the memory inputs have no entry for memory layers {sorted(missing)} (they have "

@@ -121,6 +121,8 @@ class NgramTables(nn.Module):
         if self.store is not None:
             if layout is not None:
                 self.store.layout = layout
+            if partition is not None:  # rows a store took whole are now this rank's shard of row-sharded tables
+                self.holder = store_holder(self.store, partition, row_group)
             return self.store
         weight = self.holder.rows_for_store().to(STORAGE[self.table_dtype])
         if placement == "device" and device is not None:

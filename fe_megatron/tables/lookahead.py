@@ -25,7 +25,7 @@ HOST_TOKENS = "host_tokens"
 MEMORY_INPUTS = "memory_inputs"
 
 
-def microbatch_feed(batches: list, start: Callable[[object], dict]) -> "MicrobatchLookups":
+def microbatch_feed(batches: list, start: Callable[[object], object]) -> "MicrobatchLookups":
     """A step's microbatches for an engine: each one's lookups started one microbatch ahead by ``start``
     when the batches carry ``host_tokens`` (the host tier without full recompute), else the batches as
     they are.  The engine calls ``start_next()`` once each forward is issued, either way."""
@@ -37,7 +37,7 @@ class MicrobatchLookups:
     started one microbatch ahead by ``start(host_tokens) -> MemoryInputs`` (``start`` None:
     the batches as they are, and `start_next` does nothing)."""
 
-    def __init__(self, batches: list, start: Optional[Callable[[object], dict]]):
+    def __init__(self, batches: list, start: Optional[Callable[[object], object]]):
         self.batches, self.start = list(batches), start
         self.position = 0  # the next microbatch to hand out
         self.ahead = None  # the lookups of microbatch `position`, once started

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from fe_megatron.tables.layout import TableLayout
 from fe_megatron.tables.optimizer import STATE_DTYPES
-from fe_megatron.tables.plan import TablePlan
+from fe_megatron.tables.plan import ROW_SHARDED_STORE, TablePlan
 
 REDUCE_CHUNK = 1 << 24  # elements of a gradient all-reduced at a time (host-resident: through the device)
 NORM_CHUNK = 1 << 22  # elements of a gradient normed at a time, in float64 (a 32 MB scratch)
@@ -88,7 +88,7 @@ class StageTables:
                                  branch.parallel.tensor_parallel_rank * branch.tables.weight.shape[1],
                                  branch.config.branch_width)
             store = branch.tables.manage(plan.placement, self.device, plan.tables_in_model_state_dict, layout,
-                                         branch.row_partition, branch.parallel.memory_parallel_group)
+                                         *self._row_split(name, branch))
             if self.sparse:
                 store.allocate_row_gradients()
             else:
@@ -102,6 +102,18 @@ class StageTables:
         self.optimizer = self.rule.build(list(self.stores.values()), optimizer_args, plan.state_dtype, seed, row_group)
         self._reduced = False
         self.steps = 0  # updates applied, also by a pipeline stage without tables: the step count checkpoints keep
+
+    def _row_split(self, name: str, branch) -> tuple:
+        """``(partition, row group)`` the store's holder looks rows up over: the branch's, when the plan keeps the
+        tables row-sharded (`TablePlan.holder`), else none; a branch built otherwise than the plan says is
+        refused by name."""
+        row_sharded = self.plan.holder == ROW_SHARDED_STORE
+        if row_sharded != (branch.row_partition is not None):
+            built = "with its rows split over a row group" if branch.row_partition is not None else "with whole tables"
+            raise ValueError(f"{name}: the table plan keeps the tables as {self.plan.holder} (table_sharding "
+                             f"{self.plan.sharding!r}), but the branch was built {built}; build the model with the "
+                             "same table_sharding as the plan")
+        return (branch.row_partition, branch.parallel.memory_parallel_group) if row_sharded else (None, None)
 
     def _share_node_rows(self, branches: dict) -> None:
         """Node-shared tables (``table_sharding: node``): each rank's row shard moves into its node's shared

@@ -33,9 +33,12 @@ torch.save(model(torch.load({os.path.join(directory, 'ids.pt')!r})).logits, {os.
     return torch.load(os.path.join(directory, "remote.pt"))
 
 
-def test_a_folder_converted_by_the_previous_release_still_loads_its_own_model_file(tmp_path):
+@pytest.mark.parametrize("written", ["hf_model_file_2026_11_27", "hf_model_file_2026_11_28"])
+def test_a_folder_converted_by_the_previous_release_still_loads_its_own_model_file(tmp_path, written):
     """A converted folder keeps the model file `fe-convert` copied into it, which imports the installed
-    fe_megatron: the copy written up to 2026-11-27 loads with trust_remote_code and gives the same logits."""
+    fe_megatron: the copies written up to 2026-11-27 (lookups started by `start_stage_lookups`) and from
+    2026-11-28 (lookups scheduled from a dict of addresses) load with trust_remote_code and give the same
+    logits."""
     import shutil
 
     from fe_megatron.hf import AUTO_MAP, write_modeling_files
@@ -45,7 +48,7 @@ def test_a_folder_converted_by_the_previous_release_still_loads_its_own_model_fi
     model.config.auto_map = AUTO_MAP
     model.save_pretrained(tmp_path)
     write_modeling_files(str(tmp_path))
-    shutil.copyfile(os.path.join(TEST_DATA, "hf_model_file_2026_11_27", "modeling_fe_megatron.py"),
+    shutil.copyfile(os.path.join(TEST_DATA, written, "modeling_fe_megatron.py"),
                     tmp_path / "modeling_fe_megatron.py")
     ids = torch.randint(3, 256, (2, 10))
     torch.testing.assert_close(logits_through_remote_code(tmp_path, ids), model(ids).logits, rtol=0, atol=0)

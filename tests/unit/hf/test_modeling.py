@@ -127,3 +127,27 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(placement, ree
     assert any(".memory.tables." in name for name in grads) and grads.keys() == grads_checkpointed.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grads_checkpointed[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_lookups_started_ahead_give_the_model_s_own_logits_and_old_keywords_are_refused():
+    """`start_memory_lookups` for the same ids, passed as ``memory_inputs`` (the DeepSpeed engine's host tier),
+    gives the logits the model computes itself; lookups of other ids change them (they are read, not dropped).
+    ``memory_lookups=`` (the keyword before `MemoryInputs`), a dict for ``memory_inputs``, and given inputs
+    beside a cache (whose positions the model hashes itself) are refused by name."""
+    from fe_megatron.memory.inputs import MemoryInputs
+
+    model = tiny_model()
+    ids, other = torch.randint(3, 256, (2, 9)), torch.randint(3, 256, (2, 9))
+    expected = model(ids, use_cache=False).logits
+    ahead = model.start_memory_lookups(ids, ids.device)
+    assert isinstance(ahead, MemoryInputs) and sorted(ahead.lookups) == [0, 2]
+    torch.testing.assert_close(model(ids, use_cache=False, memory_inputs=ahead).logits, expected, rtol=0, atol=0)
+    assert not torch.equal(model(ids, use_cache=False,
+                                 memory_inputs=model.start_memory_lookups(other, ids.device)).logits, expected)
+    with pytest.raises(TypeError, match=r"memory_lookups= is now memory_inputs="):
+        model(ids, use_cache=False, memory_lookups=ahead.lookups)
+    with pytest.raises(TypeError, match="memory_inputs must be a fe_megatron.memory.inputs.MemoryInputs, got a dict"):
+        model(ids, use_cache=False, memory_inputs=dict(ahead.lookups))
+    addresses = {index: model.model.layers[index].memory.addresses(ids) for index in (0, 2)}
+    with pytest.raises(ValueError, match="cannot be used with padding or a cache"):
+        model(ids, use_cache=True, memory_inputs=MemoryInputs(addresses=addresses))

@@ -110,3 +110,16 @@ def test_missing_layers_and_foreign_entries_are_refused_by_name():
     lookup = branch.start_lookup(addresses)
     with pytest.raises(ValueError, match=r"memory layers \[1\] have both addresses and a started lookup"):
         MemoryInputs(addresses={1: addresses}, lookups={1: lookup})
+
+
+def test_the_dict_the_model_files_of_2026_11_28_schedule_still_works():
+    """Converted folders keep the model file fe-convert wrote; those of 2026-11-28 schedule a dict of addresses
+    and started lookups, with their decodings: still scheduled alike, with a deprecation warning."""
+    branch, ids = branch_and_ids()
+    branches, addresses = {1: branch}, {1: branch.addresses(ids)}
+    with pytest.warns(DeprecationWarning, match="a dict of addresses and started lookups is deprecated"):
+        inputs = schedule_lookups(branches, addresses, recomputed=True, decodings={})
+    assert inputs.addresses_of(1) is addresses[1]
+    with pytest.warns(DeprecationWarning):
+        inputs = schedule_lookups(branches, start_lookups(branches, addresses), recomputed=False, start_now=False)
+    assert sorted(inputs.lookups) == [1] and not inputs.addresses

@@ -154,3 +154,13 @@ def test_the_owner_alone_holds_the_tables_state(update):
     assert set(tables.optimizer.state[store.weight]) == {"step", *(entry.key for entry in plan.rule.state)}
     assert (store.row_gradients is not None) == plan.sparse and (store.main_grad is None) == plan.sparse
     assert branch.tables.weight is store.weight  # the module reads the owner's rows
+
+
+def test_the_plan_s_holder_and_the_branch_s_rows_must_agree():
+    """The table plan decides who holds the rows (`TablePlan.holder`): a row-sharded plan over a branch built
+    with whole tables is refused by name, before any row moves."""
+    branch, _, _ = branch_and_inputs()
+    with pytest.raises(ValueError, match=r"branch: the table plan keeps the tables as row_sharded_store \(table_sharding "
+                                         r"'rows'\), but the branch was built with whole tables"):
+        StageTables({"branch": branch}, OptimizerArgs(), TablePlan.resolve(sharding="rows"))
+    assert branch.tables.store is None
