@@ -96,13 +96,16 @@ def test_the_ablation_array_runs_one_config_per_task(slurm, small_data, tmp_path
                                 NPROC_PER_NODE="1", PYTHON=sys.executable)
     array = slurm.sbatch(["--array=0-2", f"--output={tmp_path}/task-%a.out", "launch_scripts/slurm/ablations.sbatch",
                           *overrides], env=job_env, cwd=ROOT)
-    deadline = time.time() + 600
-    while time.time() < deadline and subprocess.run(["squeue", "-h", "-j", array], capture_output=True, text=True,
-                                                    env=slurm.env).stdout.strip():
-        time.sleep(1)
+    def task_outputs():
+        return "".join(f"\n--- {path}\n{path.read_text()[-3000:]}" for path in sorted(tmp_path.glob("task-*.out")))
+
+    # each task's own state (squeue's listing is empty too while slurmctld is too busy to answer, on a loaded host)
+    for task in range(3):
+        slurm.wait(f"{array}_{task}", describe=task_outputs)
     for gate in ("basis", "scalar"):
         save = tmp_path / "runs" / f"ablations-{array}" / f"{gate}_gate" / "checkpoints"
-        assert [r["step"] for r in metrics_if_any(save) if r.get("event") == "final"] == [4], job_log(save.parent)
+        assert [r["step"] for r in metrics_if_any(save) if r.get("event") == "final"] == [4], \
+            job_log(save.parent) + task_outputs()
         info = json.loads((save / "iter_0000004" / "fe_run.json").read_text())
         assert info["config"]["memory"]["gate"] == gate
     assert "array task 2, but the list has 2 configs (0-1)" in (tmp_path / "task-2.out").read_text()
