@@ -49,8 +49,9 @@ class NgramTables(nn.Module):
     def __init__(self, total_rows: int, width: int, table_dtype: str = "fp32"):
         super().__init__()
         self.table_dtype = table_dtype
-        trained = module_holder(table_dtype) == PARAMETER  # the plan decides (fe_megatron.tables.plan)
-        self.holder = holder_for(module_holder(table_dtype), self, table_dtype)
+        kind = module_holder(table_dtype)  # the plan decides (fe_megatron.tables.plan)
+        trained = kind == PARAMETER
+        self.holder = holder_for(kind, self, table_dtype)
         # trained tables take the module's dtype, as every other weight
         self.weight = nn.Parameter(torch.empty(total_rows, width, dtype=None if trained else STORAGE[table_dtype]),
                                    requires_grad=trained)

@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from fe_megatron import ops
 from fe_megatron.tables.plan import PARAMETER, READ_ONLY
-from fe_megatron.tables.row_exchange import RowPartition, StageRowExchange
+from fe_megatron.tables.row_exchange import RowPartition, StageRowExchange, row_lookup
 from fe_megatron.tables.storage import ROW_SCALE, dequantize_rows, has_row_scale
 from fe_megatron.tables.store import StartedLookup, TableStore
 
@@ -163,7 +163,7 @@ class RowShardedRows:
 
     def start_lookup(self, indices: torch.Tensor, device) -> StartedLookup:
         """This layer's row exchange, alone (`start_exchanged_lookups` starts one for several layers)."""
-        return start_exchanged_lookups([self], [indices.to(device)])[0]
+        return row_lookup(self.store, indices.to(device), self.partition, self.exchange_group)
 
     def initialize(self, draw) -> None:
         self.store.initialize(draw)

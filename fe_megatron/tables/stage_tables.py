@@ -121,7 +121,7 @@ class StageTables:
         from fe_megatron.tables.node_shared import share_node_rows
 
         groups = {id(branch.parallel.memory_parallel_group) for branch in branches.values()}
-        if any(partition is None for partition in self.partitions.values()) or len(groups) != 1:
+        if len(groups) != 1:  # a branch without split rows was refused already (`_row_split`)
             raise ValueError("node-shared tables are row-sharded over one row group: build the memory branches with "
                              "their rows split (the engine does it for parallel.table_sharding: node)")
         group = next(iter(branches.values())).parallel.memory_parallel_group

@@ -35,7 +35,7 @@ def documented_way() -> dict:
     return files, [call.strip("` \n") for call in stack.split("->")]
 
 
-def run_traced(model, holder: str) -> tuple:
+def run_traced(model) -> tuple:
     """The project files one microbatch's forward and backward visit, and the project frames on the stack
     when the gather kernel's dispatch is called."""
     from fe_megatron.megatron.batch import Microbatch, forward_microbatch
@@ -85,7 +85,7 @@ def model_with(holder: str):
 @pytest.mark.parametrize("holder", ["parameter", "store", "row-sharded"])
 def test_the_token_s_way_in_the_architecture_doc_is_the_one_that_runs(megatron_world, holder):
     files, stack = documented_way()
-    visited, gather_stack = run_traced(model_with(holder), holder)
+    visited, gather_stack = run_traced(model_with(holder))
     assert visited == files[holder], (f"docs/architecture.md's token's way ({holder} tables) is not what runs:\n"
                                       f"  visited, not listed: {sorted(visited - files[holder])}\n"
                                       f"  listed, not visited: {sorted(files[holder] - visited)}")
