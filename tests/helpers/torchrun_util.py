@@ -20,8 +20,26 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     # after every check passed)
     keys = ("FAIL", "Error", "checks", "exitcode", "Signal", "rank      :")
     lines = [line for line in output.splitlines() if any(key in line for key in keys)]
-    assert proc.returncode == 0, "\n".join(lines[-40:]) + "\n--- last output ---\n" + output[-1500:]
+    assert proc.returncode == 0, "\n".join(lines[-40:]) + "\n" + crash_digest(output) + \
+        "\n--- last output ---\n" + output[-1500:]
     return output
+
+
+def crash_digest(output: str, lines_per_crash: int = 40) -> str:
+    """Where each process that died of a signal was: faulthandler's "Fatal Python error" line and the stack of
+    the thread it names ("Current thread", innermost call first), for every crash in ``output``; empty if none.
+    A crash's other threads (every one is dumped) would crowd it out of a failure message's tail."""
+    digests, lines = [], output.splitlines()
+    for start, line in enumerate(lines):
+        if not line.startswith("Fatal Python error"):
+            continue
+        block = [line]
+        current = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("Current thread")), None)
+        if current is not None:
+            end = next((i for i in range(current + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+            block += lines[current:min(end, current + lines_per_crash)]
+        digests.append("\n".join(block))
+    return "\n".join(["--- where each crashed process was ---", *digests]) if digests else ""
 
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_RESTART_COUNT",
