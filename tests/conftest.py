@@ -116,6 +116,24 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"tests/conftest.py NEWEST_STACK_SUBSET names tests that do not exist: {missing}")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, in the process that hands out the tests
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup``, refuse to run unless every test carries its group ("@<group>" after its node
+    id, which pytest-xdist adds): without it the groups are ignored, a file's tests are spread over the workers
+    and its module-scoped runs are made once on each, silently. pytest 9.2 broke this with pytest-xdist 3.8
+    (setup.py pins pytest below 9.2)."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    ungrouped = [nodeid for nodeid in ids if "@" not in nodeid.rpartition("]")[2]]
+    if ungrouped:
+        import xdist
+
+        pytest.exit(f"pytest-xdist's --dist loadgroup is not in effect: {len(ungrouped)} tests have no group in "
+                    f"their node id (first: {ungrouped[0]}); pytest {pytest.__version__} with pytest-xdist "
+                    f"{xdist.__version__} ignores xdist_group marks. Install the versions setup.py's [test] extra "
+                    "names (make setup), or run in one process: PYTEST_WORKERS=0", returncode=4)
+
+
 def pytest_addoption(parser):
     parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
                      help="show the N tests that used the most CPU, with the processes they started (0: none)")

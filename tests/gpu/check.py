@@ -509,8 +509,8 @@ def llama3_recipe(c: Checker, t: Target, tokenizer: str, prefix: str) -> dict:
     curve = lm_curve(save)
     times = {int(m[1]): dict(ms=float(m[2]), tflops=float(m[3]) if m[3] else None)
              for m in STEP_TIME.finditer(first + second)}
-    numbers = {"size": env["SIZE"], "layers": env.get("NUM_LAYERS"), "train_iters": env["TRAIN_ITERS"], "fe_args": env.get("FE_ARGS", "(the default)"),
-               "lm_loss": curve, "step_time": times}
+    numbers = {"size": env["SIZE"], "layers": env.get("NUM_LAYERS"), "train_iters": env["TRAIN_ITERS"],
+               "fe_args": env.get("FE_ARGS", "(the default)"), "lm_loss": curve, "step_time": times}
     why = []
     if rc != 0 or rc2 != 0:
         why.append("a launch failed (see the log)")

@@ -64,7 +64,8 @@ MOE_ARGUMENTS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss
 def test_layouts_match_fe_pretrain(small_data, tmp_path, layout):
     """2 processes: TP=2; PP=2 with the only memory layer on the second stage; DP=2 with row-sharded tables
     updated by a sparse rule (row-sharded tables under AdamW in this trainer: the Megatron-FSDP test of
-    test_megatron_lm_recipes.py, against the distributed optimizer); an MoE backbone with 4 experts over EP=2 beside whole tables.
+    test_megatron_lm_recipes.py, against the distributed optimizer); an MoE backbone with 4 experts over EP=2
+    beside whole tables.
     bf16 tables with bf16 state in host memory, node-shared (one copy in the node's shared memory), at DP=2.
     The table plan is fe-pretrain's: tables in stores, trained by the chain's table member, except whole
     fp32 tables updated by AdamW on a dense backbone with memory on every stage (the trainer's parameters)."""
