@@ -371,7 +371,6 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, cache=None,
                 memory_inputs: Optional[MemoryInputs] = None, **kwargs):
-        refuse_renamed_keywords(kwargs)
         outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              cache=_one_cache(cache, past_key_values), inputs_embeds=inputs_embeds,
                              use_cache=use_cache, memory_inputs=memory_inputs, **kwargs)

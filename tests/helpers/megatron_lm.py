@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests.helpers.paths import ENDS_CLEANLY
-from tests.helpers.torchrun_util import clean_environment, crash_digest, run_in_own_session
+from tests.helpers.torchrun_util import clean_environment, failed_launch, run_in_own_session
 
 STEPS = 12
 MEMORY = dict(ngram_orders=[1, 2, 3], heads_per_order=2, table_capacity=[512, 1009, 1013], coeff_width=48,
@@ -45,8 +45,7 @@ def launch(module_args: list, nproc: int, expect_ok: bool = True) -> subprocess.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry, *args]
     proc = run_in_own_session(cmd, clean_environment())
     if expect_ok:
-        assert proc.returncode == 0, crash_digest(proc.stderr) + "\n--- last output ---\n" + \
-            proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert proc.returncode == 0, failed_launch(proc, stderr_tail=5000)
     return proc
 
 

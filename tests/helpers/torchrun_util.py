@@ -42,6 +42,13 @@ def crash_digest(output: str, lines_per_crash: int = 40) -> str:
     return "\n".join(["--- where each crashed process was ---", *digests]) if digests else ""
 
 
+def failed_launch(proc: subprocess.CompletedProcess, stdout_tail: int = 3000, stderr_tail: int = 3000) -> str:
+    """A failed launch's assertion message: where each crashed process was (`crash_digest`), then the ends of
+    its output."""
+    return (crash_digest(proc.stderr) + "\n--- last output ---\n" + proc.stdout[-stdout_tail:]
+            + proc.stderr[-stderr_tail:])
+
+
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_RESTART_COUNT",
                       "TORCHELASTIC_RESTART_COUNT")
 

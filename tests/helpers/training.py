@@ -7,7 +7,7 @@ import shutil
 import sys
 
 from tests.helpers.paths import CONFIG, ENDS_CLEANLY, ROOT  # noqa: F401 - re-exported for the tests
-from tests.helpers.torchrun_util import clean_environment, crash_digest, run_in_own_session
+from tests.helpers.torchrun_util import clean_environment, failed_launch, run_in_own_session
 
 
 def small_overrides(data, **extra):
@@ -34,7 +34,7 @@ def run_pretrain(args, nproc=1, check=True, extra_env=None, python=sys.executabl
     proc = run_in_own_session(pretrain_cmd(nproc, python, ends_cleanly) + args,
                               clean_environment(**(extra_env or {})))
     if check:
-        assert proc.returncode == 0, crash_digest(proc.stderr) + proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failed_launch(proc)
     return proc
 
 

@@ -14,7 +14,7 @@ import torch
 from fe_megatron.training.config import load_train_config
 from tests.helpers.deepspeed import CLIP, STEPS, overrides
 from tests.helpers.models import make_memory_matter
-from tests.helpers.torchrun_util import crash_digest
+from tests.helpers.torchrun_util import failed_launch
 from tests.helpers.training import CONFIG, ENDS_CLEANLY, ROOT, metrics, run_pretrain
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is installed by the project's set-up (make setup)")
@@ -78,7 +78,7 @@ def deepspeed_run(start, name, stage, launcher="torchrun", **extra):
         cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
                str(_free_port()), ENDS_CLEANLY] + args
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-        assert proc.returncode == 0, crash_digest(proc.stderr) + proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0, failed_launch(proc)
     else:
         proc = run_pretrain(args, nproc=2, ends_cleanly=True)
         # no third-party noise: torch's deprecation of ZeRO's collectives, DeepSpeed's accelerator guess

@@ -20,7 +20,7 @@ import torch
 from fe_megatron.megatron import compat
 from tests.helpers.megatron_lm import MEMORY, STEPS, launch, losses, megatron_lm_arguments, memory_yaml
 from tests.helpers.paths import ROOT
-from tests.helpers.torchrun_util import clean_environment, crash_digest, run_in_own_session
+from tests.helpers.torchrun_util import clean_environment, failed_launch, run_in_own_session
 
 needs_trainer = pytest.mark.skipif(not compat.has_megatron_lm_trainer(), reason=(
     f"megatron-core {compat.megatron_core_version()} has no Megatron-LM trainer (megatron.training, "
@@ -249,7 +249,7 @@ def test_a_trainer_run_leaves_torch_and_megatron_as_they_were(small_data, tmp_pa
     del arguments[save:save + 4]  # --save and --save-interval: nothing to write
     arguments += ["--train-iters", "2", "--eval-iters", "0", "--lr-warmup-iters", "0"]
     proc = run_in_own_session([sys.executable, "-c", IN_ONE_PROCESS, json.dumps(arguments)], clean_environment())
-    assert proc.returncode == 0, crash_digest(proc.stderr) + proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failed_launch(proc, stderr_tail=5000)
     lines = proc.stdout.strip().splitlines()
     assert int(lines[-2].split(": ")[1]) > 0, lines[-2:]  # the run did patch
     assert lines[-1] == "changed: []", lines[-1]
@@ -298,7 +298,7 @@ def test_the_documented_example_script_trains(small_data, tmp_path):
              "--eval-iters", "0", "--split", "90,5,5"]
     proc = subprocess.run(["bash", os.path.join(EXAMPLES, "pretrain_gpt_factorengram.sh"), *small], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, crash_digest(proc.stderr) + proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failed_launch(proc)
     assert sorted(losses(save)) == [1, 2, 3]
     with open(os.path.join(save, "iter_0000003", "fe_run.json")) as fh:
         assert json.load(fh)["config"]["memory"]["layers"] == MEMORY["layers"]

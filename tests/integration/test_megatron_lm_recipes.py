@@ -21,7 +21,7 @@ import torch
 from fe_megatron.megatron import compat
 from tests.helpers.megatron_lm import losses
 from tests.helpers.paths import CORPUS, ROOT
-from tests.helpers.torchrun_util import clean_environment, crash_digest
+from tests.helpers.torchrun_util import clean_environment, failed_launch
 
 RECIPES = os.path.join(ROOT, "examples", "megatron_lm", "recipes")
 pytestmark = pytest.mark.skipif(not compat.has_megatron_lm_trainer(), reason=(
@@ -61,7 +61,7 @@ def recipe(name: str, corpus: dict, save: str, *extra, expect_ok: bool = True, *
     proc = subprocess.run(["bash", os.path.join(RECIPES, f"{name}.sh"), *extra], env=environment, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     if expect_ok:
-        assert proc.returncode == 0, crash_digest(proc.stderr) + proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert proc.returncode == 0, failed_launch(proc, stderr_tail=5000)
     return proc
 
 
@@ -256,7 +256,7 @@ def test_a_script_in_the_shape_of_pretrain_gpt_trains_with_the_documented_change
            *arguments]
     proc = subprocess.run(cmd, env=clean_environment(PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True,
                           timeout=900)
-    assert proc.returncode == 0, crash_digest(proc.stderr) + proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0, failed_launch(proc, stderr_tail=5000)
     launch(["fe_megatron.megatron_lm.pretrain_gpt", *megatron_lm_arguments(small_data, drop_in,
                                                                            memory_yaml(tmp_path))], nproc=1)
     got, expected = losses(own), losses(drop_in)
