@@ -129,6 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def missing_datasets(cfg) -> str:
+    """--check: the first ``PREFIX.bin`` or ``PREFIX.idx`` of ``data.train_data`` that does not exist ("" when
+    all do); the run itself refuses the same (`fe_megatron.data.datasets.build_datasets`)."""
+    blend = cfg.data.train_data
+    prefixes = blend if len(blend) == 1 else blend[1::2]
+    for prefix in prefixes:
+        for path in (f"{prefix}.bin", f"{prefix}.idx"):
+            if not os.path.isfile(path):
+                return path
+    return ""
+
+
 def print_checked_config(cfg, args) -> None:
     """--check: print the resolved configuration as JSON, and say on stderr that it is valid."""
     import dataclasses
@@ -167,6 +179,10 @@ def main(argv=None) -> int:
         return fail(f"fe-pretrain: error: {err}", 2,
                     on_this_rank=os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0")
     if args.check:
+        missing = missing_datasets(cfg)
+        if missing:
+            return fail(f"fe-pretrain: error: data.train_data: {missing} does not exist; create it with fe-data "
+                        f"preprocess, or give the prefix of its .bin/.idx pair", 2)
         print_checked_config(cfg, args)
         return 0
     from fe_megatron.checkpoint.files import CheckpointError

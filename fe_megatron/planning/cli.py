@@ -145,7 +145,7 @@ def _run_settings(args, train_config) -> tuple:
     saves, sequence_parallel, fused_attention = None, False, False
     if train_config is not None:
         t = train_config.training
-        saves = -(-t.train_steps // t.save_interval)
+        saves = -(-t.train_steps // t.save_interval) if t.save_interval else 1  # 0: at the end only
         sequence_parallel = train_config.parallel.sequence_parallel
         fused_attention = t.transformer_impl == "te"
     return recompute, keep, saves, sequence_parallel, fused_attention

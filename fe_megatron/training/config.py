@@ -14,7 +14,9 @@ no backbone field.  The model kind is the memory's ``kind`` (``factorengram`` or
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -97,9 +99,61 @@ class TrainingArgs:
 @dataclass
 class DataArgs:
     tokenizer_model: str = ""
-    train_data: List = field(default_factory=list)  # [prefix] or [weight, prefix, weight, prefix, ...]
+    # PREFIX (one indexed dataset), [PREFIX], or [weight, prefix, weight, prefix, ...] (a blend)
+    train_data: List = field(default_factory=list)
     split: str = "98,1,1"
     cache_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.train_data, str):  # one prefix, written bare: data.train_data=PREFIX
+            self.train_data = [self.train_data]
+
+
+# The range of each number a field section takes, beside the type its dataclass declares (`field_type_problem`):
+# every field is checked for its type, and these for their range too.
+AT_LEAST_ONE, NOT_NEGATIVE, POSITIVE, FRACTION = ">= 1", ">= 0", "> 0", "in [0, 1)"
+FIELD_RANGES = {
+    "parallel.tensor": AT_LEAST_ONE, "parallel.pipeline": AT_LEAST_ONE, "parallel.expert": AT_LEAST_ONE,
+    "parallel.distributed_timeout_minutes": POSITIVE,
+    "optimizer.lr": POSITIVE, "optimizer.min_lr": NOT_NEGATIVE, "optimizer.weight_decay": NOT_NEGATIVE,
+    "optimizer.beta1": FRACTION, "optimizer.beta2": FRACTION, "optimizer.eps": POSITIVE,
+    "optimizer.clip_grad": NOT_NEGATIVE, "optimizer.warmup_steps": NOT_NEGATIVE,
+    "optimizer.table_lr_mult": NOT_NEGATIVE, "optimizer.table_weight_decay_mult": NOT_NEGATIVE,
+    "training.train_steps": AT_LEAST_ONE, "training.micro_batch_size": AT_LEAST_ONE,
+    "training.global_batch_size": AT_LEAST_ONE, "training.seed": NOT_NEGATIVE,
+    "training.log_interval": AT_LEAST_ONE, "training.eval_interval": AT_LEAST_ONE,
+    "training.eval_steps": AT_LEAST_ONE, "training.save_interval": NOT_NEGATIVE,
+    "training.exit_after": NOT_NEGATIVE, "training.keep_checkpoints": NOT_NEGATIVE,
+}
+# what a field's number means, said after its range in a message
+FIELD_NOTES = {"training.keep_checkpoints": "0 keeps all", "parallel.distributed_timeout_minutes":
+               "minutes; 10 is Megatron-LM's default", "training.exit_after": "0 runs to training.train_steps",
+               "training.save_interval": "0 saves at the end only"}
+IN_RANGE = {AT_LEAST_ONE: lambda v: v >= 1, NOT_NEGATIVE: lambda v: v >= 0, POSITIVE: lambda v: v > 0,
+            FRACTION: lambda v: 0 <= v < 1}
+
+
+def field_type_problem(value, kind, value_range: Optional[str] = None) -> Optional[str]:
+    """What is wrong with ``value`` for a field declared ``kind`` (int, float, bool, str, a list, or
+    Optional of one) and bounded by ``value_range`` (a `FIELD_RANGES` entry); None when it fits."""
+    if typing.get_origin(kind) is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    if kind is bool:
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind is str:
+        return None if isinstance(value, str) else "must be a string"
+    if typing.get_origin(kind) is list or kind is list:
+        return None if isinstance(value, list) else "must be a list"
+    if kind is int:
+        fits, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    else:  # float
+        fits = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        expected = "a finite number"
+    if fits and (not value_range or IN_RANGE[value_range](value)):
+        return None
+    return f"must be {expected}{' ' + value_range if value_range else ''}"
 
 
 @dataclass
@@ -127,6 +181,7 @@ class TrainConfig:
         def fail(section: str, name: str, message: str):
             raise ConfigError(name, message, _where(where, section, name), section)
 
+        self._validate_field_types(fail)
         if t.global_batch_size % t.micro_batch_size:
             fail("training", "global_batch_size", f"{t.global_batch_size} is not a multiple of "
                                                   f"micro_batch_size={t.micro_batch_size}")
@@ -140,9 +195,6 @@ class TrainConfig:
         if self.parallel.table_sharding not in TABLE_SHARDINGS:
             fail("parallel", "table_sharding",
                  f"{self.parallel.table_sharding!r} is not one of {tuple(TABLE_SHARDINGS)}")
-        if not self.parallel.distributed_timeout_minutes > 0:
-            fail("parallel", "distributed_timeout_minutes",
-                 f"{self.parallel.distributed_timeout_minutes} must be > 0 (minutes; 10 is Megatron-LM's default)")
         if t.transformer_impl not in TRANSFORMER_IMPLS:
             fail("training", "transformer_impl", f"{t.transformer_impl!r} is not one of {TRANSFORMER_IMPLS}")
         if t.on_corrupt_checkpoint not in ("error", "previous"):
@@ -151,10 +203,6 @@ class TrainConfig:
             fail("training", "on_nonfinite", f"{t.on_nonfinite!r} is not one of halt, skip")
         if t.schedule_on_resume not in ("checkpoint", "config"):
             fail("training", "schedule_on_resume", f"{t.schedule_on_resume!r} is not one of checkpoint, config")
-        if isinstance(t.keep_checkpoints, bool) or not isinstance(t.keep_checkpoints, int) or t.keep_checkpoints < 0:
-            fail("training", "keep_checkpoints", f"{t.keep_checkpoints!r} must be an integer >= 0 (0 keeps all)")
-        if not isinstance(t.freeze_backbone, bool):
-            fail("training", "freeze_backbone", f"{t.freeze_backbone!r} must be true or false")
         if t.freeze_backbone and self.memory is None:
             fail("training", "freeze_backbone", "is true but memory is null: there would be nothing to train")
         self._validate_table_storage(fail)
@@ -164,8 +212,36 @@ class TrainConfig:
         if not self.data.tokenizer_model:
             fail("data", "tokenizer_model", "is empty; give a sentencepiece .model file or a Hugging Face "
                                             "tokenizer directory")
-        if not self.data.train_data:
-            fail("data", "train_data", "is empty; give an indexed-dataset prefix (PREFIX.bin/.idx)")
+        self._validate_blend(fail)
+
+    def _validate_field_types(self, fail) -> None:
+        """Every field of the field sections has the type its dataclass declares, and a number its range
+        (`FIELD_RANGES`), before any check compares or computes with it."""
+        for section, cls in FIELD_SECTIONS.items():
+            values, kinds = getattr(self, section), typing.get_type_hints(cls)
+            for item in dataclasses.fields(cls):
+                value = getattr(values, item.name)
+                name = f"{section}.{item.name}"
+                problem = field_type_problem(value, kinds[item.name], FIELD_RANGES.get(name))
+                if problem:
+                    note = f" ({FIELD_NOTES[name]})" if name in FIELD_NOTES else ""
+                    fail(section, item.name, f"{value!r} {problem}{note}")
+
+    def _validate_blend(self, fail) -> None:
+        """``data.train_data``: one prefix, or weight/prefix pairs with numbers for weights."""
+        blend = self.data.train_data
+        form = ("one indexed-dataset prefix (data.train_data=PREFIX, for PREFIX.bin/.idx) or weight/prefix pairs "
+                "(data.train_data=[0.7,PREFIX_A,0.3,PREFIX_B])")
+        if not blend:
+            fail("data", "train_data", f"is empty; give {form}")
+        if len(blend) == 1:
+            if not isinstance(blend[0], str) or not blend[0]:
+                fail("data", "train_data", f"{blend!r} must be {form}")
+            return
+        weights, prefixes = blend[0::2], blend[1::2]
+        if len(blend) % 2 or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0
+                                     for w in weights) or not all(isinstance(p, str) and p for p in prefixes):
+            fail("data", "train_data", f"{blend!r} must be {form}, each weight a number > 0")
 
     def _validate_hybrid(self, fail) -> None:
         """What fe-pretrain builds of a hybrid backbone (megatron-core's HybridModel)."""
@@ -218,8 +294,6 @@ class TrainConfig:
             fail("training", "engine", f"{t.engine!r} is not one of {ENGINES}")
         if self.model.hybrid_layer_pattern:
             self._validate_hybrid(fail)
-        if isinstance(p.expert, bool) or not isinstance(p.expert, int) or p.expert < 1:
-            fail("parallel", "expert", f"{p.expert!r} must be an integer >= 1")
         if p.expert > 1 and (not self.model.num_experts or self.model.num_experts % p.expert):
             fail("parallel", "expert", f"{p.expert} must divide model.num_experts={self.model.num_experts} (the "
                                        "experts are split evenly over the expert-parallel ranks); set "

@@ -178,7 +178,8 @@ def _train(run: EngineRun, stop: StopRequests) -> dict:
             window_start = time.time()
         stopping = stop.agreed()
         exiting = bool(t.exit_after) and done >= t.exit_after
-        if cfg.save and (stopping or exiting or done % t.save_interval == 0 or done == t.train_steps):
+        periodic = bool(t.save_interval) and done % t.save_interval == 0  # save_interval 0: at the end only
+        if cfg.save and (stopping or exiting or periodic or done == t.train_steps):
             run.save(done)
             window_start = time.time()
         if stopping or exiting:

@@ -190,14 +190,27 @@ def test_fe_pretrain_without_arguments_asks_for_the_config():
     assert "the following arguments are required: --config" in proc.stderr and "memory" not in proc.stderr
 
 
-def test_overrides_may_sit_between_the_options_and_check_exits_before_training(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "fe_megatron.train", "--config", CONFIG, "training.train_steps=50",
-                           "--save", str(tmp_path / "run"), "training.log_interval=1", "--check"],
-                          capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+def test_overrides_may_sit_between_the_options_and_check_exits_before_training(tmp_path, small_data):
+    """--check refuses what the run would: a wrong type, and a data prefix without its files; a bare prefix
+    (data.train_data=PREFIX) is one dataset."""
+    def check(*overrides):
+        return subprocess.run([sys.executable, "-m", "fe_megatron.train", "--config", CONFIG, "training.train_steps=50",
+                               "--save", str(tmp_path / "run"), "training.log_interval=1", "--check",
+                               f"data.tokenizer_model={small_data['tokenizer']}", *overrides],
+                              capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+
+    proc = check(f"data.train_data={small_data['prefix']}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     resolved = json.loads(proc.stdout)
     assert resolved["training"]["train_steps"] == 50 and resolved["training"]["log_interval"] == 1
+    assert resolved["data"]["train_data"] == [small_data["prefix"]]
     assert resolved["save"] == str(tmp_path / "run") and not os.path.exists(tmp_path / "run")
+    proc = check(f"data.train_data={tmp_path / 'nope' / 'text'}")
+    assert proc.returncode == 2 and f"data.train_data: {tmp_path / 'nope' / 'text'}.bin does not exist; create it " \
+                                   "with fe-data preprocess" in proc.stderr, proc.stderr[-2000:]
+    proc = check(f"data.train_data={small_data['prefix']}", "optimizer.lr=fast")
+    assert proc.returncode == 2 and "optimizer.lr: 'fast' must be a finite number > 0" in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------- under torchrun

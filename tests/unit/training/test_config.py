@@ -26,6 +26,12 @@ from tests.helpers.training import CONFIG, ROOT, small_overrides
     (["training.kernel_backend=fortran"], "training.kernel_backend"),
     (["memory=null", "memory.layers=[1]"], "memory.layers"),
     (["parallel.distributed_timeout_minutes=0"], "parallel.distributed_timeout_minutes"),
+    # every field of the field sections is checked for its type before a check computes with it
+    (["training.train_steps=abc"], "training.train_steps"),
+    (["training.train_steps=1.5"], "training.train_steps"),
+    (["optimizer.lr=fast"], "optimizer.lr"),
+    (["training.keep_checkpoints=-1"], "training.keep_checkpoints"),
+    (["data.train_data=[0.5,a,heavy,b]"], "data.train_data"),
 ])
 def test_train_config_errors(overrides, field):
     with pytest.raises(ConfigError) as info:
@@ -55,6 +61,25 @@ def test_a_mistyped_key_is_answered_with_the_closest_known_one(override, answer)
     assert answer in str(info.value)
     if "did you mean training." in answer:  # the section's 20 fields are not listed beside the answer
         assert "(known:" not in str(info.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("training.train_steps=abc", "training.train_steps: 'abc' must be an integer >= 1"),
+    ("training.train_steps=1.5", "training.train_steps: 1.5 must be an integer >= 1"),
+    ("optimizer.lr=fast", "optimizer.lr: 'fast' must be a finite number > 0"),
+    ("optimizer.beta2=1", "optimizer.beta2: 1 must be a finite number in [0, 1)"),
+    ("parallel.sequence_parallel=yes please", "parallel.sequence_parallel: 'yes please' must be true or false"),
+    ("data.split=98", "data.split: 98 must be a string"),
+    ("data.train_data=[0.5,a,heavy,b]", "must be one indexed-dataset prefix (data.train_data=PREFIX"),
+])
+def test_every_field_is_refused_by_its_type_and_range(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_train_config(CONFIG, [override])
+    assert message in str(info.value) and f"override '{override}'" in str(info.value)
+
+
+def test_a_bare_prefix_is_one_dataset():
+    assert load_train_config(CONFIG, ["data.train_data=some/prefix"]).data.train_data == ["some/prefix"]
 
 
 def test_train_config_error_names_the_file_line_or_override(tmp_path):
