@@ -2,6 +2,7 @@
 in a session of its own with a clean launcher environment."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,20 @@ def torchrun(script: str, *args: str, nproc: int = 2, timeout: int = 600, env: d
     assert proc.returncode == 0, "\n".join(lines[-40:]) + "\n" + crash_digest(output) + \
         "\n--- last output ---\n" + output[-1500:]
     return output
+
+
+CHECKS_LINE = re.compile(r"^(\d+) checks on rank 0, (\d+) failures over all ranks$", re.MULTILINE)
+
+
+def every_check_passed(output: str) -> int:
+    """The number of checks rank 0 made, from the one summary line a `tests/distributed/common.Checker` prints;
+    fails unless that line is there once, with no failure over all ranks and at least one check made."""
+    found = CHECKS_LINE.findall(output)
+    assert len(found) == 1, f"expected one '<N> checks on rank 0, <F> failures over all ranks' line, found " \
+                            f"{len(found)}:\n{output[-1500:]}"
+    checks, failures = (int(number) for number in found[0])
+    assert failures == 0 and checks > 0, f"{checks} checks on rank 0, {failures} failures:\n{output[-3000:]}"
+    return checks
 
 
 def crash_digest(output: str, lines_per_crash: int = 40) -> str:

@@ -2,20 +2,20 @@
 
 import pytest
 
-from tests.helpers.torchrun_util import torchrun
+from tests.helpers.torchrun_util import every_check_passed, torchrun
 
 pytestmark = pytest.mark.distributed
 
 
 def test_memory_branches_tp2_with_and_without_sp_match_plain_modules():
     out = torchrun("check_memory_tp.py")
-    assert "0 failures" in out
+    every_check_passed(out)
 
 
 @pytest.mark.parametrize("tables", ["replicated", "rows"])
 def test_memory_branch_context_parallel_matches_plain_module(tables):
     out = torchrun("check_memory_cp.py", "--tables", tables)
-    assert "0 failures" in out
+    every_check_passed(out)
 
 
 @pytest.mark.parametrize("a, b, extra", [
@@ -32,7 +32,7 @@ def test_memory_branch_context_parallel_matches_plain_module(tables):
         "inside_ffn-scalar", "engram-sp"])
 def test_gpt_layouts_match_through_resharded_checkpoints(tmp_path, a, b, extra):
     out = torchrun("check_gpt_parallel.py", "--a", a, "--b", b, "--ckpt", str(tmp_path), *extra)
-    assert "0 failures" in out
+    every_check_passed(out)
 
 
 @pytest.mark.skipif(not __import__("fe_megatron.megatron.compat", fromlist=["compat"]).has_hybrid_model(),
@@ -44,4 +44,4 @@ def test_hybrid_layouts_with_memory_match_through_resharded_checkpoints(tmp_path
     2): the same losses, sparsity term, gradients and parameters at TP=2 (with and without SP) and PP=2
     (the memory on both stages) as at one process, within 1e-5."""
     out = torchrun("check_gpt_parallel.py", "--a", a, "--b", b, "--ckpt", str(tmp_path), "--model", "hybrid")
-    assert "0 failures" in out
+    every_check_passed(out)

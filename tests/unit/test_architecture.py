@@ -110,13 +110,51 @@ def test_the_core_imports_no_framework(graph):
 MEGATRON_GRADIENT_PROTOCOL = ("grad_added_to_main_grad", "zero_out_wgrad")
 
 
+def names_in_code(path: str) -> dict:
+    """``{name: first line}`` of every name module ``path``'s code uses: variables, attributes, imported
+    names, and string constants that are a name (``getattr(param, "main_grad")``); comments and prose are
+    not code."""
+    found = {}
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [alias.name.rsplit(".", 1)[-1] for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+            names = [node.value]
+        else:
+            continue
+        for name in names:
+            found.setdefault(name, node.lineno)
+    return found
+
+
+def uses_of(names, modules_paths) -> list:
+    """``module:line uses NAME`` for each of ``names`` that the code of each ``(module, path)`` uses."""
+    return [f"{module}:{used[name]} uses {name}" for module, path in modules_paths
+            for used in (names_in_code(path),) for name in names if name in used]
+
+
 def test_the_core_does_not_implement_megatron_s_gradient_protocol():
     """Megatron's DDP flags are the Megatron adapter's (fe_megatron/megatron/main_grad.py, registered with
     the kernels' dispatch); an import test cannot see a protocol spoken through attribute names."""
-    known = modules()
-    found = [f"{name} names {flag}" for name, path in sorted(known.items()) if layer_of(name) == 0
-             for flag in MEGATRON_GRADIENT_PROTOCOL if flag in open(path).read()]
+    found = uses_of(MEGATRON_GRADIENT_PROTOCOL, [(name, path) for name, path in sorted(modules().items())
+                                                 if layer_of(name) == 0])
     assert not found, "\n".join(found)
+
+
+def test_the_name_checks_read_code_not_comments(tmp_path):
+    """`uses_of`, behind the protocol and holder checks, finds a name in code (as a variable, an attribute, an
+    import or getattr's string) and not in a comment or a docstring."""
+    module = tmp_path / "module.py"
+    module.write_text('"""Mentions EngineParameter and is_meta in prose."""\n# zero_out_wgrad in a comment\n'
+                      "from fe_megatron.tables.holders import EngineParameter\n"
+                      "def f(p):\n    return p.is_meta or getattr(p, 'grad_added_to_main_grad')\n")
+    names = ("EngineParameter", "is_meta", "grad_added_to_main_grad", "zero_out_wgrad")
+    assert uses_of(names, [("module", str(module))]) == [
+        "module:3 uses EngineParameter", "module:5 uses is_meta", "module:5 uses grad_added_to_main_grad"]
 
 
 # Who holds a table's rows (docs/architecture.md, "Who decides how the tables are kept"): the module that
@@ -129,8 +167,8 @@ def test_no_module_asks_which_kind_of_holder_keeps_a_table():
     """A table's rows are read, drawn, handed to a store and saved through its holder's interface
     (fe_megatron/tables/holders.py); a module that tested for a kind (or for an unset placeholder) would
     branch on what kind of object a weight is."""
-    found = [f"{name} names {kind}" for name, path in sorted(modules().items()) if name not in PICKS_THE_HOLDER
-             for kind in HOLDER_KINDS if kind in open(path).read()]
+    found = uses_of(HOLDER_KINDS, [(name, path) for name, path in sorted(modules().items())
+                                   if name not in PICKS_THE_HOLDER])
     assert not found, "\n".join(found)
 
 
