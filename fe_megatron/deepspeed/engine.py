@@ -53,6 +53,7 @@ from fe_megatron.checkpoint.resume import start_run
 from fe_megatron.deepspeed.clipping import JointClipping
 from fe_megatron.deepspeed.config import resolve, zero_stage
 from fe_megatron.deepspeed.resize import needs_universal_copy, remove_universal_copy, universal_copy
+from fe_megatron.deepspeed.shm_buffers import FOLDER, remove_dead_buffers, remove_own_buffer
 from fe_megatron.tables.lookahead import MEMORY_INPUTS, MicrobatchLookups, microbatch_feed
 from fe_megatron.memory.loss import weighted_sparsity
 from fe_megatron.tables.plan import TablePlan
@@ -374,6 +375,11 @@ def _init_distributed(timeout_minutes: float) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout_minutes)
+    if not torch.cuda.is_available() and os.environ.get("LOCAL_RANK", "0") == "0":  # once per node
+        removed = remove_dead_buffers()
+        if removed:
+            print(f"removed {len(removed)} DeepSpeed all-reduce buffer(s) of killed runs from {FOLDER}: "
+                  f"{', '.join(removed)}", flush=True)
     with known_notices_dropped():
         deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
     # ZeRO's collectives run on DeepSpeed's clone of the world group, which it would create with
@@ -486,4 +492,5 @@ def shut_down() -> None:
     joined before Python exits (`destroy_process_groups`)."""
     while _ENGINES:
         _ENGINES.pop().destroy()
+    remove_own_buffer()  # every rank reached the end: each one's file is mapped by all that need it
     destroy_process_groups()

@@ -7,10 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from fe_megatron.deepspeed import shm_buffers
 from fe_megatron.training.config import load_train_config
 from tests.helpers.deepspeed import CLIP, STEPS, overrides
 from tests.helpers.models import make_memory_matter
@@ -75,10 +77,16 @@ def deepspeed_run(start, name, stage, launcher="torchrun", **extra):
     if launcher == "deepspeed":
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env["OMP_NUM_THREADS"] = "1"
+        port = _free_port()
         cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-               str(_free_port()), ENDS_CLEANLY] + args
+               str(port), ENDS_CLEANLY] + args
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
         assert proc.returncode == 0, failed_launch(proc)
+        # DeepSpeed's CPU all-reduce made one 66 MB file per rank in /dev/shm (the deepspeed launcher says all
+        # ranks are local); the engine removed both at its end (fe_megatron/deepspeed/shm_buffers.py)
+        left = [name for name in os.listdir(shm_buffers.FOLDER)
+                if name.startswith(shm_buffers.PREFIX) and f"_{port}_" in name]
+        assert not left, f"the run left DeepSpeed's all-reduce buffers in /dev/shm: {left}"
     else:
         proc = run_pretrain(args, nproc=2, ends_cleanly=True)
         # no third-party noise: torch's deprecation of ZeRO's collectives, DeepSpeed's accelerator guess
@@ -87,6 +95,17 @@ def deepspeed_run(start, name, stage, launcher="torchrun", **extra):
         assert not noise, "\n".join(noise[:5])
     assert "loaded the weights of" in proc.stdout
     return save
+
+
+def plant_a_killed_run_s_buffer() -> str:
+    """A DeepSpeed all-reduce buffer in /dev/shm as a killed run leaves it: this user's, mapped by no process,
+    made two minutes ago (at a port no run uses: 0)."""
+    path = os.path.join(shm_buffers.FOLDER, f"{shm_buffers.PREFIX}{os.getuid()}_127.0.0.1_0_1")
+    with open(path, "wb") as fh:
+        fh.write(b"\0" * 4096)
+    made = time.time() - 120
+    os.utime(path, (made, made))
+    return path
 
 
 def step_2_alone(source: str, target: str) -> None:
@@ -133,7 +152,11 @@ def test_zero_0_1_and_2_match_the_megatron_engine(start, megatron_run, rows3, tm
     extra = {"parallel.table_sharding": sharding}
     if sharding == "node":
         extra.update({"memory.table_placement": "host", "parallel.shared_table_folder": str(tmp_path)})
+    if launcher == "deepspeed":  # what a killed run under the deepspeed launcher leaves, for this one to remove
+        killed = plant_a_killed_run_s_buffer()
     save = deepspeed_run(start, f"zero{stage}_{sharding}", stage, launcher, **extra)
+    if launcher == "deepspeed":
+        assert not os.path.exists(killed), f"{killed} (a killed run's all-reduce buffer) was not removed"
     assert_same_curve(losses(save), losses(megatron_run))
     assert grad_norms(save) == pytest.approx(grad_norms(megatron_run), rel=1e-4)
     if sharding == "node":
