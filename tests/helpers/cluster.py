@@ -31,6 +31,8 @@ from typing import Dict, List, Optional
 
 SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo")
 SLURMD_TIMEOUT_S = 20  # a node silent for this long is DOWN and its jobs are requeued (SLURM: 300)
+SCONTROL_TIMEOUT_S = 15  # one `scontrol show job` (its MessageTimeout, 5 s, is per message)
+NO_STATE_LIMIT_S = 45  # a wait that reads no state of its job for this long fails, saying what it saw
 END_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
@@ -110,6 +112,7 @@ class Cluster:
         self.env = dict(os.environ, SLURM_CONF=os.path.join(self.home, "slurm.conf"))
         self._daemons: Dict[str, subprocess.Popen] = {}
         self._started_munge = False
+        self.last_answer = ""  # what the last `scontrol show job` printed, for a wait's failure
 
     # --- start and stop -------------------------------------------------------------------------
 
@@ -192,7 +195,8 @@ MessageTimeout=5
 KillWait=5
 ReturnToService=2
 MpiDefault=none
-JobCompType=jobcomp/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={h}/jobcomp.txt
 AccountingStorageType=accounting_storage/none
 {nodes}PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP
 """)
@@ -305,19 +309,47 @@ AccountingStorageType=accounting_storage/none
         return _run("scontrol", "show", "hostnames", nodelist, env=self.env).stdout.split()
 
     def job(self, job: str) -> Dict[str, str]:
-        """``scontrol show job``'s fields (JobState, Restarts, NodeList, ...)."""
-        out = _run("scontrol", "show", "job", job, env=self.env, check=False).stdout
-        return dict(item.split("=", 1) for item in out.split() if "=" in item)
+        """``scontrol show job``'s fields (JobState, Restarts, NodeList, ...); when the controller knows
+        no such job (slurmctld forgets a job MinJobAge, 300 s, after its end) or does not answer, the
+        accounting's record of its last end (`ended`); {} when neither has it."""
+        try:
+            proc = _run("scontrol", "show", "job", job, env=self.env, check=False, timeout=SCONTROL_TIMEOUT_S)
+            out, self.last_answer = proc.stdout, (proc.stderr.strip() or proc.stdout.strip())[:300]
+        except subprocess.TimeoutExpired:
+            out, self.last_answer = "", f"scontrol show job {job} did not answer in {SCONTROL_TIMEOUT_S} s"
+        fields = dict(item.split("=", 1) for item in out.split() if "=" in item)
+        return fields if fields.get("JobState") else self.ended(job)
+
+    def ended(self, job: str) -> Dict[str, str]:
+        """The job's last end in slurmctld's accounting (`accounted_end` of ``jobcomp.txt``)."""
+        return accounted_end(os.path.join(self.home, "jobcomp.txt"), job)
+
+    def controller_state(self) -> str:
+        """Whether slurmctld runs, and the end of its log: what a wait that read no state saw."""
+        daemon = self._daemons.get("slurmctld")
+        code = daemon.poll() if daemon is not None else "never started"
+        path = os.path.join(self.home, "slurmctld.log")
+        log = "".join(open(path).readlines()[-15:]) if os.path.exists(path) else "(no log)"
+        return f"slurmctld {'runs' if code is None else f'exited: {code}'}; the end of {path}:\n{log}"
 
     def wait(self, job: str, timeout: float = 600, until=END_STATES, describe=lambda: "") -> Dict[str, str]:
         """Wait for ``job`` to reach a state in ``until``; returns its fields.  A requeued job is let
         start at once: SLURM would hold it back for about two minutes, but a start in the same second
-        as the requeue fails ("Job credential revoked": slurmd revokes credentials per second)."""
+        as the requeue fails ("Job credential revoked": slurmd revokes credentials per second).  Neither
+        the controller nor the accounting knowing the job for `NO_STATE_LIMIT_S` fails the wait at once,
+        with what scontrol said and the controller's state, rather than after ``timeout``."""
         deadline = time.time() + timeout
         requeued_at = None
-        fields = {}
+        fields, known_at = {}, time.time()
         while time.time() < deadline:
             fields = self.job(job)
+            if fields.get("JobState"):
+                known_at = time.time()
+            elif time.time() - known_at > NO_STATE_LIMIT_S:
+                _run("scancel", job, env=self.env, check=False)
+                raise AssertionError(f"job {job}: no state for {NO_STATE_LIMIT_S} s, neither from scontrol (its "
+                                     f"last answer: {self.last_answer!r}) nor from the accounting "
+                                     f"({self.home}/jobcomp.txt); {self.controller_state()}{describe()}")
             if fields.get("JobState") == "PENDING" and int(fields.get("Restarts", 0)) > 0:
                 requeued_at = requeued_at or time.time()
                 if time.time() - requeued_at > 3:
@@ -327,6 +359,19 @@ AccountingStorageType=accounting_storage/none
             time.sleep(0.5)
         _run("scancel", job, env=self.env, check=False)
         raise AssertionError(f"job {job} still {fields.get('JobState')} after {timeout} s{describe()}")
+
+
+def accounted_end(path: str, job: str) -> Dict[str, str]:
+    """The last end of ``job`` (a job id, or an array task's ``ARRAY_TASK``) in the accounting file ``path``
+    (jobcomp/filetxt: one record per end, a requeue included, which it records as PENDING), with ``Restarts``:
+    the ends before it; {} if it has none."""
+    records = []
+    if os.path.exists(path):
+        for line in open(path):
+            fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+            if job in (fields.get("JobId"), f"{fields.get('ArrayJobId')}_{fields.get('ArrayTaskId')}"):
+                records.append(fields)
+    return dict(records[-1], Restarts=str(len(records) - 1)) if records else {}
 
 
 def job_log(run_dir):
