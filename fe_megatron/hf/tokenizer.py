@@ -239,8 +239,12 @@ def _piece(proto, index: int):
     return proto.pieces[index].piece if 0 <= index < len(proto.pieces) else None
 
 
+PLAIN_CHAT_TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "plain_chat_template.jinja")
+
+
 def build_tokenizer(sentencepiece_model: str, model_max_length: int = None):
-    """A transformers tokenizer (`PreTrainedTokenizerFast`) equal to the sentencepiece model."""
+    """A transformers tokenizer (`PreTrainedTokenizerFast`) equal to the sentencepiece model, with the plain
+    chat template (`PLAIN_CHAT_TEMPLATE`: a pretrained model has no chat format of its own)."""
     from transformers import PreTrainedTokenizerFast
 
     proto = load_model_proto(sentencepiece_model)
@@ -251,7 +255,8 @@ def build_tokenizer(sentencepiece_model: str, model_max_length: int = None):
     return PreTrainedTokenizerFast(
         tokenizer_object=backend_tokenizer(sentencepiece_model), split_special_tokens=True,
         add_bos_token=False, add_eos_token=False, clean_up_tokenization_spaces=False,
-        **{k: v for k, v in special.items() if v is not None}, **kwargs)
+        chat_template=open(PLAIN_CHAT_TEMPLATE).read(), **{k: v for k, v in special.items() if v is not None},
+        **kwargs)
 
 
 def save_tokenizer(sentencepiece_model: str, directory: str, model_max_length: int = None):

@@ -162,6 +162,18 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
                 inputs_embeds: Optional[torch.Tensor] = None, **kwargs) -> torch.Tensor:
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
+    def _weights_in_served_dtype(self, weights):
+        """Each floating-point weight cast to its parameter's dtype as it loads (a float32 folder served in
+        bfloat16, which FactorEngramServingConfig says once), instead of a warning for each from vLLM's loader.
+        A weight vLLM stacks into a fused parameter (q, k, v; gate, up) has no parameter of its name and is
+        left to that parameter's loader, which casts it."""
+        dtypes = {name: param.dtype for name, param in self.named_parameters()}
+        for name, tensor in weights:
+            target = dtypes.get(self.hf_to_vllm_mapper.map_name(name))
+            if target is not None and target.is_floating_point and tensor.is_floating_point() and tensor.dtype != target:
+                tensor = tensor.to(target)
+            yield name, tensor
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.lm_head, hidden_states)
 
@@ -174,7 +186,8 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
             weights = ((name, tensor) for name, tensor in weights if not name.endswith(TABLE_SUFFIX))
         if self.config.tie_word_embeddings:  # the head is the embedding
             weights = ((name, tensor) for name, tensor in weights if not name.startswith("lm_head."))
-        loaded = AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        loaded = AutoWeightsLoader(self).load_weights(self._weights_in_served_dtype(weights),
+                                                      mapper=self.hf_to_vllm_mapper)
         if self.mapped_tables:
             from fe_megatron.hf.mmap_tables import map_layer_tables
 

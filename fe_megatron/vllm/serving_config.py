@@ -18,16 +18,32 @@ server, or the script that makes a `vllm.LLM`), before any worker starts.
   rather than refused, as vLLM itself does for layers it cannot cache.
 * **The model runs eagerly** (``enforce_eager``).  Each step's requests are laid out on the host
   (`fe_megatron.vllm.request_history`), which neither a CUDA graph nor torch.compile captures.
+* **On a CPU, the cache is capped at what the engine can use** (`cpu_cache_cap`).  vLLM's CPU backend reads
+  ``--gpu-memory-utilization`` as the share of the host's memory to reserve, 0.92 by default: on a 24 GiB
+  machine it took 21 GiB for the KV cache of a model whose ``max_num_seqs`` requests of ``max_model_len``
+  tokens need a few MB, and left the machine nothing.  Unless ``--kv-cache-memory-bytes`` (or
+  ``VLLM_CPU_KVCACHE_SPACE``) says how much, the cache gets what those requests can fill, with a margin, and
+  never more than the flag asks; a line says so, naming both flags.
+* **A folder served in another dtype than its own** is said once (vLLM's ``--dtype auto`` serves a float32
+  folder in bfloat16), instead of a warning per memory weight.
 * **The vLLM internals** the memory layers read are checked (`memory_layer.check_vllm_internals`).
 """
 
 from __future__ import annotations
 
+import math
+import os
+
+import torch
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from fe_megatron.hf.mmap_tables import TABLE_STORAGES
-from fe_megatron.vllm.memory_layer import check_vllm_internals
+from fe_megatron.vllm.memory_layer import check_vllm_internals, state_dtypes
+from fe_megatron.vllm.request_history import state_shapes
+
+# the CPU cache's margin over what the requests can fill: vLLM pads a hybrid model's pages to one size
+CACHE_MARGIN, CACHE_MARGIN_BYTES = 2, 64 * 2 ** 20
 
 logger = init_logger(__name__)
 
@@ -52,6 +68,67 @@ def refusals(vllm_config) -> list:
     return problems
 
 
+def cache_bytes_needed(vllm_config) -> int:
+    """What the KV cache and the memory layers' states of ``max_num_seqs`` requests of ``max_model_len`` tokens
+    can fill: every layer's keys and values for each token (a block more per request), every memory layer's
+    look-back per request, times `CACHE_MARGIN`, plus `CACHE_MARGIN_BYTES`."""
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    requests = vllm_config.scheduler_config.max_num_seqs
+    value_bytes = torch.tensor([], dtype=model.dtype).element_size()
+    token_bytes = 2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * model.get_head_size() * \
+        value_bytes
+    tokens = requests * (model.max_model_len + (cache.block_size or 16))
+    state_bytes = 0
+    memory_config = model.hf_config.memory_config()
+    if memory_config is not None:
+        state_bytes = len(memory_config.layers) * sum(
+            math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+            for shape, dtype in zip(state_shapes(memory_config), state_dtypes(model.dtype)))
+    return CACHE_MARGIN * (tokens * token_bytes + requests * state_bytes) + CACHE_MARGIN_BYTES
+
+
+def cpu_cache_cap(vllm_config, host_memory_bytes: int):
+    """The KV cache's size on a CPU where the user gave none (``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE``)
+    and ``--gpu-memory-utilization`` asks more than the engine can use: `cache_bytes_needed`; None otherwise."""
+    cache = vllm_config.cache_config
+    if cache.kv_cache_memory_bytes is not None or os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    needed = cache_bytes_needed(vllm_config)
+    return needed if needed < cache.gpu_memory_utilization * host_memory_bytes else None
+
+
+def cap_cpu_cache(vllm_config) -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import psutil
+
+    host = psutil.virtual_memory().total
+    cap = cpu_cache_cap(vllm_config, host)
+    if cap is None:
+        return
+    cache, scheduler = vllm_config.cache_config, vllm_config.scheduler_config
+    logger.warning("on a CPU, --gpu-memory-utilization %s would reserve %.1f of the host's %.1f GiB; the cache of %d "
+                   "requests of %d tokens (--max-num-seqs, --max-model-len) needs at most %.0f MiB, which this "
+                   "FactorEngram model takes instead (--kv-cache-memory-bytes sets it)", cache.gpu_memory_utilization,
+                   cache.gpu_memory_utilization * host / 2 ** 30, host / 2 ** 30, scheduler.max_num_seqs,
+                   vllm_config.model_config.max_model_len, cap / 2 ** 20)
+    cache.kv_cache_memory_bytes = cap
+
+
+def say_the_served_dtype(model_config) -> None:
+    """One line when the folder's weights are served in another dtype (vLLM's --dtype auto serves a float32
+    folder in bfloat16); the weights are cast as they load (`FactorEngramForCausalLM.load_weights`)."""
+    saved = getattr(model_config.hf_config, "dtype", None) or getattr(model_config.hf_config, "torch_dtype", None)
+    if isinstance(saved, str):
+        saved = getattr(torch, saved, None)
+    if isinstance(saved, torch.dtype) and saved != model_config.dtype:
+        logger.warning("this folder's weights are %s and are served in %s (--dtype); --dtype %s serves them as saved",
+                    str(saved).removeprefix("torch."), str(model_config.dtype).removeprefix("torch."),
+                    str(saved).removeprefix("torch."))
+
+
 class FactorEngramServingConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -68,3 +145,5 @@ class FactorEngramServingConfig(VerifyAndUpdateConfig):
             logger.info("a FactorEngram model runs eagerly (enforce_eager): its memory layers lay out each step's "
                         "requests on the host, which CUDA graphs and torch.compile do not capture")
             model_config.enforce_eager = True
+        cap_cpu_cache(vllm_config)
+        say_the_served_dtype(model_config)

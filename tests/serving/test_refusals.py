@@ -41,6 +41,19 @@ def test_what_cannot_be_served_exactly_is_refused_by_name(folder, arguments, nam
         engine_config(folder, **arguments)
 
 
+def test_on_a_cpu_the_cache_is_what_the_requests_can_fill(folder):
+    """vLLM's CPU backend reserves --gpu-memory-utilization (0.92 by default) of the host's memory; the plugin gives
+    the cache what max_num_seqs requests of max_model_len tokens can fill instead, unless the user sized it or asked
+    for less."""
+    from fe_megatron.vllm.serving_config import CACHE_MARGIN_BYTES
+
+    config = engine_config(folder)
+    assert config.cache_config.gpu_memory_utilization == 0.92
+    assert CACHE_MARGIN_BYTES < config.cache_config.kv_cache_memory_bytes < 256 * 2 ** 20
+    assert engine_config(folder, kv_cache_memory_bytes=2 ** 30).cache_config.kv_cache_memory_bytes == 2 ** 30
+    assert engine_config(folder, gpu_memory_utilization=1e-4).cache_config.kv_cache_memory_bytes is None
+
+
 def test_a_kv_connector_is_refused_by_name(folder):
     """A connector needs a peer to build; the check reads only whether one is configured."""
     from fe_megatron.vllm.serving_config import refusals

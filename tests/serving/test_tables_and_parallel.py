@@ -42,16 +42,21 @@ def test_fp8_tables_mapped_from_the_file_inside_the_ffn_over_two_tensor_parallel
         assert logprobs == pytest.approx(reference.logprobs, abs=1e-4), f"prompt {index}"
 
 
-def test_bf16_serving_follows_the_model_in_bf16(tmp_path):
+def test_bf16_serving_follows_the_model_in_bf16(tmp_path, capfd, caplog):
     """In bf16 vLLM's kernels and transformers' round differently, so long greedy generations may part. What must
     hold: every token vLLM chooses, its look-back in bf16 state included, is within rounding of the best under
-    transformers' bf16 forward of the same sequence, with the log-prob vLLM reports."""
+    transformers' bf16 forward of the same sequence, with the log-prob vLLM reports. The float32 folder served in
+    bf16 is said once, not in a warning per memory weight."""
     import torch
 
     model = save_tiny_model(tmp_path / "model", "factorengram", "before_attn", table_dtype="fp8").to(torch.bfloat16)
     prompts = random_prompts((6, 40, 13, 3), seed=7)
     with engine(tmp_path / "model", dtype="bfloat16", max_num_batched_tokens=16) as llm:
         served = served_greedy(llm, prompts, 12)
+    assert "Attempted to load weight" not in "".join(capfd.readouterr())  # the workers' warnings, one per weight
+    said = [record for record in caplog.records if record.getMessage() == "this folder's weights are float32 and are "
+            "served in bfloat16 (--dtype); --dtype float32 serves them as saved"]
+    assert len(said) == 1
     for index, (prompt, (tokens, logprobs)) in enumerate(zip(prompts, served)):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()

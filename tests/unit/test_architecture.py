@@ -25,7 +25,8 @@ LAYERS = {
     "train": 6, "demo": 6,  # command lines (and every */cli.py, below)
 }
 COMMAND_LINES = {"fe_megatron.data.cli", "fe_megatron.evaluation.cli", "fe_megatron.evaluation.inspect",
-                 "fe_megatron.convert.cli", "fe_megatron.convert.__main__", "fe_megatron.planning.cli"}
+                 "fe_megatron.convert.cli", "fe_megatron.convert.__main__", "fe_megatron.planning.cli",
+                 "fe_megatron.vllm.cli"}
 CORE = {name for name, layer in LAYERS.items() if layer == 0}
 # Inside the core, imports run one way too: the tables (where rows live, how they move and learn) sit
 # below the memory branches (the equations), which read rows through them.
@@ -293,4 +294,4 @@ def test_the_adapters_sizes_the_architecture_states_are_their_sizes():
     assert stated, "docs/architecture.md no longer states the adapters' sizes where this test reads them"
     for said, actual in zip((int(n.replace(",", "")) for n in stated.groups()),
                             (lines("megatron", "megatron_lm"), lines("deepspeed"), lines("hf"), lines("vllm"))):
-        assert abs(said - actual) <= 0.15 * actual, f"docs/architecture.md says about {said} lines; there are {actual}"
+        assert abs(said - actual) <= 0.05 * actual, f"docs/architecture.md says about {said} lines; there are {actual}"

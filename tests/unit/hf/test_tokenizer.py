@@ -62,6 +62,10 @@ def test_the_directory_holds_a_plain_tokenizer(converted):
     assert (hf.unk_token_id, hf.bos_token_id, hf.eos_token_id) == (sp.unk_id(), sp.bos_id(), sp.eos_id())
     assert hf.pad_token_id == (sp.pad_id() if sp.pad_id() >= 0 else None)
     assert hf("Hello world")["input_ids"] == sp.encode("Hello world")  # no BOS, no EOS
+    # the plain chat template, so that a server's chat endpoint and apply_chat_template work as they are
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who spoke?"}]
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        "System: Be brief.\nUser: Who spoke?\nAssistant:"
 
 
 @pytest.mark.parametrize("text", ["—  They said", "The  state of the Union\t\tis\n\n   strong.  ", "  lead",
