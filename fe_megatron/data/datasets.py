@@ -26,15 +26,19 @@ def parse_blend(train_data: List):
 
 
 def build_datasets(train_data: List, tokenizer, seq_length: int, split: str, sizes: List[int], seed: int,
-                   cache_dir: str = None):
+                   cache_dir: str = None, reset_position_ids: bool = False, reset_attention_mask: bool = False):
+    """megatron.core's GPT datasets of the blend; with ``reset_position_ids`` / ``reset_attention_mask`` (Megatron-LM's
+    flags of the same names) the documents packed into a sample restart their positions after each end-of-document
+    token / attend only within themselves (each sample then carries its own attention mask)."""
     prefixes, weights = parse_blend(train_data)
     missing = missing_dataset_files(prefixes)
     if missing:
         raise DataError(f"data.train_data: {missing[0][1]} does not exist; create it with fe-data preprocess")
     every_split_problems(prefixes, split, sizes)
     config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
-                              tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, create_attention_mask=False, path_to_cache=cache_dir,
+                              tokenizer=tokenizer, reset_position_ids=reset_position_ids,
+                              reset_attention_mask=reset_attention_mask, eod_mask_loss=False,
+                              create_attention_mask=reset_attention_mask, path_to_cache=cache_dir,
                               mid_level_dataset_surplus=0.005)
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
@@ -68,13 +72,17 @@ def every_split_problems(prefixes: List[str], split: str, sizes: List[int], spli
 
 
 def microbatches(dataset, start_sample: int, num_microbatches: int, micro_batch_size: int, attention_mask):
-    """``num_microbatches`` batches of ``micro_batch_size`` consecutive samples from ``start_sample``."""
+    """``num_microbatches`` batches of ``micro_batch_size`` consecutive samples from ``start_sample``, with
+    ``attention_mask`` (one for every batch), or with the samples' own (``reset_attention_mask``: ``[b, 1, s,
+    s]``, True where masked, as Megatron's)."""
     out = []
     for j in range(num_microbatches):
         first = start_sample + j * micro_batch_size
         samples = [dataset[(first + k) % len(dataset)] for k in range(micro_batch_size)]
         batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in
                  ("tokens", "labels", "loss_mask", "position_ids")}
-        batch["attention_mask"] = attention_mask
+        own = "attention_mask" in samples[0] and samples[0]["attention_mask"] is not None
+        batch["attention_mask"] = torch.stack([torch.as_tensor(s["attention_mask"]) for s in samples]) if own \
+            else attention_mask
         out.append(batch)
     return out

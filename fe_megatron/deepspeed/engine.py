@@ -106,7 +106,8 @@ class DeepSpeedRun(EngineRun):
         """The step's microbatches (the feed both engines share); with the host tier each one's rows
         fetched one microbatch ahead."""
         model = self.engine.module
-        return microbatch_feed(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
+        return microbatch_feed(
+            batches, lambda tokens, positions: model.start_memory_lookups(tokens, current_device(), positions))
 
     def train_step(self, batches: list) -> StepResult:
         self._set_learning_rates()

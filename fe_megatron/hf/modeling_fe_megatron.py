@@ -272,7 +272,7 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                          attention_mask=attention_mask, position_ids=position_ids,
                                          **{CACHE_KEYWORD: cache})
-        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_inputs, recomputed) \
+        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_inputs, recomputed, position_ids) \
             if self.memory_layers else None
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
@@ -290,13 +290,14 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         return FactorEngramModelOutput(last_hidden_state=hidden_states, sparsity_loss=sparsity,
                                        **{CACHE_KEYWORD: cache if use_cache else None})
 
-    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> MemoryInputs:
-        """The `MemoryInputs` of every memory layer for ``input_ids`` ([b, s]) with every lookup started now,
-        hashed where the ids are (the host tier hashes on the host) with the rows bound for ``device``; pass
-        the result to ``forward`` as ``memory_inputs``."""
+    def start_memory_lookups(self, input_ids: torch.Tensor, device, position_ids=None) -> MemoryInputs:
+        """The `MemoryInputs` of every memory layer for ``input_ids`` ([b, s]; within the documents of
+        ``position_ids``) with every lookup started now, hashed where the ids are (the host tier hashes on the
+        host) with the rows bound for ``device``; pass the result to ``forward`` as ``memory_inputs``."""
         branches = self._memory_branches()
-        return MemoryInputs(lookups=start_lookups(
-            branches, {index: branch.addresses(input_ids) for index, branch in branches.items()}, device))
+        return MemoryInputs(lookups=start_lookups(branches, {
+            index: branch.addresses(input_ids, position_ids=position_ids) for index, branch in branches.items()},
+            device))
 
     def _memory_branches(self) -> dict:
         return {index: self.layers[index].memory for index in self.memory_layers}
@@ -307,9 +308,10 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
             getattr(self.layers[index], "gradient_checkpointing", False) for index in self.memory_layers)
 
     def _memory_inputs(self, input_ids, attention_mask, cache, given: Optional[MemoryInputs],
-                       recomputed: bool) -> MemoryInputs:
+                       recomputed: bool, position_ids: torch.Tensor) -> MemoryInputs:
         """This forward's `MemoryInputs` (`fe_megatron.memory.inputs`): every memory layer's addresses, hashed
-        here once (token by token, after the cache's ids). Row-sharded tables start every layer's lookup now,
+        here once (token by token, after the cache's ids; within the documents of ``position_ids``, which
+        reset to 0 where each packed document starts, as transformers' packed batches give them). Row-sharded tables start every layer's lookup now,
         in one exchange; otherwise, and under gradient checkpointing (``recomputed``), each layer starts its
         own when it runs, on its own device. What ``given`` holds (lookups started ahead) is kept."""
         decodings = self._decodings(input_ids, attention_mask, cache)
@@ -322,7 +324,8 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
             raise ValueError("lookups started ahead (memory_inputs) are read once, and gradient checkpointing runs "
                              "each layer twice; pass no memory_inputs while gradient checkpointing is on")
         branches = self._memory_branches()
-        inputs = given.complete(branches, lambda index: branches[index].addresses(input_ids, decodings.get(index)))
+        inputs = given.complete(branches, lambda index: branches[index].addresses(input_ids, decodings.get(index),
+                                                                                   position_ids))
         row_sharded = any(branch.tables.exchange_group is not None for branch in branches.values())
         return schedule_lookups(branches, dataclasses.replace(inputs, decodings=decodings), recomputed=recomputed,
                                 start_now=row_sharded)
@@ -386,9 +389,9 @@ class FactorEngramForCausalLM(FactorEngramPreTrainedModel, GenerationMixin):
         return FactorEngramCausalLMOutput(loss=loss, logits=logits, sparsity_loss=outputs.sparsity_loss,
                                           **{CACHE_KEYWORD: getattr(outputs, CACHE_KEYWORD)})
 
-    def start_memory_lookups(self, input_ids: torch.Tensor, device) -> MemoryInputs:
+    def start_memory_lookups(self, input_ids: torch.Tensor, device, position_ids=None) -> MemoryInputs:
         """`FactorEngramModel.start_memory_lookups`: pass the result to ``forward`` as ``memory_inputs``."""
-        return self.model.start_memory_lookups(input_ids, device)
+        return self.model.start_memory_lookups(input_ids, device, position_ids)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() makes a `DynamicCache`; make it a `FactorEngramCache` (the memory's state too)."""

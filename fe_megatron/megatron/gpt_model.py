@@ -60,18 +60,18 @@ class FactorEngramGPTModel(GPTModel):
 
         if not self.stage_memory_layers:
             return gpt_forward()
-        inputs = self.hasher.for_forward(input_ids, memory_inputs, self.config.context_parallel_size)
+        inputs = self.hasher.for_forward(input_ids, memory_inputs, self.config.context_parallel_size, position_ids)
         inputs = stage_memory_inputs(self.config, self.training, stage_branches(self.stage_memory_layers), inputs,
                                      start_lookups_now=self.prefetch_table_rows)
         with handed_to(self.stage_memory_layers, inputs):
             return gpt_forward()
 
-    def start_memory_lookups(self, token_ids: torch.Tensor, device) -> MemoryInputs:
-        """The `MemoryInputs` of this stage's memory layers for ``token_ids`` ([b, s]) with every lookup started
-        now, hashed where the ids are (the host tier hashes on the host, so starting needs no device
-        synchronization) with the rows bound for ``device``; pass the result to ``forward`` as
-        ``memory_inputs``."""
-        return lookups_started_ahead(self.stage_memory_layers, self.hasher, token_ids, device)
+    def start_memory_lookups(self, token_ids: torch.Tensor, device, position_ids=None) -> MemoryInputs:
+        """The `MemoryInputs` of this stage's memory layers for ``token_ids`` ([b, s]; within the documents of
+        ``position_ids``) with every lookup started now, hashed where the ids are (the host tier hashes on the
+        host, so starting needs no device synchronization) with the rows bound for ``device``; pass the result
+        to ``forward`` as ``memory_inputs``."""
+        return lookups_started_ahead(self.stage_memory_layers, self.hasher, token_ids, device, position_ids)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """lambda * L_sparsity summed over this stage's memory layers and the microbatches run since the

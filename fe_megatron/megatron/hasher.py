@@ -24,13 +24,15 @@ class MicrobatchHasher:
         self.layers = list(memory_config.layers if layers is None else layers)
         self.hasher = NgramHasher(memory_config, self.layers)  # only this stage's layers
 
-    def __call__(self, token_ids: torch.Tensor) -> dict:
-        """``[b, s]`` token ids -> ``{layer_index: [s, b, branches] addresses}`` for this stage's memory layers."""
-        per_layer = self.hasher.indices_per_layer(token_ids)
+    def __call__(self, token_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> dict:
+        """``[b, s]`` token ids -> ``{layer_index: [s, b, branches] addresses}`` for this stage's memory layers;
+        with ``position_ids`` (reset to 0 where a packed document starts: ``--reset-position-ids``), no n-gram
+        reaches before its document (`fe_megatron.ngram.hashing`)."""
+        per_layer = self.hasher.indices_per_layer(token_ids, position_ids=position_ids)
         return {layer: indices.transpose(0, 1).contiguous() for layer, indices in per_layer.items()}
 
     def for_forward(self, token_ids: Optional[torch.Tensor], memory_inputs: Optional[MemoryInputs],
-                    context_parallel_size: int) -> MemoryInputs:
+                    context_parallel_size: int, position_ids: Optional[torch.Tensor] = None) -> MemoryInputs:
         """A model forward's `MemoryInputs` for this stage's layers: ``memory_inputs`` (addresses hashed by the
         batch, lookups started ahead) where they address a layer, the other layers hashed here from
         ``token_ids``; refused where that cannot be (a context-parallel split, a stage without token ids)."""
@@ -44,14 +46,15 @@ class MicrobatchHasher:
         if token_ids is None:
             raise ValueError(f"this pipeline stage holds memory layers {self.layers} and needs input_ids (or "
                              "memory_inputs); give token ids to every pipeline stage")
-        return given.complete(self.layers, self(token_ids).__getitem__)
+        return given.complete(self.layers, self(token_ids, position_ids).__getitem__)
 
 
 def hash_then_split_for_context_parallel(hasher: MicrobatchHasher, token_ids: torch.Tensor, cp_size: int,
-                                         cp_rank: int) -> dict:
-    """``{layer_index: addresses}``: the full sequence hashed, then this CP rank's chunks kept in Megatron's
-    load-balanced order (chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of ``2 cp_size``)."""
-    indices = hasher(token_ids)
+                                         cp_rank: int, position_ids: Optional[torch.Tensor] = None) -> dict:
+    """``{layer_index: addresses}``: the full sequence hashed (within its documents, with ``position_ids``), then
+    this CP rank's chunks kept in Megatron's load-balanced order (chunks ``cp_rank`` and ``2 cp_size - 1 -
+    cp_rank`` of ``2 cp_size``)."""
+    indices = hasher(token_ids, position_ids)
     if cp_size == 1:
         return indices
     seq = token_ids.shape[1]

@@ -110,15 +110,15 @@ class FactorEngramHybridModel(HybridModel):
         refuse_renamed_keywords(kwargs)
         if not self.stage_memory_layers:
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
-        inputs = self.hasher.for_forward(input_ids, memory_inputs, self.config.context_parallel_size)
+        inputs = self.hasher.for_forward(input_ids, memory_inputs, self.config.context_parallel_size, position_ids)
         inputs = stage_memory_inputs(self.config, self.training, stage_branches(self.stage_memory_layers), inputs)
         with handed_to(self.stage_memory_layers, inputs):
             return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
 
-    def start_memory_lookups(self, token_ids: torch.Tensor, device) -> MemoryInputs:
+    def start_memory_lookups(self, token_ids: torch.Tensor, device, position_ids=None) -> MemoryInputs:
         """As `FactorEngramGPTModel.start_memory_lookups`: this stage's lookups for ``token_ids`` started now
         (the host tier's lookahead, one microbatch ahead), to pass as ``memory_inputs``."""
-        return lookups_started_ahead(self.stage_memory_layers, self.hasher, token_ids, device)
+        return lookups_started_ahead(self.stage_memory_layers, self.hasher, token_ids, device, position_ids)
 
     def pop_sparsity_loss(self) -> torch.Tensor:
         """As `FactorEngramGPTModel.pop_sparsity_loss`."""

@@ -37,13 +37,14 @@ def recomputed_fully(config, training: bool) -> bool:
     return config.recompute_granularity == "full" and training
 
 
-def lookups_started_ahead(layers: list, hasher, token_ids: torch.Tensor, device) -> MemoryInputs:
-    """The `MemoryInputs` of a stage's memory ``layers`` for ``token_ids`` ([b, s]) with every lookup started
-    now, hashed by ``hasher`` where the ids are (the host tier hashes on the host, so starting needs no device
-    synchronization), the rows bound for ``device``: a model's ``memory_inputs`` one microbatch ahead."""
+def lookups_started_ahead(layers: list, hasher, token_ids: torch.Tensor, device, position_ids=None) -> MemoryInputs:
+    """The `MemoryInputs` of a stage's memory ``layers`` for ``token_ids`` ([b, s]; within the documents of
+    ``position_ids``) with every lookup started now, hashed by ``hasher`` where the ids are (the host tier hashes
+    on the host, so starting needs no device synchronization), the rows bound for ``device``: a model's
+    ``memory_inputs`` one microbatch ahead."""
     if hasher is None:
         return MemoryInputs()
-    return MemoryInputs(lookups=start_lookups(stage_branches(layers), hasher(token_ids), device))
+    return MemoryInputs(lookups=start_lookups(stage_branches(layers), hasher(token_ids, position_ids), device))
 
 
 def stage_memory_inputs(config, training: bool, branches: dict, inputs: MemoryInputs,

@@ -99,7 +99,8 @@ def microbatch_feed(model_chunks: list, batches: list) -> MicrobatchLookups:
     microbatch_feed`: lookups one microbatch ahead where the batches carry ``host_tokens``, which
     `fe_megatron.training.run.EngineRun.fetches_rows_ahead` decides)."""
     model = _unwrap(model_chunks[0])
-    return lookahead.microbatch_feed(batches, lambda tokens: model.start_memory_lookups(tokens, current_device()))
+    return lookahead.microbatch_feed(
+        batches, lambda tokens, positions: model.start_memory_lookups(tokens, current_device(), positions))
 
 
 def run_microbatches(model_chunks: list, batches: list, seq_length: int, micro_batch_size: int,

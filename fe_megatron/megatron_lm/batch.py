@@ -55,7 +55,7 @@ def get_batch(data_iterator, vp_stage=None, hasher=None) -> Microbatch:
     cp_size = args.context_parallel_size
     if hasher is not None and cp_size > 1:
         memory_inputs = MemoryInputs(addresses=hash_then_split_for_context_parallel(
-            hasher, batch["tokens"], cp_size, mpu.get_context_parallel_rank()))
+            hasher, batch["tokens"], cp_size, mpu.get_context_parallel_rank(), batch.get("position_ids")))
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     last = mpu.is_pipeline_last_stage()
     loss_tokens = batch["loss_mask"].sum() if hasher is not None else None  # per-token weighting of the sparsity

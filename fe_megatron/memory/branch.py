@@ -123,16 +123,18 @@ class MemoryBranch(nn.Module):
                                    split_size=self.parallel.tensor_parallel_size, row_offset=first)
 
     # ----------------------------------------------------------------- forward pieces
-    def addresses(self, token_ids: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
+    def addresses(self, token_ids: torch.Tensor, decoding: Optional[Decoding] = None,
+                  position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 1: the row indices of every position of ``token_ids`` ([batch, seq]), ``[.., branches]`` in
         this branch's sequence layout; with ``decoding`` (a single process, token by token), after the ids
-        of earlier calls (its state is updated)."""
+        of earlier calls (its state is updated); with ``position_ids`` ([batch or 1, seq], reset to 0 where a
+        packed document starts), no n-gram reaches before its document (`fe_megatron.ngram.hashing`)."""
         if decoding is not None:
             if self.parallel is not SINGLE_PROCESS:
                 raise ValueError("decoding (padding masks, incremental state) needs a single-process branch: load "
                                  "the model in one process, or run it without a padding mask and without a cache")
-            return decoding.indices(self, token_ids)
-        addresses = self.hasher.indices(token_ids)
+            return decoding.indices(self, token_ids, position_ids)
+        addresses = self.hasher.indices(token_ids, position_ids=position_ids)
         return addresses.transpose(0, 1) if self.parallel.sequence_dim == 0 else addresses
 
     def start_lookup(self, addresses: torch.Tensor, device=None) -> StartedLookup:

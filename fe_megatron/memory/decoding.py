@@ -58,18 +58,19 @@ class Decoding:
     valid: Optional[torch.Tensor] = None
     state: Optional[DecodingState] = None
 
-    def indices(self, branch, token_ids: torch.Tensor) -> torch.Tensor:
-        """Eq. 1 for the new positions, reading the state's ids before them; updates the state."""
+    def indices(self, branch, token_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Eq. 1 for the new positions, reading the state's ids before them; updates the state.  With the new
+        positions' ``position_ids``, no n-gram reaches before its document (`NgramHasher.indices`)."""
         hasher = branch.hasher
         ids = hasher.lookup_ids(token_ids)
         if self.valid is not None:
             ids = ids.masked_fill(~self.valid, hasher.pad_id)
         if self.state is None:
-            return hasher.indices_of_lookup_ids(ids)
+            return hasher.indices_of_lookup_ids(ids, position_ids)
         history = self.state.recent_ids.shape[1]
         ids = torch.cat([self.state.recent_ids, ids], dim=1)
         self.state.recent_ids = ids[:, ids.shape[1] - history:]
-        return hasher.indices_of_lookup_ids(ids)[:, history:]
+        return hasher.indices_of_lookup_ids(ids, position_ids)[:, history:]
 
     def refine(self, conv, values: torch.Tensor) -> torch.Tensor:
         """Eq. 10 for the new positions, reading the state's values before them; updates the state."""

@@ -11,6 +11,12 @@ Scheme (after DeepSeek's public Engram code, made platform-independent):
   order collide on different n-gram pairs.
 * Positions before the sequence start read ``pad_id`` = the lookup vocabulary size, an
   id no real token has.
+* Documents packed into one sequence: with ``position_ids`` (reset to 0 where each document
+  starts, as Megatron-LM's ``--reset-position-ids``, fe-pretrain's ``data.reset_position_ids`` and
+  packed Hugging Face batches give them), an n-gram reaches back no further than its position id:
+  ids before its document's first token read ``pad_id`` too, as before a sequence start, so no
+  n-gram spans two documents (`within_documents`).  Positions that count up from 0 (no reset)
+  change nothing.
 
 splitmix64 replaces NumPy's generator because NumPy promises no stream stability across
 versions; this way indices are identical on every machine and release (golden vectors
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -216,12 +222,14 @@ class NgramHasher:
             self._constants[device] = (as_long(mult), as_long(mod), as_long(off), lookup)
         return self._constants[device]
 
-    def indices(self, token_ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
-        """``[batch, seq]`` ids -> ``[batch, seq, branches]`` int64 row indices.
+    def indices(self, token_ids: torch.Tensor, validate: bool = True,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[batch, seq]`` ids -> ``[batch, seq, branches]`` int64 row indices; with ``position_ids`` (``[batch or
+        1, seq]``) no n-gram reaches before its document's start (`within_documents`).
 
         With several layers, the branches of all layers are concatenated in layer order.
         """
-        return self.indices_of_lookup_ids(self.lookup_ids(token_ids, validate))
+        return self.indices_of_lookup_ids(self.lookup_ids(token_ids, validate), position_ids)
 
     def lookup_ids(self, token_ids: torch.Tensor, validate: bool = True) -> torch.Tensor:
         """``[batch, seq]`` token ids -> the int64 ids the addressing reads (after token compression);
@@ -232,15 +240,53 @@ class NgramHasher:
         lookup = self._device_constants(token_ids.device)[3]
         return ids if lookup is None else lookup[ids]
 
-    def indices_of_lookup_ids(self, ids: torch.Tensor) -> torch.Tensor:
+    def indices_of_lookup_ids(self, ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Eq. 1 on ids from `lookup_ids` (``pad_id`` allowed): ``[batch, seq, branches]`` row indices.
         An incremental decoder passes the last ``max_order - 1`` ids before the new ones and drops
-        their rows, so a step's cost does not grow with the context."""
+        their rows, so a step's cost does not grow with the context.  ``position_ids``: those of the
+        last ``position_ids.shape[-1]`` positions of ``ids`` (`within_documents`)."""
         mult, mod, off, _ = self._device_constants(ids.device)
-        return ops.ngram_hash(ids, mult, mod, off, self.pad_id)
+        indices = ops.ngram_hash(ids, mult, mod, off, self.pad_id)
+        if position_ids is None or self.config.max_order == 1:
+            return indices
+        return within_documents(ids, indices, position_ids, self.config.max_order - 1, self.pad_id,
+                                lambda windows: ops.ngram_hash(windows, mult, mod, off, self.pad_id)[:, -1])
 
-    def indices_per_layer(self, token_ids: torch.Tensor, validate: bool = True) -> dict:
+    def indices_per_layer(self, token_ids: torch.Tensor, validate: bool = True,
+                          position_ids: Optional[torch.Tensor] = None) -> dict:
         """``{layer: [batch, seq, branches]}``, hashed in one launch for all layers."""
-        flat = self.indices(token_ids, validate)
+        flat = self.indices(token_ids, validate, position_ids)
         sizes = [len(lay.orders) for lay in self.layouts]
         return dict(zip(self.layers, flat.split(sizes, dim=-1)))
+
+
+def within_documents(ids: torch.Tensor, indices: torch.Tensor, position_ids: torch.Tensor, history: int, pad_id: int,
+                     hash_windows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``indices`` (Eq. 1 of ``ids`` [batch, seq], ``[batch, seq, branches]``) with every n-gram kept inside its
+    document: at a position whose position id ``p`` is below ``history`` (``max_order - 1``) and below its place in
+    the row (so its window holds earlier ids), the ids more than ``p`` positions back read ``pad_id``, as before a
+    sequence start.
+
+    ``position_ids`` (``[batch or 1, n]``) are those of the last ``n`` positions of ``ids`` (an incremental decoder's
+    ids start with its look-back).  Only such positions are hashed again, each as a window of its own ``history
+    + 1`` ids (``hash_windows``: ``[windows, history + 1]`` ids -> the last position's ``[windows, branches]``);
+    inside a compiled graph, which cannot count them without a host synchronisation, every position's is."""
+    batch, seq = ids.shape
+    positions = position_ids.to(ids.device).expand(batch, -1)
+    first = seq - positions.shape[1]  # where the positions with ids begin
+    place = torch.arange(first, seq, device=ids.device)
+    if torch.compiler.is_compiling():
+        rows = torch.arange(batch, device=ids.device).repeat_interleave(positions.shape[1])
+        columns = torch.arange(positions.shape[1], device=ids.device).repeat(batch)
+    else:
+        crossing = (positions < history) & (positions < place)
+        rows, columns = crossing.nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            return indices
+    back = torch.arange(history, -1, -1, device=ids.device)  # window slot j reads back[j] positions back
+    at = (columns + first).unsqueeze(1) - back  # [windows, history + 1]: each slot's place in the row
+    inside = (back <= positions[rows, columns].unsqueeze(1)) & (at >= 0)
+    windows = torch.where(inside, ids[rows.unsqueeze(1), at.clamp_min(0)], pad_id)
+    fixed = indices.clone()
+    fixed[rows, columns + first] = hash_windows(windows)
+    return fixed

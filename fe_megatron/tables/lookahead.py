@@ -10,8 +10,9 @@ that uses them.  The copies then overlap the previous microbatch's compute.  Loo
 a step: the tables change at the optimizer step, so the first microbatch's rows are fetched when
 the step begins.
 
-Each microbatch dict must carry its token ids in host memory as ``host_tokens``
-(`fe_megatron.training.run.EngineRun.batches`); the iterator yields the dicts with the started
+Each microbatch dict must carry its token ids in host memory as ``host_tokens``, and its position ids as
+``host_position_ids`` (documents packed into a sequence are hashed each on its own,
+`fe_megatron.ngram.hashing`) (`fe_megatron.training.run.EngineRun.batches`); the iterator yields the dicts with the started
 lookups added as ``memory_inputs`` (the `fe_megatron.memory.inputs.MemoryInputs` that ``start`` returns).  `microbatch_feed` is the one feed
 both engines walk a step's microbatches with: without ``host_tokens`` it hands the batches out as
 they are.
@@ -22,19 +23,20 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 HOST_TOKENS = "host_tokens"
+HOST_POSITION_IDS = "host_position_ids"
 MEMORY_INPUTS = "memory_inputs"
 
 
 def microbatch_feed(batches: list, start: Callable[[object], object]) -> "MicrobatchLookups":
-    """A step's microbatches for an engine: each one's lookups started one microbatch ahead by ``start``
-    when the batches carry ``host_tokens`` (the host tier without full recompute), else the batches as
+    """A step's microbatches for an engine: each one's lookups started one microbatch ahead by
+    ``start(host_tokens, host_position_ids)`` when the batches carry ``host_tokens`` (the host tier without full recompute), else the batches as
     they are.  The engine calls ``start_next()`` once each forward is issued, either way."""
     return MicrobatchLookups(batches, start if batches and HOST_TOKENS in batches[0] else None)
 
 
 class MicrobatchLookups:
     """An iterator over ``batches`` (dicts with ``host_tokens``) that adds each one's lookups,
-    started one microbatch ahead by ``start(host_tokens) -> MemoryInputs`` (``start`` None:
+    started one microbatch ahead by ``start(host_tokens, host_position_ids) -> MemoryInputs`` (``start`` None:
     the batches as they are, and `start_next` does nothing)."""
 
     def __init__(self, batches: list, start: Optional[Callable[[object], object]]):
@@ -62,5 +64,6 @@ class MicrobatchLookups:
     def start_next(self) -> None:
         """Start the lookups of the next microbatch to be handed out (a no-op after the last)."""
         if self.start is not None and self.ahead is None and self.position < len(self.batches):
-            self.ahead = self.start(self.batches[self.position][HOST_TOKENS])
+            batch = self.batches[self.position]
+            self.ahead = self.start(batch[HOST_TOKENS], batch.get(HOST_POSITION_IDS))
             self.started += 1

@@ -103,6 +103,11 @@ class DataArgs:
     train_data: List = field(default_factory=list)
     split: str = "98,1,1"
     cache_dir: Optional[str] = None
+    # documents packed into one sample, isolated (Megatron-LM's --reset-position-ids, --reset-attention-mask): the
+    # positions restart after each end-of-document token, and with them the memory's n-grams (no n-gram spans
+    # two documents); the attention stays within each document
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.train_data, str):  # one prefix, written bare: data.train_data=PREFIX
@@ -304,6 +309,11 @@ class TrainConfig:
             if p.table_sharding == "zero":
                 fail("parallel", "table_sharding", "'zero' (tables partitioned by ZeRO) needs training.engine="
                                                    "deepspeed; under Megatron use replicated or rows")
+            if self.data.reset_attention_mask and t.transformer_impl != "local":
+                fail("data", "reset_attention_mask", f"with training.transformer_impl={t.transformer_impl!r}: "
+                                                     "fe-pretrain hands each sample's mask to megatron-core's local "
+                                                     "attention; set transformer_impl=local (Transformer Engine's "
+                                                     "packed attention: fe_megatron.megatron_lm.pretrain_gpt)")
             return
         if not (self.deepspeed is None or isinstance(self.deepspeed, (str, dict))):
             fail(None, "deepspeed", f"must be a DeepSpeed JSON file's path or a mapping of its keys, got "
@@ -324,6 +334,11 @@ class TrainConfig:
         if t.on_nonfinite != "halt":
             fail("training", "on_nonfinite", f"{t.on_nonfinite!r}: DeepSpeed's fp32 step cannot be skipped once "
                                              "taken; the DeepSpeed engine halts (on_nonfinite=halt)")
+        if self.data.reset_attention_mask != self.data.reset_position_ids:
+            fail("data", "reset_attention_mask", f"{self.data.reset_attention_mask} beside data.reset_position_ids="
+                                                 f"{self.data.reset_position_ids}: the DeepSpeed engine's Hugging Face "
+                                                 "model keeps its attention within the documents its position ids "
+                                                 "restart (transformers' packed sequences); set both alike")
 
 
 def _where(where: dict, section: str, name: str) -> Optional[str]:

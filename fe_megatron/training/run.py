@@ -25,7 +25,7 @@ import os
 import torch
 
 from fe_megatron.tables.host_allocator import keep_freed_host_memory
-from fe_megatron.tables.lookahead import HOST_TOKENS
+from fe_megatron.tables.lookahead import HOST_POSITION_IDS, HOST_TOKENS
 from fe_megatron.tables.plan import TablePlan
 from fe_megatron.training.distributed import current_device, log
 
@@ -84,7 +84,7 @@ class EngineRun:
         on_device = [{k: v.to(device) for k, v in b.items() if v is not None} for b in batches]
         if self.fetches_rows_ahead:  # the host tier hashes each microbatch on the host, from these ids
             for batch, host in zip(on_device, batches):
-                batch[HOST_TOKENS] = host["tokens"]
+                batch[HOST_TOKENS], batch[HOST_POSITION_IDS] = host["tokens"], host["position_ids"]
         return on_device
 
     @property
@@ -151,7 +151,7 @@ def run_datasets(cfg, tokenizer, data_parallel_size: int) -> tuple:
     sizes = [t.train_steps * t.global_batch_size, evals * t.eval_steps * t.global_batch_size,
              t.eval_steps * t.global_batch_size]
     return build_datasets(cfg.data.train_data, tokenizer, m.seq_length, cfg.data.split, sizes, t.seed,
-                          cfg.data.cache_dir)
+                          cfg.data.cache_dir, cfg.data.reset_position_ids, cfg.data.reset_attention_mask)
 
 
 def freeze_backbone(model) -> None:

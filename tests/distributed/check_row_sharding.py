@@ -35,7 +35,7 @@ from fe_megatron.checkpoint.commit import find_checkpoint  # noqa: E402
 from fe_megatron.megatron.checkpointing import load_checkpoint, save_checkpoint
 from fe_megatron.megatron.parallel import initialize
 from fe_megatron.megatron.step import causal_mask, train_step
-from fe_megatron.tables.lookahead import HOST_TOKENS
+from fe_megatron.tables.lookahead import HOST_POSITION_IDS, HOST_TOKENS
 from fe_megatron.tables.update_rules import TABLE_UPDATES
 from fe_megatron.memory.branch import memory_branches
 
@@ -80,7 +80,7 @@ def my_batches(step: int):
                     position_ids=torch.arange(SEQ)[None], attention_mask=causal_mask(SEQ)) for t in tokens]
     if STORAGE["table_placement"] == "host":  # as fe-pretrain feeds the host tier: the ids on the host too
         for batch in batches:
-            batch[HOST_TOKENS] = batch["tokens"]
+            batch[HOST_TOKENS], batch[HOST_POSITION_IDS] = batch["tokens"], batch["position_ids"]
     return batches
 
 

@@ -71,3 +71,20 @@ def test_a_megatron_engine_run_that_fails_leaves_them_as_they_were_too(small_dat
     if not torch.cuda.is_available():  # the CPU backend
         assert any(line.startswith("torch.Tensor.cuda") for line in installed), installed
     assert changed(before, snapshot()) == []
+
+
+def test_a_megatron_engine_run_with_its_documents_isolated_trains(small_data, tmp_path):
+    """``data.reset_position_ids`` and ``data.reset_attention_mask``: each sample's own mask reaches megatron-core's
+    attention, its position ids the memory's hash (tests/unit/megatron/test_batch.py checks both), and the run
+    trains as any other."""
+    import json
+
+    from tests.helpers.paths import CONFIG
+    from tests.helpers.training import small_overrides
+
+    isolated = dict(TINY_RUN, **{"data.reset_position_ids": "true", "data.reset_attention_mask": "true"})
+    assert fe_pretrain_in_process(["--config", CONFIG, "--save", str(tmp_path / "run")]
+                                  + small_overrides(small_data, **isolated)) == 0
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    losses = [record["lm_loss"] for record in records if "lm_loss" in record]
+    assert len(losses) == 2 and all(0 < loss < 10 for loss in losses)

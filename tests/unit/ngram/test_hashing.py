@@ -115,3 +115,47 @@ def test_unknown_layer_rejected():
         NgramHasher(small_config(), 2)
     with pytest.raises(ValueError, match=r"layer index 2 is not an insertion layer"):
         NgramHasher(small_config(), [1, 2])
+
+
+def packed_documents(seed: int, lengths=(5, 1, 7, 3, 2), vocab: int = 97):
+    """``(ids [2, n], position_ids [2, n], documents)``: the documents laid end to end in each row (the second
+    row in the reverse order), with position ids that restart at 0 where each begins."""
+    generator = torch.Generator().manual_seed(seed)
+    documents = [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
+    rows = [documents, documents[::-1]]
+    ids = torch.stack([torch.cat(row) for row in rows])
+    positions = torch.stack([torch.cat([torch.arange(len(d)) for d in row]) for row in rows])
+    return ids, positions, rows
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_with_position_ids_no_ngram_spans_two_documents(compiled):
+    """Documents packed into one sequence, their position ids restarting at 0: each position's addresses are those
+    of its document hashed alone (nothing before its first token), eagerly and inside a compiled graph (which
+    re-hashes every window rather than count the crossing ones); position ids counting up change nothing."""
+    cfg = small_config()
+    hasher = NgramHasher(cfg)
+    ids, positions, rows = packed_documents(3)
+    def hash_within(token_ids, position_ids):
+        return hasher.indices(token_ids, False, position_ids)
+
+    if compiled:
+        hash_within = torch.compile(hash_within, backend="aot_eager", fullgraph=True)
+    alone = torch.stack([torch.cat([hasher.indices(d.unsqueeze(0))[0] for d in row]) for row in rows])
+    assert torch.equal(hash_within(ids, positions), alone)
+    assert not torch.equal(hasher.indices(ids), alone)  # without them, the trigrams after each start differ
+    counting = torch.arange(ids.shape[1]).unsqueeze(0)
+    assert torch.equal(hash_within(ids, counting), hasher.indices(ids))
+
+
+def test_a_decoder_s_look_back_stops_at_a_document_s_start():
+    """An incremental decoder's ids start with its look-back; the new positions' ids restart a document."""
+    cfg = small_config()
+    hasher = NgramHasher(cfg, cfg.layers[0])
+    ids, positions, _ = packed_documents(5)
+    history = cfg.max_order - 1
+    whole = hasher.indices(ids, position_ids=positions)
+    for start in range(history, ids.shape[1]):  # the same positions, hashed after `history` ids of look-back
+        window = ids[:, start - history:start + 1]
+        assert torch.equal(hasher.indices_of_lookup_ids(window, positions[:, start:start + 1])[:, -1],
+                           whole[:, start])

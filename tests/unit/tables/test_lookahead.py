@@ -2,14 +2,17 @@
 
 import torch
 
-from fe_megatron.tables.lookahead import HOST_TOKENS, MEMORY_INPUTS, MicrobatchLookups, microbatch_feed
+from fe_megatron.tables.lookahead import (HOST_POSITION_IDS, HOST_TOKENS, MEMORY_INPUTS, MicrobatchLookups,
+                                          microbatch_feed)
 
 
 def test_each_microbatch_s_rows_are_fetched_once_the_previous_forward_is_issued():
     events = []
-    batches = [{HOST_TOKENS: torch.full((1, 4), index)} for index in range(3)]
+    batches = [{HOST_TOKENS: torch.full((1, 4), index), HOST_POSITION_IDS: torch.arange(4)[None]}
+               for index in range(3)]
 
-    def start(tokens):
+    def start(tokens, positions):
+        assert positions.tolist() == [[0, 1, 2, 3]]  # with their position ids: a document's n-grams stay in it
         events.append(f"fetch {int(tokens[0, 0])}")
         return {"rows of": int(tokens[0, 0])}
 
@@ -26,13 +29,13 @@ def test_the_engines_feed_starts_lookups_only_for_batches_with_host_tokens():
     through as they are (``start_next`` does nothing), batches with them get their lookups one ahead."""
     started = []
     plain = [{"tokens": torch.randint(0, 9, (1, 4))} for _ in range(2)]
-    feed = microbatch_feed(plain, lambda tokens: started.append(tokens) or {})
+    feed = microbatch_feed(plain, lambda tokens, positions: started.append(tokens) or {})
     handed = []
     for batch in feed:
         handed.append(batch)
         feed.start_next()
     assert handed == plain and started == [] and feed.started == 0
     hosted = [{HOST_TOKENS: torch.full((1, 4), index)} for index in range(2)]
-    feed = microbatch_feed(hosted, lambda tokens: {"rows of": int(tokens[0, 0])})
+    feed = microbatch_feed(hosted, lambda tokens, positions: {"rows of": int(tokens[0, 0])})
     assert [batch[MEMORY_INPUTS]["rows of"] for batch in feed] == [0, 1]
-    assert list(microbatch_feed([], lambda tokens: {})) == []
+    assert list(microbatch_feed([], lambda tokens, positions: {})) == []
