@@ -92,6 +92,7 @@ class Checker:
         self.logs = os.path.join(out, "logs")
         os.makedirs(self.logs, exist_ok=True)
         self.steps = []
+        self.running = None  # the progress of the step under way (`progress`)
         self.deadline = None if budget_s is None else time.monotonic() + budget_s
 
     def time_left(self) -> float:
@@ -126,7 +127,17 @@ class Checker:
             fh.write(f"$ {' '.join(cmd)}\n{output}\n[gpu_check] exit {rc} after {time.perf_counter() - start:.1f} s\n")
         return rc, output
 
+    def progress(self, name: str, numbers: dict) -> None:
+        """What the running step ``name`` has measured so far (a step of several commands calls it after each),
+        written at once as the step's entry with status ``running``: a check cut off from outside (a lease
+        that ended) still leaves it. `record` or `not_run` replaces it."""
+        self.running = {"step": name, "status": "running", "seconds": 0.0, "numbers": dict(numbers),
+                        "why": "cut off before the step ended: what it measured so far",
+                        "log": os.path.join("logs", f"{name}.log")}
+        self.write()
+
     def record(self, name: str, passed: bool, seconds: float, numbers: dict = None, why: str = "") -> dict:
+        self.running = None
         entry = {"step": name, "status": "pass" if passed else "FAIL", "seconds": round(seconds, 1),
                  "numbers": numbers or {}, "log": os.path.join("logs", f"{name}.log")}
         if why:
@@ -137,18 +148,29 @@ class Checker:
         return entry
 
     def not_run(self, name: str, why: str) -> dict:
+        if self.running is not None and self.running["step"] == name:  # keep what it measured before the budget ended
+            why = f"{why}; it measured {json.dumps(self.running['numbers'])} before"
+        self.running = None
         entry = {"step": name, "status": "not run", "seconds": 0.0, "numbers": {}, "why": why}
         self.steps.append(entry)
         print(f"\n[gpu_check] {name}: not run: {why}", flush=True)
         self.write()
         return entry
 
+    def entries(self) -> list:
+        """The steps ended so far, and the running one's progress."""
+        return self.steps + ([self.running] if self.running is not None else [])
+
     def write(self) -> None:
-        with open(os.path.join(self.out, "gpu_check.json"), "w") as fh:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "host": platform.node(), "dry_run": self.dry,
-                       "steps": self.steps}, fh, indent=1)
-        with open(os.path.join(self.out, "gpu_check.md"), "w") as fh:
-            fh.write(summary(self))
+        """Both results files, each written whole under a temporary name and then renamed: a check killed while
+        writing leaves the previous complete file, never half of one."""
+        for name, text in (("gpu_check.json", json.dumps({"date": time.strftime("%Y-%m-%d"), "host": platform.node(),
+                                                          "dry_run": self.dry, "steps": self.entries()}, indent=1)),
+                           ("gpu_check.md", summary(self))):
+            path = os.path.join(self.out, name)
+            with open(path + ".tmp", "w") as fh:
+                fh.write(text)
+            os.replace(path + ".tmp", path)
 
 
 def json_lines(text: str) -> list:
@@ -293,6 +315,7 @@ def kernel_bench(c: Checker, t: Target) -> dict:
         ok = ok and rc == 0 and bool(rows)
         header = next((r for r in rows if "copy_gbs" in r), {})
         numbers[dtype] = {"copy_gbs": header.get("copy_gbs"), "kernels": [r for r in rows if "backend" in r]}
+        c.progress("kernel-bench", numbers)
     return c.record("kernel-bench", ok, time.perf_counter() - start, numbers)
 
 
@@ -360,6 +383,7 @@ def hybrid_vs_gpt(c: Checker, t: Target) -> dict:
             why.append(f"{precision}: the benchmark failed (see the log)")
             continue
         numbers[precision] = rows[-1]
+        c.progress("hybrid", numbers)
         if rows[-1]["max_lm_loss_difference"] > limit:
             why.append(f"{precision}: hybrid and GPT LM losses differ by {rows[-1]['max_lm_loss_difference']:.2e} "
                        f"(limit {limit:.0e})")
@@ -411,6 +435,7 @@ def train_runs(c: Checker, step: str, runs: dict) -> tuple:
         curves[name] = lm_curve(save)
         if rc != 0 or not curves[name]:
             failed.append(name)
+        c.progress(step, {"final_lm_loss": final_losses(curves), "failed": failed})
     if not curves:  # nothing started: the step was not run, rather than failed
         raise BudgetSpent(step)
     return curves, failed, not_run
@@ -486,6 +511,85 @@ def pretrain(c: Checker, t: Target, tokenizer: str, prefix: str, mcore_start: st
     return entry, os.path.join(c.out, "runs", "gpu_fp32") if ran else None
 
 
+# The method where it matters (Table 2's comparison at a size a GPU trains in minutes): FactorEngram, Engram with
+# unigrams and the Transformer, each a 28M-parameter backbone (8 x d512, sequence 512), the two memories with the
+# same tables (orders 1-3, 4 heads, 100K rows per hashed head, s = 1536, at blocks 3 and 4 of 8), trained on the
+# same tokens (the same steps, batches and schedule) for about METHOD_SECONDS each, with validation and test
+# perplexity on the held-out addresses. A dry run trains each for 2 steps at the demo's size.
+METHOD_SEQ, METHOD_GLOBAL_BATCH = 512, 32
+METHOD_BACKBONE = ("model.hidden_size=512", "model.num_layers=8", "model.num_attention_heads=8",
+                   "model.ffn_hidden_size=1408", f"model.seq_length={METHOD_SEQ}")
+METHOD_TABLES = ("memory.layers=[3, 4]", "memory.table_capacity=[4096, 100000, 100000]", "memory.coeff_width=1536",
+                 "memory.memory_dim=1536")
+DRY_METHOD_TABLES = ("memory.layers=[1, 2]", "memory.table_capacity=[4096, 16384, 16384]", "memory.coeff_width=192",
+                     "memory.memory_dim=192")
+METHOD_MODELS = {"factorengram": "memory.preset=factorengram-340m", "engram_unigram": "memory.preset=engram-unigram-340m",
+                 "transformer": "memory=null"}
+METHOD_TRAINING = ("training.micro_batch_size=8", f"training.global_batch_size={METHOD_GLOBAL_BATCH}",
+                   "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "training.eval_steps=8", "training.log_interval=10")
+METHOD_SECONDS = 180  # of training per model, when the budget allows (FE_GPU_CHECK_METHOD_S)
+METHOD_SHARE = 0.6  # of the budget left when the step starts, at most, for its three runs
+METHOD_PROBE_STEPS = 30  # FactorEngram's steps that measure its tokens/s, from which the runs' steps follow
+
+
+def method_args(c: Checker, t: Target, name: str, steps: int, tokenizer: str, prefix: str) -> tuple:
+    """``(save, command)`` of model ``name`` of `METHOD_MODELS`, in bf16, for ``steps`` steps."""
+    tables = () if name == "transformer" else (DRY_METHOD_TABLES if t.dry else METHOD_TABLES)
+    return pretrain_args(c, f"method_{name}", steps, tokenizer, prefix, "model.vocab_size=4096",
+                         *(() if t.dry else METHOD_BACKBONE), METHOD_MODELS[name], *tables, *METHOD_TRAINING,
+                         "training.precision=bf16", f"training.kernel_backend={t.kernel_backend}")
+
+
+def run_records(save: str) -> list:
+    path = os.path.join(save, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as fh:
+        return json_lines(fh.read())
+
+
+def method_steps(c: Checker, t: Target, tokenizer: str, prefix: str) -> tuple:
+    """``(steps, seconds per model)``: the steps FactorEngram, the slowest of the three, trains in the seconds each
+    model gets (`METHOD_SECONDS`, or less when the budget is short), from its tokens/s over `METHOD_PROBE_STEPS`."""
+    if t.dry:
+        return 2, 0.0
+    seconds = min(float(os.environ.get("FE_GPU_CHECK_METHOD_S", METHOD_SECONDS)), METHOD_SHARE * c.time_left() / 3)
+    save, cmd = method_args(c, t, "factorengram", METHOD_PROBE_STEPS, tokenizer, prefix)
+    c.run("method", cmd, 900, t.gpu_env)
+    rates = [r["tokens_per_s"] for r in run_records(save) if "tokens_per_s" in r and "lm_loss" in r]
+    if not rates:  # the probe failed: its log says why, and the runs at the probe's length will too
+        return METHOD_PROBE_STEPS, seconds
+    return max(METHOD_PROBE_STEPS, int(seconds * rates[-1] / (METHOD_GLOBAL_BATCH * METHOD_SEQ))), seconds
+
+
+def method(c: Checker, t: Target, tokenizer: str, prefix: str) -> dict:
+    """FactorEngram, Engram with unigrams and the Transformer on the same tokens: validation and test perplexity,
+    parameters and tokens/s of each, and each memory's validation perplexity over the Transformer's."""
+    start = time.perf_counter()
+    steps, seconds = method_steps(c, t, tokenizer, prefix)
+    runs = {name: (*method_args(c, t, name, steps, tokenizer, prefix), t.gpu_env) for name in METHOD_MODELS}
+    curves, failed, not_run = train_runs(c, "method", runs)
+    results = {}
+    for name, (save, _, _) in runs.items():
+        rows = run_records(save)
+        valid = [r["val_ppl"] for r in rows if "val_ppl" in r]
+        final = next((r for r in rows if r.get("event") == "final"), None)
+        if valid and final:
+            results[name] = {"val_ppl": valid[-1], "test_ppl": final["test_ppl"], "parameters": final["parameters"],
+                             "tokens_per_s": final["tokens_per_s"]}
+    numbers = {"steps": steps, "seconds_per_model": round(seconds), "results": results}
+    for name in ("factorengram", "engram_unigram"):
+        if name in results and "transformer" in results:
+            numbers[f"{name}_val_ppl_over_transformer"] = results[name]["val_ppl"] / results["transformer"]["val_ppl"]
+    why = [f"runs that failed: {', '.join(failed)}"] if failed else []
+    if not_run:
+        why.append(f"runs not started, the time budget being spent: {', '.join(not_run)}")
+    missing = [name for name in curves if name not in results and name not in failed]
+    if missing:
+        why.append(f"runs without a validation and a test perplexity: {', '.join(missing)}")
+    return c.record("method", not why, time.perf_counter() - start, numbers, "; ".join(why))
+
+
 LLAMA3_LAYERS = "2"
 LLAMA3_MEMORY = "--fe-memory-preset factorengram-340m --fe-memory-layers 1"
 STEP_TIME = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+)"
@@ -505,6 +609,7 @@ def llama3_recipe(c: Checker, t: Target, tokenizer: str, prefix: str) -> dict:
         env.update(SIZE="full", NUM_LAYERS=LLAMA3_LAYERS, TRAIN_ITERS="3", FE_ARGS=LLAMA3_MEMORY)
     recipe = os.path.join(ROOT, "examples", "megatron_lm", "recipes", "llama3_8b.sh")
     rc, first = c.run("llama3-recipe", ["bash", recipe, "--exit-interval", "2"], 1200, env)
+    c.progress("llama3-recipe", {"first_launch_exit": rc, "lm_loss": lm_curve(save)})
     rc2, second = c.run("llama3-recipe", ["bash", recipe, "--exit-interval", "3"], 1200, env) if rc == 0 else (1, "")
     curve = lm_curve(save)
     times = {int(m[1]): dict(ms=float(m[2]), tflops=float(m[3]) if m[3] else None)
@@ -580,7 +685,7 @@ def summary(c: Checker) -> str:
     kind = "dry run on CPU" if c.dry else "GPU"
     lines = [f"# gpu_check ({kind}), {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}", "",
              "| step | status | seconds | numbers |", "| --- | --- | --- | --- |"]
-    for step in c.steps:
+    for step in c.entries():
         numbers = json.dumps(step["numbers"])
         numbers = numbers if len(numbers) < 400 else numbers[:400] + " ... (gpu_check.json)"
         lines.append(f"| {step['step']} | {step['status']}{' (' + step['why'] + ')' if 'why' in step else ''} "

@@ -56,3 +56,22 @@ def test_the_results_file_records_every_step_and_the_summary_names_a_dry_run(tmp
     summary = (tmp_path / "gpu_check.md").read_text()
     assert "dry run on CPU" in summary and "runs that failed: gpu_bf16" in summary
     assert os.path.isfile(tmp_path / "gpu_check.md")
+
+
+def test_a_step_cut_off_from_outside_leaves_what_its_runs_measured(tmp_path):
+    """A step of several runs writes each run's numbers as it ends (status ``running``): a lease that ends mid-step
+    leaves them in the results file; the step's record replaces them, and a budget spent mid-step keeps them in
+    its reason."""
+    import json
+
+    checker = check.Checker(str(tmp_path), dry=True)
+    checker.record("environment", True, 1.0)
+    checker.progress("method", {"final_lm_loss": {"factorengram": 5.1}})
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [(s["step"], s["status"]) for s in written["steps"]] == [("environment", "pass"), ("method", "running")]
+    assert written["steps"][1]["numbers"] == {"final_lm_loss": {"factorengram": 5.1}}
+    assert "running" in (tmp_path / "gpu_check.md").read_text()
+    checker.not_run("method", "the time budget was spent before it ended")
+    written = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [s["status"] for s in written["steps"]] == ["pass", "not run"]
+    assert '"factorengram": 5.1' in written["steps"][1]["why"] and not list(tmp_path.glob("*.tmp"))

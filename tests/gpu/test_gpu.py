@@ -1,7 +1,9 @@
-"""The GPU tier: every GPU-specific path of fe_megatron, one test per step, in the order of what a lent
-GPU (often for minutes) should measure first: the figures never measured before, then those that
-check a change, then those measured already. `make gpu-check` runs it and writes
-``gpu_results/gpu_check.{json,md}``; `make gpu-check-dry` runs every step on CPU at a tiny size.
+"""The GPU tier: every GPU-specific path of fe_megatron, one test per step, in the order of their value to a GPU lent
+for minutes (15 in all, its start included): first what only a GPU can show (the method's quality at a size
+a CPU cannot train), then what was never completed on one (the Llama-3 recipe's bf16 resume, the whole 340M
+preset, the table storages), then what checks the kernels, and last what earlier GPU runs measured already
+(benchmarks/RESULTS.md). `make gpu-check` runs it and writes ``gpu_results/gpu_check.{json,md}`` (rewritten
+as each step, and each run of a step, ends); `make gpu-check-dry` runs every step on CPU at a tiny size.
 
 A step that the time budget leaves out is skipped, and recorded as ``not run``, by name."""
 
@@ -26,17 +28,10 @@ def test_kernels_build(built):
     require(built)
 
 
-def test_hybrid_model_with_memory_matches_the_gpt_model(checker, target, kernels):
-    """bench_hybrid.py: HybridModel with a ``*-`` pattern and memory against the GPT model with memory, the
-    same weights: LM losses within 1e-5 in fp32 (5e-3 in bf16), and the tokens/s of each."""
-    require(outcome(checker, "hybrid", lambda: check.hybrid_vs_gpt(checker, target)))
-
-
-def test_pretraining_curves_on_the_gpu_follow_the_cpu_reference(pretrain_runs):
-    """bf16 (local spec), bf16 with host-tier bf16 tables, and fp32 with the CUDA kernels, against fp32 on
-    the CPU from the same initial weights: fp32 within 1e-3, bf16 within 1e-2 (5e-2 with Transformer Engine's
-    spec, which starts from its own weights)."""
-    require(pretrain_runs[0])
+def test_the_method_where_it_matters_factorengram_engram_and_the_transformer(checker, target, data, kernels):
+    """FactorEngram, Engram with unigrams and the Transformer, 28M-parameter backbones, trained on the same tokens for
+    about 3 minutes each in bf16: validation and test perplexity (`check.method`)."""
+    require(outcome(checker, "method", lambda: check.method(checker, target, *data)))
 
 
 def test_llama3_recipe_trains_in_bf16_and_resumes(checker, target, data, kernels):
@@ -59,13 +54,26 @@ def test_one_memory_layer_at_340m_width_against_the_plain_layer(checker, target,
     require(outcome(checker, "train-bench-340m-layer", lambda: check.train_bench(checker, target, "340m-layer")))
 
 
+def test_cuda_and_triton_kernels_match_the_reference(checker, target, kernels):
+    require(outcome(checker, "kernel-tests", lambda: check.kernel_tests(checker, target)))
+
+
 def test_kernel_bandwidth_in_fp32_and_bf16(checker, target, kernels):
     """bench_kernels.py: every kernel's time, gather and row backward as fractions of copy bandwidth."""
     require(outcome(checker, "kernel-bench", lambda: check.kernel_bench(checker, target)))
 
 
-def test_cuda_and_triton_kernels_match_the_reference(checker, target, kernels):
-    require(outcome(checker, "kernel-tests", lambda: check.kernel_tests(checker, target)))
+def test_pretraining_curves_on_the_gpu_follow_the_cpu_reference(pretrain_runs):
+    """bf16 (local spec), bf16 with host-tier bf16 tables, and fp32 with the CUDA kernels, against fp32 on
+    the CPU from the same initial weights: fp32 within 1e-3, bf16 within 1e-2 (5e-2 with Transformer Engine's
+    spec, which starts from its own weights)."""
+    require(pretrain_runs[0])
+
+
+def test_hybrid_model_with_memory_matches_the_gpt_model(checker, target, kernels):
+    """bench_hybrid.py: HybridModel with a ``*-`` pattern and memory against the GPT model with memory, the
+    same weights: LM losses within 1e-5 in fp32 (5e-3 in bf16), and the tokens/s of each."""
+    require(outcome(checker, "hybrid", lambda: check.hybrid_vs_gpt(checker, target)))
 
 
 def test_converted_model_generates_the_same_tokens_on_gpu_and_cpu(checker, target, pretrain_runs):
