@@ -74,11 +74,13 @@ class DistCheckpoint:
                                   f"({error}); it was written by {writer}. Convert it with the release that wrote "
                                   "it (docs/compatibility.md)") from error
 
+    def stored_names(self) -> list:
+        """The tensors the checkpoint holds besides optimizer state, under the names the model gave them."""
+        return [name for name, meta in self.metadata.items() if not OPTIMIZER_STATE.match(name) and hasattr(meta, "size")]
+
     def weight_names(self) -> list:
         """The model's weights in the checkpoint (no optimizer state, no extra state)."""
-        return model_weights(self.folder, [name for name, meta in self.metadata.items()
-                                           if not OPTIMIZER_STATE.match(name) and hasattr(meta, "size")],
-                             "fe-pretrain")
+        return model_weights(self.folder, self.stored_names(), "fe-pretrain")
 
     def shape(self, name: str) -> tuple:
         return tuple(self.metadata[name].size)
@@ -122,9 +124,9 @@ class FsdpDtensorCheckpoint:
     layout at one tensor-parallel rank), and the tables in stores beside it, in ``fe_tables/``
     (`tables_beside`)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, model: DistCheckpoint = None):
         self.folder = folder
-        self.model = DistCheckpoint(folder)
+        self.model = DistCheckpoint(folder) if model is None else model
         self.tables = tables_beside(folder)
         self.sources = {}  # {name: (checkpoint, [stored names, concatenated along dim 0])}
         for stored, meta in self.model.metadata.items():
@@ -150,8 +152,12 @@ class FsdpDtensorCheckpoint:
         checkpoint, parts = self.sources[name]
         return checkpoint, [parts[key] for key in ("", "w", "v") if key in parts]
 
+    def stored_names(self) -> list:
+        """The model's tensors (fc1 joined) and the tables beside them, under the names the model gave them."""
+        return list(self.sources)
+
     def weight_names(self) -> list:
-        return model_weights(self.folder, list(self.sources), "fe_megatron")
+        return model_weights(self.folder, self.stored_names(), "fe_megatron")
 
     def shape(self, name: str) -> tuple:
         checkpoint, stored = self._stored(name)
@@ -168,22 +174,22 @@ class FsdpDtensorCheckpoint:
 
 
 class HybridAsGpt:
-    """A HybridModel checkpoint (torch_dist) whose ``hybrid_layer_pattern`` is made of ``*-`` pairs, read
-    with `DistCheckpoint`'s methods under the GPT model's names (`fe_megatron.hybrid_pattern`):
-    layers ``2i`` and ``2i+1`` are GPT layer ``i``. Other patterns have no GPT (Hugging Face) form and are
-    refused by name."""
+    """A HybridModel checkpoint whose ``hybrid_layer_pattern`` is made of ``*-`` pairs, read through ``source``
+    (its format's reader: `DistCheckpoint` for torch_dist, `FsdpDtensorCheckpoint` for Megatron-FSDP's, with the
+    tables beside it) under the GPT model's names (`fe_megatron.hybrid_pattern`): layers ``2i`` and ``2i+1``
+    are GPT layer ``i``. Other patterns have no GPT (Hugging Face) form and are refused by name."""
 
-    def __init__(self, folder: str, pattern: str):
+    def __init__(self, folder: str, pattern: str, source):
         from fe_megatron.hybrid_pattern import gpt_name_of, is_gpt_shaped
 
         if not is_gpt_shaped(pattern.split("/")[0]):
             raise ConversionError(f"{folder}: a hybrid model with --hybrid-layer-pattern {pattern!r}; only patterns "
                                   "of '*-' pairs (attention then MLP: the Llama layer) have a Hugging Face form")
         self.folder = folder
-        self.checkpoint = DistCheckpoint(folder)
+        self.checkpoint = source
         self.stored = {}  # {GPT name: stored name}
-        for name, meta in self.checkpoint.metadata.items():
-            if OPTIMIZER_STATE.match(name) or not hasattr(meta, "size") or not weights.is_weight(name):
+        for name in source.stored_names():
+            if not weights.is_weight(name):
                 continue
             try:
                 self.stored[gpt_name_of(name, pattern)] = name
@@ -206,17 +212,15 @@ class HybridAsGpt:
 
 def open_checkpoint(folder: str):
     """The reader of a Megatron-engine checkpoint folder: `FsdpDtensorCheckpoint` for Megatron-FSDP's
-    format, `HybridAsGpt` for a HybridModel's (its run info names a ``hybrid_layer_pattern``), else
-    `DistCheckpoint` (torch_dist)."""
+    format, else `DistCheckpoint` (torch_dist); a HybridModel's (its run info names a ``hybrid_layer_pattern``)
+    through `HybridAsGpt` over either."""
     from fe_megatron.checkpoint.files import read_run_info
 
     info = read_run_info(folder) or {}
     # a Megatron-LM run's pattern (pretrain_hybrid), or an fe-pretrain run's model section's
     pattern = info.get("hybrid_layer_pattern") or ((info.get("config") or {}).get("model") or {}).get(
         "hybrid_layer_pattern")
-    if pattern:
-        return HybridAsGpt(folder, pattern)
     checkpoint = DistCheckpoint(folder)
     if any(_FSDP_MODEL_TENSOR.match(name) for name in checkpoint.metadata):
-        return FsdpDtensorCheckpoint(folder)
-    return checkpoint
+        checkpoint = FsdpDtensorCheckpoint(folder, checkpoint)
+    return HybridAsGpt(folder, pattern, checkpoint) if pattern else checkpoint

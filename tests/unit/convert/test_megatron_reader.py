@@ -71,4 +71,30 @@ def test_a_hybrid_checkpoint_of_pairs_reads_under_the_gpt_names_and_other_patter
     assert torch.equal(checkpoint.load("decoder.layers.1.mlp.linear_fc2.weight"), fc2)
     assert checkpoint.shape("decoder.layers.1.self_attention.linear_qkv.weight") == (12, 4)
     with pytest.raises(ConversionError, match=r"--hybrid-layer-pattern '\*E\*E'; only patterns of '\*-' pairs"):
-        HybridAsGpt(folder, "*E*E")
+        HybridAsGpt(folder, "*E*E", checkpoint.checkpoint)
+
+
+def test_a_hybrid_checkpoint_under_megatron_fsdp_reads_its_halves_and_its_tables_under_the_gpt_names(tmp_path):
+    """A HybridModel trained under Megatron-FSDP (``fsdp_dtensor``, the tables in stores): its model tensors behind
+    FSDP's prefixes, fc1 as two halves, and the tables in ``fe_tables/`` beside it, all under the GPT model's names."""
+    import json
+
+    from fe_megatron.checkpoint.files import RUN_INFO
+    from fe_megatron.convert.megatron_reader import HybridAsGpt
+
+    gate, up, qkv, table = torch.randn(6, 4), torch.randn(6, 4), torch.randn(12, 4), torch.randn(11, 3)
+    folder = str(tmp_path / "iter_0000003")
+    save(folder, {"model.module.decoder.layers.3.mlp.linear_fc1.weight_w": gate,
+                  "model.module.decoder.layers.3.mlp.linear_fc1.weight_v": up,
+                  "model.module.decoder.layers.2.self_attention.linear_qkv.weight": qkv})
+    save(os.path.join(folder, "fe_tables"), {"decoder.layers.2.memory.tables.weight": table,
+                                             "optimizer.state.exp_avg.decoder.layers.2.memory.tables.weight": table})
+    with open(os.path.join(folder, RUN_INFO), "w") as fh:
+        json.dump({"hybrid_layer_pattern": "*-*-"}, fh)
+    reader = open_checkpoint(folder)
+    assert isinstance(reader, HybridAsGpt) and isinstance(reader.checkpoint, FsdpDtensorCheckpoint)
+    assert sorted(reader.weight_names()) == ["decoder.layers.1.memory.tables.weight",
+                                             "decoder.layers.1.mlp.linear_fc1.weight",
+                                             "decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert torch.equal(reader.load("decoder.layers.1.mlp.linear_fc1.weight"), torch.cat([gate, up]))
+    assert torch.equal(reader.load("decoder.layers.1.memory.tables.weight"), table)
