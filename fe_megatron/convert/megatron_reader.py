@@ -57,6 +57,8 @@ OPTIMIZER_STATE = re.compile(r"(chained_\d+\.)?optimizer\.")
 class DistCheckpoint:
     """A Megatron distributed checkpoint (torch_dist format) read one global tensor at a time."""
 
+    gpt_named = frozenset()  # its tensors are under the model's own names (a HybridModel's are its layers')
+
     def __init__(self, folder: str):
         import torch.distributed.checkpoint as dcp
 
@@ -144,9 +146,10 @@ class FsdpDtensorCheckpoint:
             if set(parts) not in ({""}, {"w", "v"}):
                 raise ConversionError(f"{folder}: {name} is stored as {sorted(parts)}; a Megatron-FSDP checkpoint "
                                       "keeps SwiGLU's fc1 as the halves _w and _v")
-        if self.tables is not None:
-            for name in self.tables.weight_names():
-                self.sources[name] = (self.tables, {"": name})
+        # fe_tables/ names every model's tables as the GPT model's (by memory block, `table_shards.table_name`)
+        self.gpt_named = frozenset(self.tables.weight_names() if self.tables is not None else ())
+        for name in self.gpt_named:
+            self.sources[name] = (self.tables, {"": name})
 
     def _stored(self, name: str) -> tuple:
         checkpoint, parts = self.sources[name]
@@ -190,6 +193,9 @@ class HybridAsGpt:
         self.stored = {}  # {GPT name: stored name}
         for name in source.stored_names():
             if not weights.is_weight(name):
+                continue
+            if name in source.gpt_named:  # the tables beside the model (fe_tables/): by memory block already
+                self.stored[name] = name
                 continue
             try:
                 self.stored[gpt_name_of(name, pattern)] = name

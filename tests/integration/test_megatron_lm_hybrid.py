@@ -6,7 +6,8 @@ as hybrid+memory (megatron-core's GPT checkpoint interop, with the memory's laye
 at one process the next losses are the GPT run's within 1e-6; at PP=2 with memory on the second stage only
 and under full recompute they follow it within 1e-5 (TP=2 and DP=2 with row-sharded tables too, run once
 by hand; fe-pretrain's hybrid layouts test them); and the hybrid
-checkpoint converts to the same Hugging Face model as the GPT one, and fe-eval and fe-inspect read it. What
+checkpoint converts to the same Hugging Face model as the GPT one, and fe-eval and fe-inspect read it; so does
+one trained under Megatron-FSDP, its tables beside it. What
 the hybrid model cannot do with memory is refused at start-up, by name. Runs on the newest stack.
 """
 
@@ -113,6 +114,34 @@ def test_the_hybrid_model_resumed_in_other_layouts_follows_the_gpt_curve(small_d
     assert sorted(after) == list(range(7, STEPS + 1)), sorted(after)
     assert max(abs(after[step][0] - curve[step][0]) for step in after) < 1e-5, (after, curve)
     assert max(abs(after[step][1] - curve[step][1]) for step in after) < 1e-6, (after, curve)
+
+
+def test_a_hybrid_model_under_megatron_fsdp_converts_and_generates_as_under_ddp(small_data, tmp_path):
+    """The hybrid model under Megatron-FSDP (DP=2, optim_grads_params, ``fsdp_dtensor``: the tables in stores beside
+    it, in ``fe_tables/``) and the same 3 steps under DDP at one process (torch_dist): fe-convert reads both, and
+    the two Hugging Face models give the same logits within 1e-5 and the same greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from fe_megatron.convert.to_hf import mcore_to_hf
+
+    memory = memory_yaml(tmp_path, layers=[2, 3])
+    short = ["--hybrid-layer-pattern", PATTERN, "--train-iters", "3", "--save-interval", "3", "--eval-interval", "3"]
+    fsdp, ddp = str(tmp_path / "fsdp"), str(tmp_path / "ddp")
+    launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(
+        small_data, fsdp, memory, *short, "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+        "optim_grads_params", "--ckpt-format", "fsdp_dtensor", "--no-gradient-reduce-div-fusion",
+        "--use-distributed-optimizer")], nproc=2)
+    assert os.path.isdir(os.path.join(fsdp, "iter_0000003", "fe_tables"))
+    launch(["fe_megatron.megatron_lm.pretrain_hybrid", *hybrid_arguments(small_data, ddp, memory, *short)], nproc=1)
+    tokens = torch.randint(0, 512, (2, 48))
+    logits, generated = [], []
+    for run in (fsdp, ddp):
+        model = AutoModelForCausalLM.from_pretrained(mcore_to_hf(run, run + "_hf"), trust_remote_code=True).eval()
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+            generated.append(model.generate(tokens[:1, :8], max_new_tokens=16, do_sample=False)[0].tolist())
+    assert (logits[0] - logits[1]).abs().max() < 1e-5
+    assert generated[0] == generated[1]
 
 
 def test_an_moe_pattern_trains_at_ep2_beside_row_sharded_tables(small_data, tmp_path):

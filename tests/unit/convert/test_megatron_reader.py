@@ -83,12 +83,13 @@ def test_a_hybrid_checkpoint_under_megatron_fsdp_reads_its_halves_and_its_tables
     from fe_megatron.convert.megatron_reader import HybridAsGpt
 
     gate, up, qkv, table = torch.randn(6, 4), torch.randn(6, 4), torch.randn(12, 4), torch.randn(11, 3)
-    folder = str(tmp_path / "iter_0000003")
+    folder = str(tmp_path / "iter_0000003")  # GPT layer 1 is hybrid layers 2 ('*') and 3 ('-')
     save(folder, {"model.module.decoder.layers.3.mlp.linear_fc1.weight_w": gate,
                   "model.module.decoder.layers.3.mlp.linear_fc1.weight_v": up,
                   "model.module.decoder.layers.2.self_attention.linear_qkv.weight": qkv})
-    save(os.path.join(folder, "fe_tables"), {"decoder.layers.2.memory.tables.weight": table,
-                                             "optimizer.state.exp_avg.decoder.layers.2.memory.tables.weight": table})
+    # fe_tables/ names the tables by memory block (GPT layer 1), as for every model
+    save(os.path.join(folder, "fe_tables"), {"decoder.layers.1.memory.tables.weight": table,
+                                             "optimizer.state.exp_avg.decoder.layers.1.memory.tables.weight": table})
     with open(os.path.join(folder, RUN_INFO), "w") as fh:
         json.dump({"hybrid_layer_pattern": "*-*-"}, fh)
     reader = open_checkpoint(folder)
