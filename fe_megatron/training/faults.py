@@ -5,8 +5,9 @@ entries; the trainer asks `at` whether one is due.  Known faults:
 
 * ``nan_loss@S``: the first microbatch of step S on rank 0 gets a NaN loss mask (the loss and
   every gradient become NaN).
-* ``kill_during_save@S[:R]``: rank R (default 0) kills itself with SIGKILL after writing
-  checkpoint S but before it is complete.
+* ``kill_during_save@S[:R]``: rank R (default 0) kills itself with SIGKILL once every rank has
+  written its part of checkpoint S and hashed it, before the commit.  Rank 0 commits, so killing
+  it leaves S incomplete (``iter_S.tmp``); another rank's death leaves rank 0 to commit S whole.
 * ``fail_after_save@S[:R]``: rank R raises after writing its part of checkpoint S.
 * ``hang_during_save@S[:R]``: rank R stops answering after writing its part of checkpoint S, as
   a host that hangs or drops off the network mid-save would: it prints one line and sleeps
