@@ -77,9 +77,11 @@ def resumed_from_step_3(save: str, tmp_path) -> str:
 def test_llama3_recipe_trains_resumes_exactly_and_converts(corpus, tmp_path):
     """Llama-3 8B's recipe: --decoupled-lr, --calculate-per-token-loss, the distributed optimizer with
     overlapped reduce and gather, GQA, untied embeddings, rope base 1e6, --sequence-parallel (inactive at
-    TP=1). With whole tables as the trainer's parameters and with row-sharded tables in stores (beside the
-    decoupled learning rate's groups) the curves agree; --load of step 3 ends on the uninterrupted curve
-    exactly; the checkpoint converts with equal logits."""
+    TP=1). With whole tables as the trainer's parameters at one process, and with node-shared host tables in
+    stores at DP=2 (each node's row shards once in shared memory, beside the decoupled learning rate's groups),
+    the curves agree; --load of the node-shared run's step 3 ends on its uninterrupted curve exactly, leaving no
+    segment behind; the resumed checkpoint converts with equal logits."""
+    from fe_megatron.tables.node_shared import PREFIX
     from tests.helpers.torchrun_util import megatron_logits
 
     save = str(tmp_path / "llama")
@@ -89,17 +91,22 @@ def test_llama3_recipe_trains_resumes_exactly_and_converts(corpus, tmp_path):
     assert "its checkpoints will convert to Hugging Face" in proc.stdout
     print("llama3_8b: lm loss at step 1 %.4f, at step 6 %.4f" % (curve[1][0], curve[6][0]))
 
+    segments = tmp_path / "shm"
+    segments.mkdir()
+    node_shared = dict(NPROC="2", FE_ARGS="--fe-memory-preset factorengram-tiny --fe-memory-layers 1 3 --fe-table-"
+                       f"sharding node --fe-table-placement host --fe-shared-table-folder {segments}")
     stores = str(tmp_path / "stores")
-    proc = recipe("llama3_8b", corpus, stores, FE_ARGS="--fe-memory-preset factorengram-tiny --fe-memory-layers 1 3 "
-                  "--fe-table-sharding rows", TRAIN_ITERS="3")
-    assert "in stores" in proc.stdout
+    proc = recipe("llama3_8b", corpus, stores, **node_shared)
+    assert "in stores" in proc.stdout and "one copy per node" in proc.stdout, proc.stdout[-3000:]
     in_stores = losses(stores)
-    assert max(abs(in_stores[step][0] - curve[step][0]) for step in (1, 2, 3)) < 1e-5, (in_stores, curve)
+    assert sorted(in_stores) == [1, 2, 3, 4, 5, 6]
+    assert max(abs(in_stores[step][0] - curve[step][0]) for step in in_stores) < 1e-5, (in_stores, curve)
 
-    resumed = resumed_from_step_3(save, tmp_path)
-    recipe("llama3_8b", corpus, resumed)
+    resumed = resumed_from_step_3(stores, tmp_path)
+    recipe("llama3_8b", corpus, resumed, **node_shared)
     after = losses(resumed)
-    assert sorted(after) == [4, 5, 6] and all(after[step] == curve[step] for step in after), (after, curve)
+    assert sorted(after) == [4, 5, 6] and all(after[step] == in_stores[step] for step in after), (after, in_stores)
+    assert not [name for name in os.listdir(segments) if name.startswith(PREFIX)]
 
     from transformers import AutoModelForCausalLM
 
