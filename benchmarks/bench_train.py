@@ -3,11 +3,14 @@
 The models are built and stepped in the same process, on the same random token batches,
 with the same Megatron DDP + optimizer + schedule path as fe-pretrain: the Transformer, then
 FactorEngram with each table update of ``--table-updates`` (``optimizer.table_update``:
-``adamw``, the default, updates every row as the engine's parameters; ``rowwise_adagrad`` and
-``lazy_adam`` update only the touched rows, from table stores, as fe-pretrain trains them).
+``adamw``, the default, updates every row, as fe-pretrain without the distributed optimizer does, by the
+table optimizer's one-pass AdamW over stores, or with ``--engine-adam`` as Megatron's parameters, by its
+Adam; ``rowwise_adagrad`` and ``lazy_adam`` update only the touched rows, from table stores; ``UPDATE:host``
+keeps the tables in the host tier's stores). ``--busy-cores N`` keeps N cores busy while each is measured.
 
     python benchmarks/bench_train.py [--size tiny|small|340m-layer|340m] [--steps 10] \
-        [--table-updates adamw,rowwise_adagrad,lazy_adam] [--precision auto|bf16|fp32]
+        [--table-updates adamw,rowwise_adagrad,lazy_adam,adamw:host] [--engine-adam] [--busy-cores 1] \
+        [--precision auto|bf16|fp32]
 
 ``--precision auto`` (the default) runs in bf16 on a GPU machine and in fp32 on CPU, as fe-pretrain
 does; ``bf16`` on CPU runs the GPU's casts at CPU speed (`make gpu-check-dry`).  ``340m`` is the
@@ -18,6 +21,7 @@ its matrix products would reach, whatever the tables cost.
 """
 
 import argparse
+import dataclasses
 import gc
 import json
 import platform
@@ -25,6 +29,8 @@ import time
 import warnings
 
 import torch
+
+from host_load import busy_cores  # this folder is on the path when the script runs
 
 warnings.filterwarnings("ignore")
 
@@ -99,9 +105,16 @@ def main():
     parser.add_argument("--size", choices=list(SIZES), default="tiny")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--table-updates", default="adamw,rowwise_adagrad,lazy_adam",
-                        help="the FactorEngram variants to run, by optimizer.table_update")
+                        help="the FactorEngram variants to run, by optimizer.table_update; UPDATE:host keeps the "
+                             "tables in the host tier's stores (memory.table_placement=host)")
+    parser.add_argument("--engine-adam", action="store_true",
+                        help="dense tables as Megatron's parameters, trained by its Adam (fe-pretrain with "
+                             "parallel.distributed_optimizer); default: fe-pretrain's own rule, the table "
+                             "optimizer's one-pass AdamW over stores")
     parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                         help="training.precision: auto is bf16 on a GPU and fp32 on CPU")
+    parser.add_argument("--busy-cores", type=int, default=0,
+                        help="processes that each keep one core busy while every variant is measured")
     parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
                         help="keep: malloc keeps freed host memory, as fe-pretrain sets it on a CPU run "
                              "(fe_megatron.tables.host_allocator); system: glibc's defaults")
@@ -123,15 +136,18 @@ def main():
     tokens_per_step = s["micro"] * s["mbs"] * seq
     results, peak_gib = {}, {}
     memory = MemoryConfig.from_dict(s["memory"], backbone=backbone)
-    variants = [("transformer", None, None)] + [
-        ("factorengram" if update == "adamw" else f"factorengram_{update}", memory, update)
-        for update in args.table_updates.split(",")]
+    variants = [("transformer", None, None)]
+    for variant in args.table_updates.split(","):
+        update, _, placement = variant.partition(":")  # adamw:host: the table update, in the host tier's stores
+        name = "factorengram" if update == "adamw" else f"factorengram_{update}"
+        variants.append((f"{name}_{placement}" if placement else name,
+                         dataclasses.replace(memory, table_placement=placement) if placement else memory, update))
     for kind, mc, update in variants:
         tconfig = transformer_config_for(cfg, on_gpu)
         model = build_gpt_model(tconfig, vocab, seq, mc)
         tables = None
         plan = TablePlan.resolve("megatron", mc.table_dtype, placement=mc.table_placement, update=update,
-                                 bf16_run=tconfig.bf16) \
+                                 bf16_run=tconfig.bf16, one_pass_adamw=not args.engine_adam) \
             if mc is not None else None
         if plan is not None and plan.in_stores:
             tables = manage_tables(model, OptimizerArgs(lr=1e-4), plan, device, seed=1)
@@ -149,12 +165,13 @@ def main():
             train_step([ddp], opt, batches, seq, s["mbs"])
         if on_gpu:
             torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            train_step([ddp], opt, batches, seq, s["mbs"])
-        if on_gpu:
-            torch.cuda.synchronize()
-        results[kind] = tokens_per_step * args.steps / (time.perf_counter() - start)
+        with busy_cores(args.busy_cores):
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                train_step([ddp], opt, batches, seq, s["mbs"])
+            if on_gpu:
+                torch.cuda.synchronize()
+            results[kind] = tokens_per_step * args.steps / (time.perf_counter() - start)
         if on_gpu:
             peak_gib[kind] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
         del ddp, opt, model, tables
@@ -165,7 +182,10 @@ def main():
                    else f"{platform.machine()} CPU, {torch.get_num_threads()} threads")
     # the ratio a step bound by its matrix products would reach: what no table work can beat
     bound = matmul_macs_per_token(backbone) / matmul_macs_per_token(backbone, memory)
-    print(json.dumps({"size": args.size, "device": device_name, "bf16": tconfig.bf16, "date": time.strftime("%Y-%m-%d"), "allocator": allocator,
+    print(json.dumps({"size": args.size, "device": device_name, "bf16": tconfig.bf16, "date": time.strftime("%Y-%m-%d"),
+                      "allocator": allocator, "busy_cores": args.busy_cores, "table_trainer": "engine's Adam" if
+                      args.engine_adam else "fe-pretrain's rule (one-pass AdamW over stores without the distributed "
+                      "optimizer)",
                       **{f"{kind}_tokens_per_s": round(value) for kind, value in results.items()},
                       **{f"{kind}_ratio": round(value / results["transformer"], 3) for kind, value in results.items()
                          if kind != "transformer"},

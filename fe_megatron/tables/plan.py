@@ -13,7 +13,13 @@ The rules (docs/tables.md, "Who trains the tables"):
 
 * whole fp32 tables with fp32 state on the device, updated by AdamW, are the engine's parameters:
   Megatron's optimizer (its distributed optimizer then shards their moments), or ZeRO's (DeepSpeed,
-  ``table_sharding`` ``replicated`` or ``zero``);
+  ``table_sharding`` ``replicated`` or ``zero``); except in fe-pretrain's Megatron engine without the
+  distributed optimizer (``one_pass_adamw``), where Megatron's optimizer would shard nothing and its DDP
+  reduces the gradients at the step's end, as the stores do: there the table optimizer trains them, its
+  AdamW one pass over each row (`fe_megatron.ops.table_adamw_`) where Megatron's Adam makes several over
+  every tensor (benchmarks/RESULTS.md: 0.93 of the matmul bound against 0.88). Both save the tables and their
+  moments under the same names (`fe_megatron.megatron.table_optimizer.refuse_table_optimizer_change`), so
+  a checkpoint of either resumes in the other;
 * anything else lives in stores and is trained by the table optimizer: bf16 rows, bf16 state, the
   host tier, a sparse update (only the table optimizer keeps gradients by row), and row-sharded
   tables in both engines: their rows are sharded over the tables' own row group (every data-parallel
@@ -79,7 +85,7 @@ class TablePlan:
                 placement: str = "device", sharding: str = "replicated", update: str = "adamw",
                 bf16_run: bool = False, stage_without_memory: bool = False,
                 expert_parallel: int = 1, sharded_backbone: bool = False,
-                shared_folder: str = "/dev/shm", recompute: str = "none") -> "TablePlan":
+                shared_folder: str = "/dev/shm", recompute: str = "none", one_pass_adamw: bool = False) -> "TablePlan":
         rule = update_rule(update)
         reasons = []
         if dtype != "fp32":
@@ -102,20 +108,25 @@ class TablePlan:
             reasons.append("a pipeline stage without memory layers")
         if engine == "megatron" and sharded_backbone:
             reasons.append("a backbone under Megatron-FSDP")
+        if engine == "megatron" and one_pass_adamw and not reasons:
+            reasons.append("no distributed optimizer: the table optimizer's one-pass AdamW")
         return cls(engine, dtype, state_dtype, placement, sharding, update, STORES if reasons else ENGINE,
                    tuple(reasons), engine == "megatron" and sharded_backbone, shared_folder, recompute)
 
     @classmethod
     def for_run(cls, cfg, bf16_run: bool = False, stage_without_memory: bool = False,
-                sharded_backbone: bool = False) -> "TablePlan":
+                sharded_backbone: bool = False, fe_pretrain: bool = False) -> "TablePlan":
         """The plan of a `fe_megatron.training.config.TrainConfig` with memory (read, not imported:
         this layer sits below the training code).  ``stage_without_memory``: whether a pipeline
         stage of the run's layout holds no memory layer (the Megatron engine's question);
-        ``sharded_backbone``: whether the backbone is under Megatron-FSDP (the Megatron-LM trainer's)."""
+        ``sharded_backbone``: whether the backbone is under Megatron-FSDP (the Megatron-LM trainer's);
+        ``fe_pretrain``: the run is fe-pretrain's, whose Megatron engine trains whole AdamW tables in
+        one pass without the distributed optimizer (``one_pass_adamw``)."""
         memory, o, p = cfg.memory, cfg.optimizer, cfg.parallel
         return cls.resolve(cfg.training.engine, memory.table_dtype, o.table_state_dtype, memory.table_placement,
                            p.table_sharding, o.table_update, bf16_run, stage_without_memory, p.expert,
-                           sharded_backbone, p.shared_table_folder, cfg.training.recompute)
+                           sharded_backbone, p.shared_table_folder, cfg.training.recompute,
+                           one_pass_adamw=fe_pretrain and not p.distributed_optimizer)
 
     @classmethod
     def saved_mode(cls, info: dict):

@@ -120,8 +120,8 @@ class EngineRun:
 
 
 def table_plan(cfg, bf16_run: bool = False, stage_without_memory: bool = False):
-    """The run's `TablePlan`, None without memory."""
-    return None if cfg.memory is None else TablePlan.for_run(cfg, bf16_run, stage_without_memory)
+    """fe-pretrain's `TablePlan` of the run, None without memory."""
+    return None if cfg.memory is None else TablePlan.for_run(cfg, bf16_run, stage_without_memory, fe_pretrain=True)
 
 
 def load_run_tokenizer(cfg):

@@ -84,10 +84,13 @@ def losses(save):
 
 @pytest.fixture(scope="module")
 def fp32_run(small_data, tmp_path_factory):
-    """fe-pretrain with fp32 tables as Megatron's parameters (DP=1, fp32), checkpoints at 4 and 8."""
+    """fe-pretrain with whole fp32 tables (DP=1, fp32), checkpoints at 4 and 8: without the distributed optimizer
+    trained from stores by the table optimizer's one-pass AdamW (tests/unit/megatron/test_table_optimizer.py: as
+    Megatron's Adam trains them as its parameters)."""
     save = str(tmp_path_factory.mktemp("stores") / "fp32")
     proc = run_pretrain(["--config", CONFIG, "--save", save] + small_overrides(small_data))
-    assert "tables fp32 as the engine's parameters, replicated" in proc.stdout
+    assert "tables fp32 in stores on the device, replicated, updated by adamw (every row); in stores because of no " \
+           "distributed optimizer: the table optimizer's one-pass AdamW" in proc.stdout
     return save
 
 
@@ -111,9 +114,10 @@ def test_a_bf16_run_follows_the_fp32_curve_and_resumes_exactly(small_data, fp32_
 @pytest.mark.distributed
 def test_a_resume_may_change_the_table_storage_except_across_the_distributed_optimizer(small_data, fp32_run,
                                                                                         tmp_path):
-    """The tables' state has the same names however they are kept: fp32 tables held by Megatron's
-    optimizer resume as bf16 tables with bf16 state in host memory (cast as they load) and follow
-    the fp32 curve; with the distributed optimizer, whose layout differs, the change is refused by name."""
+    """The tables' state has the same names however they are kept: fp32 tables resume as bf16 tables with bf16
+    state in host memory (cast as they load) and follow the fp32 curve; fp32 tables held by Megatron's
+    distributed optimizer, whose layout differs, refuse the change by name. (Tables held by Megatron's optimizer
+    without it resume from stores: test_table_checkpoints.py's megatron_replicated checkpoint.)"""
     storage = {"memory.table_dtype": "bf16", "optimizer.table_state_dtype": "bf16", "memory.table_placement": "host"}
     half = resume_at(fp32_run, 4, str(tmp_path / "changed"))
     proc = run_pretrain(["--config", CONFIG, "--load", half, "--save", half] + small_overrides(small_data, **storage))

@@ -16,7 +16,9 @@ from fe_megatron.tables.plan import TablePlan
     ({"sharding": "rows"}, "megatron", "stores", "stores"),
     ({"expert_parallel": 2}, "megatron", "stores", "stores"),
     ({"sharded_backbone": True}, "megatron", "stores", "stores"),
+    ({"one_pass_adamw": True}, "megatron", "stores", "stores"),
     ({}, "deepspeed", "engine", "zero"),
+    ({"one_pass_adamw": True}, "deepspeed", "engine", "zero"),
     ({"bf16_run": True, "stage_without_memory": True}, "deepspeed", "engine", "zero"),
     ({"sharding": "zero"}, "deepspeed", "engine", "zero"),
     ({"sharding": "rows"}, "deepspeed", "stores", "rows"),
@@ -77,3 +79,19 @@ def test_the_plan_decides_which_shardings_need_the_row_group_and_what_a_module_h
 
     assert [sharding for sharding in ("replicated", "rows", "node", "zero") if shards_rows(sharding)] == ["rows", "node"]
     assert [module_holder(dtype) for dtype in ("fp32", "bf16", "fp8")] == ["parameter", "read_only", "read_only"]
+
+
+def test_fe_pretrain_trains_whole_adamw_tables_in_one_pass_unless_the_distributed_optimizer_shards_them():
+    """fe-pretrain's Megatron engine without the distributed optimizer keeps whole fp32 AdamW tables in stores
+    (the table optimizer's one-pass AdamW); with it, and in Megatron-LM's trainer, they stay Megatron's
+    parameters (its distributed optimizer shards their moments)."""
+    from fe_megatron.training.config import load_train_config
+    from tests.helpers.training import CONFIG
+
+    config = load_train_config(CONFIG, ["data.train_data=[unused]"])
+    plan = TablePlan.for_run(config, fe_pretrain=True)
+    assert plan.mode == "stores" and plan.reasons == ("no distributed optimizer: the table optimizer's one-pass "
+                                                      "AdamW",)
+    assert TablePlan.for_run(config).mode == "parameters"  # Megatron-LM's trainer
+    config.parallel.distributed_optimizer = True
+    assert TablePlan.for_run(config, fe_pretrain=True).mode == "parameters"
