@@ -78,7 +78,8 @@ class DistCheckpoint:
 
     def stored_names(self) -> list:
         """The tensors the checkpoint holds besides optimizer state, under the names the model gave them."""
-        return [name for name, meta in self.metadata.items() if not OPTIMIZER_STATE.match(name) and hasattr(meta, "size")]
+        return [name for name, meta in self.metadata.items()
+                if not OPTIMIZER_STATE.match(name) and hasattr(meta, "size")]
 
     def weight_names(self) -> list:
         """The model's weights in the checkpoint (no optimizer state, no extra state)."""

@@ -311,9 +311,10 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
                        recomputed: bool, position_ids: torch.Tensor) -> MemoryInputs:
         """This forward's `MemoryInputs` (`fe_megatron.memory.inputs`): every memory layer's addresses, hashed
         here once (token by token, after the cache's ids; within the documents of ``position_ids``, which
-        reset to 0 where each packed document starts, as transformers' packed batches give them). Row-sharded tables start every layer's lookup now,
-        in one exchange; otherwise, and under gradient checkpointing (``recomputed``), each layer starts its
-        own when it runs, on its own device. What ``given`` holds (lookups started ahead) is kept."""
+        reset to 0 where each packed document starts, as transformers' packed batches give them). Row-sharded
+        tables start every layer's lookup now, in one exchange; otherwise, and under gradient checkpointing
+        (``recomputed``), each layer starts its own when it runs, on its own device. What ``given`` holds
+        (lookups started ahead) is kept."""
         decodings = self._decodings(input_ids, attention_mask, cache)
         given = given_inputs(given)
         if given.layers and decodings:

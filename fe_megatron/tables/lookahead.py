@@ -11,11 +11,11 @@ a step: the tables change at the optimizer step, so the first microbatch's rows 
 the step begins.
 
 Each microbatch dict must carry its token ids in host memory as ``host_tokens``, and its position ids as
-``host_position_ids`` (documents packed into a sequence are hashed each on its own,
-`fe_megatron.ngram.hashing`) (`fe_megatron.training.run.EngineRun.batches`); the iterator yields the dicts with the started
-lookups added as ``memory_inputs`` (the `fe_megatron.memory.inputs.MemoryInputs` that ``start`` returns).  `microbatch_feed` is the one feed
-both engines walk a step's microbatches with: without ``host_tokens`` it hands the batches out as
-they are.
+``host_position_ids`` (documents packed into a sequence are hashed each on its own, `fe_megatron.ngram.hashing`),
+as `fe_megatron.training.run.EngineRun.batches` makes them; the iterator yields the dicts with the started
+lookups added as ``memory_inputs`` (the `fe_megatron.memory.inputs.MemoryInputs` that ``start`` returns).
+`microbatch_feed` is the one feed both engines walk a step's microbatches with: without ``host_tokens`` it hands
+the batches out as they are.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ HOST_POSITION_IDS = "host_position_ids"
 MEMORY_INPUTS = "memory_inputs"
 
 
-def microbatch_feed(batches: list, start: Callable[[object], object]) -> "MicrobatchLookups":
+def microbatch_feed(batches: list, start: Callable[[object, object], object]) -> "MicrobatchLookups":
     """A step's microbatches for an engine: each one's lookups started one microbatch ahead by
-    ``start(host_tokens, host_position_ids)`` when the batches carry ``host_tokens`` (the host tier without full recompute), else the batches as
-    they are.  The engine calls ``start_next()`` once each forward is issued, either way."""
+    ``start(host_tokens, host_position_ids)`` when the batches carry ``host_tokens`` (the host tier without
+    full recompute), else the batches as they are.  The engine calls ``start_next()`` once each forward is
+    issued, either way."""
     return MicrobatchLookups(batches, start if batches and HOST_TOKENS in batches[0] else None)
 
 
@@ -39,7 +40,7 @@ class MicrobatchLookups:
     started one microbatch ahead by ``start(host_tokens, host_position_ids) -> MemoryInputs`` (``start`` None:
     the batches as they are, and `start_next` does nothing)."""
 
-    def __init__(self, batches: list, start: Optional[Callable[[object], object]]):
+    def __init__(self, batches: list, start: Optional[Callable[[object, object], object]]):
         self.batches, self.start = list(batches), start
         self.position = 0  # the next microbatch to hand out
         self.ahead = None  # the lookups of microbatch `position`, once started

@@ -170,7 +170,8 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
         dtypes = {name: param.dtype for name, param in self.named_parameters()}
         for name, tensor in weights:
             target = dtypes.get(self.hf_to_vllm_mapper.map_name(name))
-            if target is not None and target.is_floating_point and tensor.is_floating_point() and tensor.dtype != target:
+            if target is not None and target.is_floating_point and tensor.is_floating_point() \
+                    and tensor.dtype != target:
                 tensor = tensor.to(target)
             yield name, tensor
 

@@ -523,8 +523,8 @@ METHOD_TABLES = ("memory.layers=[3, 4]", "memory.table_capacity=[4096, 100000, 1
                  "memory.memory_dim=1536")
 DRY_METHOD_TABLES = ("memory.layers=[1, 2]", "memory.table_capacity=[4096, 16384, 16384]", "memory.coeff_width=192",
                      "memory.memory_dim=192")
-METHOD_MODELS = {"factorengram": "memory.preset=factorengram-340m", "engram_unigram": "memory.preset=engram-unigram-340m",
-                 "transformer": "memory=null"}
+METHOD_MODELS = {"factorengram": "memory.preset=factorengram-340m",
+                 "engram_unigram": "memory.preset=engram-unigram-340m", "transformer": "memory=null"}
 METHOD_TRAINING = ("training.micro_batch_size=8", f"training.global_batch_size={METHOD_GLOBAL_BATCH}",
                    "optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "training.eval_steps=8", "training.log_interval=10")
 METHOD_SECONDS = 180  # of training per model, when the budget allows (FE_GPU_CHECK_METHOD_S)

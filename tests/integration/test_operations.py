@@ -186,9 +186,9 @@ def test_sigusr1_saves_after_the_step_and_asks_for_a_requeue(small_data, uninter
 def test_torchrun_restarts_a_worker_killed_mid_save_and_ends_on_the_uninterrupted_run(small_data, tmp_path):
     """kill -9 of one worker of a DP=2 run under launch_scripts/torchrun.sh with MAX_RESTARTS=1, in the middle of
     saving checkpoint 12 (every part written, the checkpoint not committed: rank 0 commits): the group restarts,
-    resumes from the last complete checkpoint (8), and ends with the same losses and weights, bit for bit.  Its tables are node-shared
-    (one segment in shared memory for the node, `fe_megatron.tables.node_shared`), saved by their owners: the
-    killed run leaves no segment behind, and the restart makes its own."""
+    resumes from the last complete checkpoint (8), and ends with the same losses and weights, bit for bit.  Its
+    tables are node-shared (one segment in shared memory for the node, `fe_megatron.tables.node_shared`), saved by
+    their owners: the killed run leaves no segment behind, and the restart makes its own."""
     from fe_megatron.tables.node_shared import PREFIX
 
     full, run, folder = str(tmp_path / "full"), str(tmp_path / "run"), tmp_path / "shm"
