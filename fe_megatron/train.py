@@ -131,14 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def missing_datasets(cfg) -> str:
     """--check: the first ``PREFIX.bin`` or ``PREFIX.idx`` of ``data.train_data`` that does not exist ("" when
-    all do); the run itself refuses the same (`fe_megatron.data.datasets.build_datasets`)."""
-    blend = cfg.data.train_data
-    prefixes = blend if len(blend) == 1 else blend[1::2]
-    for prefix in prefixes:
-        for path in (f"{prefix}.bin", f"{prefix}.idx"):
-            if not os.path.isfile(path):
-                return path
-    return ""
+    all do), as the run itself refuses it (`fe_megatron.data.datasets.build_datasets`)."""
+    from fe_megatron.data.datasets import missing_dataset_files, parse_blend
+
+    missing = missing_dataset_files(parse_blend(cfg.data.train_data)[0])
+    return missing[0][1] if missing else ""
 
 
 def print_checked_config(cfg, args) -> None:

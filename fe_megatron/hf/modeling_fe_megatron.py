@@ -265,6 +265,7 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         if use_cache and cache is None:
             cache = FactorEngramCache(config=self.config)
+        given_positions = position_ids  # the memory reads only the caller's: the default counts up (no document)
         if position_ids is None:
             past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
@@ -272,8 +273,8 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds,
                                          attention_mask=attention_mask, position_ids=position_ids,
                                          **{CACHE_KEYWORD: cache})
-        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_inputs, recomputed, position_ids) \
-            if self.memory_layers else None
+        memory_inputs = self._memory_inputs(input_ids, attention_mask, cache, memory_inputs, recomputed,
+                                            given_positions) if self.memory_layers else None
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         sparsity_terms: list = []
@@ -308,7 +309,7 @@ class FactorEngramModel(FactorEngramPreTrainedModel):
             getattr(self.layers[index], "gradient_checkpointing", False) for index in self.memory_layers)
 
     def _memory_inputs(self, input_ids, attention_mask, cache, given: Optional[MemoryInputs],
-                       recomputed: bool, position_ids: torch.Tensor) -> MemoryInputs:
+                       recomputed: bool, position_ids: Optional[torch.Tensor]) -> MemoryInputs:
         """This forward's `MemoryInputs` (`fe_megatron.memory.inputs`): every memory layer's addresses, hashed
         here once (token by token, after the cache's ids; within the documents of ``position_ids``, which
         reset to 0 where each packed document starts, as transformers' packed batches give them). Row-sharded
