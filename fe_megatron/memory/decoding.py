@@ -1,4 +1,5 @@
-"""What a memory branch needs to run token by token: padding masks and its incremental state.
+"""What a memory branch needs to run token by token in ``generate``: padding masks and its incremental state
+(the look-back itself is `fe_megatron.memory.look_back`, which vLLM's batches share).
 
 A branch looks back a fixed distance: the n-gram address of position t reads ids
 ``t-n+1 .. t`` (Eq. 1), and the causal refinement reads values ``t, t-r, .., t-(K-1)r``
@@ -18,6 +19,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from fe_megatron.memory import look_back
+from fe_megatron.memory.look_back import RequestBatch
 
 
 @dataclass
@@ -67,10 +71,9 @@ class Decoding:
             ids = ids.masked_fill(~self.valid, hasher.pad_id)
         if self.state is None:
             return hasher.indices_of_lookup_ids(ids, position_ids)
-        history = self.state.recent_ids.shape[1]
-        ids = torch.cat([self.state.recent_ids, ids], dim=1)
-        self.state.recent_ids = ids[:, ids.shape[1] - history:]
-        return hasher.indices_of_lookup_ids(ids, position_ids)[:, history:]
+        batch = RequestBatch.rows(*ids.shape, ids.device)
+        return look_back.addresses(hasher, ids.flatten(), batch, self.state.recent_ids,
+                                   position_ids).view(*ids.shape, -1)
 
     def refine(self, conv, values: torch.Tensor) -> torch.Tensor:
         """Eq. 10 for the new positions, reading the state's values before them; updates the state."""
@@ -78,7 +81,5 @@ class Decoding:
             values = values * self.valid.unsqueeze(-1).to(values.dtype)
         if self.state is None:
             return values + conv(values)
-        history = self.state.recent_values.shape[1]
-        full = torch.cat([self.state.recent_values.to(values.dtype), values], dim=1)
-        self.state.recent_values = full[:, full.shape[1] - history:]
-        return values + conv(full, history=history)
+        batch = RequestBatch.rows(*values.shape[:2], values.device)
+        return look_back.refine(conv, values.flatten(0, 1), batch, self.state.recent_values).view_as(values)

@@ -7,7 +7,7 @@ model's config.  It registers:
 * the Hugging Face config of ``model_type: fe_megatron`` with transformers (`fe_megatron.hf`), so
   the folder ``fe-convert mcore-to-hf`` writes loads without ``--trust-remote-code``;
 * ``FactorEngramForCausalLM`` (`fe_megatron.vllm.model`) with vLLM's `ModelRegistry`;
-* `FactorEngramServingConfig`, which sets what the engine must be for it (no prefix caching, eager).
+* `FactorEngramServingConfig`, which checks what the memory cannot serve and keeps the rest of vLLM's defaults.
 
 Then ``vllm serve <converted folder>`` (or ``vllm.LLM(<folder>)``) serves it.  docs/serving.md
 says what is supported and what is refused.

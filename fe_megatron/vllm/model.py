@@ -10,8 +10,10 @@ state cache, and sit where the config places them, as in `fe_megatron.hf.modelin
 * ``before_ffn``:  ``h <- h + m(h)`` on the post-attention residual;
 * ``inside_ffn``:  ``down(silu(gate x) * (up x + m(h)))``.
 
-vLLM carries the residual stream as ``(hidden_states, residual)`` and adds them in its fused norm;
-a layer with memory adds them first, since the branch reads the stream itself.
+vLLM carries the residual stream as ``(hidden_states, residual)`` and adds them in its fused add+norm; the
+memory reads the stream and its output joins it through the fused add+norm that follows.  The memory runs as
+vLLM custom ops (`fe_megatron.vllm.memory_layer`), so vLLM compiles the model around them, and one router
+hashes every memory layer's addresses once per step.
 
 Under tensor parallelism every rank holds the whole memory branch and its tables (they read the
 replicated residual stream); ``inside_ffn`` adds the rank's slice of ``m`` to its slice of the
@@ -29,25 +31,29 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import IsHybrid
+from vllm.model_executor.models.interfaces import IsHybrid, SupportsMambaPrefixCaching
 from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
 from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, maybe_prefix
 
 from fe_megatron.memory import build_memory
-from fe_megatron.vllm.memory_layer import ServedMemory, check_vllm_internals, state_dtypes
-from fe_megatron.vllm.request_history import state_shapes
+from fe_megatron.memory.look_back import state_shapes
+from fe_megatron.vllm.memory_layer import (STATE_COPY_FUNCS, ServedMemory, ServedMemoryRouter, check_vllm_internals,
+                                         state_dtypes)
 
 TABLE_SUFFIX = ".memory.tables.weight"
 
 
 class FactorEngramDecoderLayer(LlamaDecoderLayer):
-    """vLLM's Llama layer, with the memory branch of ``layer_index`` (if the config names it) at its
-    placement."""
+    """vLLM's Llama layer, with the memory branch of ``layer_index`` (if the config names it) at its placement.
+
+    vLLM carries the stream as ``(hidden_states, residual)`` and adds them in its fused add+norm; the memory's
+    output joins the stream through the same fused add+norm of the norm that follows it."""
 
     def __init__(self, vllm_config: VllmConfig, prefix: str, layer_index: int, memory_config):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -57,20 +63,24 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
             self.memory = ServedMemory(branch, vllm_config.model_config.dtype, prefix=f"{prefix}.memory")
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
-                token_ids: Optional[torch.Tensor] = None):
+                addresses: Optional[torch.Tensor] = None):
         if self.memory is None:
             return super().forward(positions, hidden_states, residual)
-        stream = hidden_states if residual is None else hidden_states + residual
         placement = self.memory.branch.config.placement
-        if placement == "before_attn":
-            stream = stream + self.memory(stream, token_ids)
-        stream = stream + self.self_attn(positions=positions, hidden_states=self.input_layernorm(stream))
+        if placement == "before_attn":  # h + m(h), then the layer as vLLM runs it (Eq. 11)
+            stream = hidden_states if residual is None else hidden_states + residual
+            return super().forward(positions, self.memory(stream, addresses), stream)
+        if residual is None:
+            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        attention = self.self_attn(positions=positions, hidden_states=hidden_states)
         if placement == "before_ffn":
-            stream = stream + self.memory(stream, token_ids)
-        normed = self.post_attention_layernorm(stream)
-        if placement == "inside_ffn":
-            return self._mlp_with_addend(normed, self.memory(stream, token_ids)), stream
-        return self.mlp(normed), stream
+            stream = attention + residual
+            hidden_states, residual = self.post_attention_layernorm(self.memory(stream, addresses), stream)
+            return self.mlp(hidden_states), residual
+        hidden_states, residual = self.post_attention_layernorm(attention, residual)  # inside_ffn
+        return self._mlp_with_addend(hidden_states, self.memory(residual, addresses)), residual
 
     def _mlp_with_addend(self, normed: torch.Tensor, addend: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate x) * (up x + addend))`` on this rank's slice of the intermediate width."""
@@ -82,8 +92,11 @@ class FactorEngramDecoderLayer(LlamaDecoderLayer):
         return out
 
 
+@support_torch_compile(dynamic_arg_dims={"input_ids": {0: "b"}, "positions": {0: "b"},
+                                         "intermediate_tensors": {0: "b"}, "inputs_embeds": {0: "b"}})
 class FactorEngramModel(nn.Module):
-    """Embedding, decoder layers (with memory where the config says) and the final norm."""
+    """Embedding, decoder layers (with memory where the config says) and the final norm; vLLM compiles its forward,
+    the memory's custom ops left whole (`fe_megatron.vllm.memory_layer`)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -96,24 +109,34 @@ class FactorEngramModel(nn.Module):
             for index in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.memory_layers = [index for index, layer in enumerate(self.layers) if layer.memory is not None]
+        self.router = None
+        if self.memory_layers:  # one hash of every memory layer's addresses per step, one look-back of ids
+            self.router = ServedMemoryRouter(memory_config, self.layers[self.memory_layers[0]].memory.prefix)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: Optional[torch.Tensor], positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.memory_layers and input_ids is None:  # FactorEngramServingConfig refuses --enable-prompt-embeds
-            raise ValueError("the memory branches address their tables by token id, and this forward has none: "
-                             "serve without --enable-prompt-embeds")
+        addresses = None
+        if self.router is not None:
+            if input_ids is None:  # FactorEngramServingConfig refuses --enable-prompt-embeds
+                raise ValueError("the memory branches address their tables by token id, and this forward has "
+                                 "none: serve without --enable-prompt-embeds")
+            addresses = self.router(input_ids)
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, input_ids)
+        for index, layer in enumerate(self.layers):
+            layer_addresses = None
+            if layer.memory is not None:
+                first, end = self.router.slices[index]
+                layer_addresses = addresses[:, first:end]
+            hidden_states, residual = layer(positions, hidden_states, residual, layer_addresses)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
 
-class FactorEngramForCausalLM(nn.Module, IsHybrid):
+class FactorEngramForCausalLM(nn.Module, IsHybrid, SupportsMambaPrefixCaching):
     """The causal LM vLLM serves for ``architectures: ["FactorEngramForCausalLM"]``."""
 
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -124,8 +147,8 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
         memory_config = vllm_config.model_config.hf_config.memory_config()
         if memory_config is None:  # no memory layer holds a state; vLLM still sizes its pages from one
-            return (1,), (1, 1)
-        return state_shapes(memory_config)
+            return (1, 1), (1, 1)
+        return state_shapes(memory_config, vllm_config.num_speculative_tokens)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
@@ -133,8 +156,8 @@ class FactorEngramForCausalLM(nn.Module, IsHybrid):
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        raise NotImplementedError("a FactorEngram model is served without prefix caching (its look-back state is "
-                                  "not kept per block); fe_megatron.vllm turns prefix caching off")
+        """How vLLM's align mode (prefix caching) copies a memory layer's look-back at a block boundary."""
+        return STATE_COPY_FUNCS
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

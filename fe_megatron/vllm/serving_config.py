@@ -5,19 +5,18 @@ vLLM calls ``verify_and_update_config`` of the class registered for an architect
 server, or the script that makes a `vllm.LLM`), before any worker starts.
 
 * **Refused, by name**: what the memory cannot serve exactly.
-  - speculative decoding: the memory's look-back cannot be rolled back after rejected draft tokens;
   - a KV connector (``kv_transfer_config``): keys and values computed elsewhere would make a request
     start mid-text, without the look-back the memory layers would have written;
   - prompts as embeddings (``enable_prompt_embeds``): the memory addresses its tables by token id, and
     with the flag vLLM passes no token ids at all;
   - a ``table_storage`` other than ``"memory"`` or ``"mmap"``.
   Pipeline parallelism vLLM refuses itself: the model does not declare it.
-* **Prefix caching is turned off**, saying so.  A cached prefix lets a request skip the forward of
-  its first tokens, but the memory's look-back (kept per request, not per cache block) would then start
-  empty in the middle of the text.  vLLM turns prefix caching on by default, so it is turned off here
-  rather than refused, as vLLM itself does for layers it cannot cache.
-* **The model runs eagerly** (``enforce_eager``).  Each step's requests are laid out on the host
-  (`fe_megatron.vllm.request_history`), which neither a CUDA graph nor torch.compile captures.
+* **vLLM's defaults are kept**: the model compiles (the memory runs as custom ops, which the compiler leaves
+  whole; `MEMORY_OPS` join the ops vLLM splits its CUDA graphs at), prefix caching stays on (vLLM's align
+  mode keeps each memory layer's look-back at block boundaries), and speculative decoding verifies drafts
+  against a look-back that rolls back to the accepted ones (`fe_megatron.memory.look_back`).
+* **On a CPU, speculative decoding turns prefix caching off**, saying so: vLLM's CPU build cannot run both for a
+  model with per-request state (`speculate_without_prefix_caching_on_a_cpu`).
 * **On a CPU, the cache is capped at what the engine can use** (`cpu_cache_cap`).  vLLM's CPU backend reads
   ``--gpu-memory-utilization`` as the share of the host's memory to reserve, 0.92 by default: on a 24 GiB
   machine it took 21 GiB for the KV cache of a model whose ``max_num_seqs`` requests of ``max_model_len``
@@ -35,12 +34,13 @@ import math
 import os
 
 import torch
+import vllm
 from vllm.logger import init_logger
 from vllm.model_executor.models.config import VerifyAndUpdateConfig
 
 from fe_megatron.hf.mmap_tables import TABLE_STORAGES
-from fe_megatron.vllm.memory_layer import check_vllm_internals, state_dtypes
-from fe_megatron.vllm.request_history import state_shapes
+from fe_megatron.memory.look_back import state_shapes
+from fe_megatron.vllm.memory_layer import MEMORY_OPS, check_vllm_internals, state_dtypes
 
 # the CPU cache's margin over what the requests can fill: vLLM pads a hybrid model's pages to one size
 CACHE_MARGIN, CACHE_MARGIN_BYTES = 2, 64 * 2 ** 20
@@ -52,9 +52,6 @@ def refusals(vllm_config) -> list:
     """What in ``vllm_config`` a FactorEngram model cannot serve exactly, each with what to do instead."""
     model_config = vllm_config.model_config
     problems = []
-    if vllm_config.speculative_config is not None:
-        problems.append("speculative decoding: the memory's look-back cannot be rolled back after rejected draft "
-                        "tokens; serve without --speculative-config")
     if vllm_config.kv_transfer_config is not None:
         problems.append("a KV connector (--kv-transfer-config): a request whose keys and values come from elsewhere "
                         "would start without the memory's look-back; serve without one")
@@ -83,7 +80,8 @@ def cache_bytes_needed(vllm_config) -> int:
     if memory_config is not None:
         state_bytes = len(memory_config.layers) * sum(
             math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
-            for shape, dtype in zip(state_shapes(memory_config), state_dtypes(model.dtype)))
+            for shape, dtype in zip(state_shapes(memory_config, vllm_config.num_speculative_tokens),
+                                    state_dtypes(model.dtype)))
     return CACHE_MARGIN * (tokens * token_bytes + requests * state_bytes) + CACHE_MARGIN_BYTES
 
 
@@ -129,6 +127,32 @@ def say_the_served_dtype(model_config) -> None:
                     str(saved).removeprefix("torch."))
 
 
+def speculate_without_prefix_caching_on_a_cpu(vllm_config) -> None:
+    """vLLM's CPU build cannot verify drafts with prefix caching on for a model with per-request state: its align mode
+    then copies each state with a Triton kernel (``precopy_mamba_align_fused_kernel``, vllm/v1/worker/mamba_utils.py)
+    that the CPU build does not replace, and the first step stops there. Speculative decoding was asked for by name
+    and prefix caching is vLLM's default, so on a CPU the second is turned off, saying so."""
+    from vllm.platforms import current_platform
+
+    cache = vllm_config.cache_config
+    if current_platform.is_cpu() and vllm_config.speculative_config is not None and cache.enable_prefix_caching:
+        logger.warning("prefix caching is off for this run: on a CPU, vLLM %s verifies speculative drafts of a model "
+                       "with per-request state only without it (its align mode copies states with a Triton kernel "
+                       "that the CPU build lacks); --no-enable-prefix-caching says so yourself", vllm.__version__)
+        cache.enable_prefix_caching = False
+
+
+def split_at_memory_ops(compilation_config) -> None:
+    """The memory's ops join the ops at which vLLM splits its compiled graph for piecewise CUDA graphs (attention,
+    Mamba, short convolutions): a captured graph must not replay one step's requests in another. Splitting ops that
+    the user set are extended; an empty list (one whole graph, no splitting) is kept as given."""
+    ops = compilation_config.splitting_ops
+    if ops is None:
+        compilation_config.splitting_ops = list(compilation_config._attention_ops) + list(MEMORY_OPS)
+    elif ops:
+        ops.extend(op for op in MEMORY_OPS if op not in ops)
+
+
 class FactorEngramServingConfig(VerifyAndUpdateConfig):
     @staticmethod
     def verify_and_update_config(vllm_config) -> None:
@@ -136,14 +160,7 @@ class FactorEngramServingConfig(VerifyAndUpdateConfig):
         problems = refusals(vllm_config)
         if problems:
             raise ValueError("a FactorEngram model cannot be served with " + "; ".join(problems))
-        cache_config, model_config = vllm_config.cache_config, vllm_config.model_config
-        if cache_config.enable_prefix_caching:
-            logger.warning("prefix caching is off for this FactorEngram model: a request that skipped its cached "
-                           "prefix would start the memory's look-back empty mid-text (docs/serving.md)")
-            cache_config.enable_prefix_caching = False
-        if not model_config.enforce_eager:
-            logger.info("a FactorEngram model runs eagerly (enforce_eager): its memory layers lay out each step's "
-                        "requests on the host, which CUDA graphs and torch.compile do not capture")
-            model_config.enforce_eager = True
+        speculate_without_prefix_caching_on_a_cpu(vllm_config)
+        split_at_memory_ops(vllm_config.compilation_config)
         cap_cpu_cache(vllm_config)
-        say_the_served_dtype(model_config)
+        say_the_served_dtype(vllm_config.model_config)

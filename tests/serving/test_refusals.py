@@ -1,4 +1,4 @@
-"""What the served model refuses, by name, before any engine process starts; what it turns off; how the step's
+"""What the served model refuses, by name, before any engine process starts; which of vLLM's defaults it keeps; how the step's
 requests are read from vLLM's metadata; and the check of the vLLM internals it reads. Each configuration here
 is vLLM's own (`EngineArgs.create_engine_config` over a converted folder), built without starting an engine."""
 
@@ -24,18 +24,34 @@ def engine_config(folder, **arguments):
                       **arguments).create_engine_config()
 
 
-def test_prefix_caching_is_turned_off_and_the_model_runs_eagerly(folder):
-    config = engine_config(folder, enable_prefix_caching=True)
-    assert config.cache_config.enable_prefix_caching is False
-    assert config.model_config.enforce_eager is True
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+
+
+def test_vllm_s_defaults_are_kept(folder):
+    """Compiled, prefix caching on (in vLLM's align mode, which keeps the memory's look-back at block boundaries),
+    and the memory's ops among those the compiled graph is split at."""
+    from vllm.config import CompilationMode
+
+    from fe_megatron.vllm.memory_layer import MEMORY_OPS
+
+    config = engine_config(folder)
+    assert config.model_config.enforce_eager is False
+    assert config.compilation_config.mode != CompilationMode.NONE
+    assert config.cache_config.enable_prefix_caching is True and config.cache_config.mamba_cache_mode == "align"
+    assert set(MEMORY_OPS) <= set(config.compilation_config.splitting_ops)
+    assert "vllm::unified_attention_with_output" in config.compilation_config.splitting_ops
+
+
+def test_on_a_cpu_speculative_decoding_turns_prefix_caching_off(folder):
+    config = engine_config(folder, speculative_config=NGRAM)
+    assert config.speculative_config is not None and config.num_speculative_tokens == 2
+    assert config.cache_config.enable_prefix_caching is False and config.cache_config.mamba_cache_mode == "none"
 
 
 @pytest.mark.parametrize("arguments, named", [
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
-                              "prompt_lookup_min": 2}), "speculative decoding: .* serve without --speculative-config"),
     (dict(enable_prompt_embeds=True), r"prompts as embeddings \(--enable-prompt-embeds\)"),
     (dict(hf_overrides={"table_storage": "mmaped"}), r"table_storage='mmaped': use one of \['memory', 'mmap'\]"),
-], ids=["speculative", "prompt-embeds", "table-storage"])
+], ids=["prompt-embeds", "table-storage"])
 def test_what_cannot_be_served_exactly_is_refused_by_name(folder, arguments, named):
     with pytest.raises(ValueError, match="a FactorEngram model cannot be served with " + named):
         engine_config(folder, **arguments)
@@ -64,36 +80,49 @@ def test_a_kv_connector_is_refused_by_name(folder):
     assert [problem for problem in refusals(config) if problem.startswith("a KV connector (--kv-transfer-config)")]
 
 
-def metadata(num_decodes, prefill_lengths=(), has_initial=(), decode_slots_2d=False):
-    """vLLM's short-convolution metadata of a step: decodes first (slots 10, 11, ..), then prefills (slots 20, ..)."""
+def metadata(num_decodes, prefill_lengths=(), has_initial=(), decode_slots_2d=False, decode_lengths=None,
+             accepted=None):
+    """vLLM's short-convolution metadata of a step: decodes first (slots 10, 11, ..; with ``decode_lengths``, each a
+    token and its drafts, ``accepted`` of the last step's), then prefills (slots 20, ..)."""
     from vllm.v1.attention.backends.short_conv_attn import ShortConvAttentionMetadata
 
+    def offsets(lengths):
+        return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int32).cumsum(0).tolist()], dtype=torch.int32)
+
     decode_slots = torch.arange(10, 10 + num_decodes, dtype=torch.int32)
-    starts = torch.tensor([0, *torch.tensor(prefill_lengths, dtype=torch.int32).cumsum(0).tolist()],
-                          dtype=torch.int32)
     num_prefills = len(prefill_lengths)
     return ShortConvAttentionMetadata(
         num_prefills=num_prefills, num_prefill_tokens=int(sum(prefill_lengths)), num_decodes=num_decodes,
-        num_decode_tokens=num_decodes, num_reqs=num_decodes + num_prefills,
+        num_decode_tokens=int(sum(decode_lengths)) if decode_lengths else num_decodes,
+        num_reqs=num_decodes + num_prefills,
         has_initial_states_p=torch.tensor(has_initial, dtype=torch.bool) if num_prefills else None,
-        query_start_loc_p=starts if num_prefills else None,
+        query_start_loc_p=offsets(prefill_lengths) if num_prefills else None,
         state_indices_tensor_p=torch.arange(20, 20 + num_prefills, dtype=torch.int32) if num_prefills else None,
-        state_indices_tensor_d=decode_slots.unsqueeze(1) if decode_slots_2d else decode_slots,
-        query_start_loc_d=None, num_accepted_tokens=None, seq_lens=torch.zeros(num_decodes + num_prefills))
+        state_indices_tensor_d=decode_slots.unsqueeze(1).repeat(1, 3) if decode_slots_2d else decode_slots,
+        query_start_loc_d=offsets(decode_lengths) if decode_lengths else None,
+        num_accepted_tokens=torch.tensor(accepted, dtype=torch.int32) if accepted else None,
+        seq_lens=torch.zeros(num_decodes + num_prefills))
 
 
 @pytest.mark.parametrize("decode_slots_2d", [False, True])
 def test_the_step_s_requests_are_read_from_vllm_s_metadata(decode_slots_2d):
-    from fe_megatron.vllm.memory_layer import _request_batch
+    from fe_megatron.vllm.memory_layer import request_batch
 
-    decodes = _request_batch(metadata(3, decode_slots_2d=decode_slots_2d), torch.device("cpu"))
-    assert decodes.decoding and decodes.num_tokens == 3 and decodes.slots.tolist() == [10, 11, 12]
-    mixed = _request_batch(metadata(2, (5, 1, 7), (True, False, False), decode_slots_2d), torch.device("cpu"))
-    assert not mixed.decoding and mixed.num_tokens == 15
+    cpu = torch.device("cpu")
+    decodes = request_batch(metadata(3, decode_slots_2d=decode_slots_2d), cpu)
+    assert decodes.uniform == 1 and decodes.num_tokens == 3 and decodes.slots.tolist() == [10, 11, 12]
+    mixed = request_batch(metadata(2, (5, 1, 7), (True, False, False), decode_slots_2d), cpu)
+    assert mixed.uniform is None and mixed.num_tokens == 15 and mixed.speculative is None
     assert mixed.lengths.tolist() == [1, 1, 5, 1, 7] and mixed.slots.tolist() == [10, 11, 20, 21, 22]
     assert mixed.has_history.tolist() == [True, True, True, False, False]
-    prefills = _request_batch(metadata(0, (4,), (False,)), torch.device("cpu"))
-    assert prefills.lengths.tolist() == [4] and prefills.slots.tolist() == [20] and not prefills.decoding
+    prefills = request_batch(metadata(0, (4,), (False,)), cpu)
+    assert prefills.lengths.tolist() == [4] and prefills.slots.tolist() == [20] and prefills.uniform is None
+    # speculative decoding: decodes of a token and its drafts, read at the last step's accepted draft
+    drafts = request_batch(metadata(3, (6,), (True,), decode_slots_2d, decode_lengths=(3, 1, 2), accepted=(2, 1, 3)),
+                           cpu)
+    assert drafts.lengths.tolist() == [3, 1, 2, 6] and drafts.num_tokens == 12
+    assert drafts.slots.tolist() == [10, 11, 12, 20] and drafts.read_from.tolist() == [1, 0, 2, 0]
+    assert drafts.speculative.tolist() == [True, True, True, False]
 
 
 def test_a_vllm_without_the_state_contract_is_refused_at_start_up(monkeypatch):
