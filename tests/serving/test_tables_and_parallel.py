@@ -51,7 +51,8 @@ def test_bf16_serving_follows_the_model_in_bf16(tmp_path, capfd, caplog):
 
     model = save_tiny_model(tmp_path / "model", "factorengram", "before_attn", table_dtype="fp8").to(torch.bfloat16)
     prompts = random_prompts((6, 40, 13, 3), seed=7)
-    with engine(tmp_path / "model", dtype="bfloat16", max_num_batched_tokens=16) as llm:
+    # eager, as a user may still choose (vLLM's compiled default is tested in test_exact_against_generate)
+    with engine(tmp_path / "model", dtype="bfloat16", max_num_batched_tokens=16, enforce_eager=True) as llm:
         served = served_greedy(llm, prompts, 12)
     assert "Attempted to load weight" not in "".join(capfd.readouterr())  # the workers' warnings, one per weight
     said = [record for record in caplog.records if record.getMessage() == "this folder's weights are float32 and are "
