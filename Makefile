@@ -114,10 +114,9 @@ serve-demo: setup setup-serve
 		--host 127.0.0.1 --port $(SERVE_PORT) --dtype float32
 
 bench-serving: setup setup-serve
-	@test -d runs/demo/factorengram -a -d runs/demo/transformer || { echo "make bench-serving: it serves the demo's models; run make demo first" >&2; exit 1; }
+	@test -d runs/demo/factorengram || { echo "make bench-serving: it serves the demo's FactorEngram model; run make demo first" >&2; exit 1; }
 	test -f $(DEMO_HF)/config.json || $(VENV)/bin/fe-convert mcore-to-hf --load runs/demo/factorengram --output $(DEMO_HF)
-	test -f runs/demo/transformer-hf/config.json || $(VENV)/bin/fe-convert mcore-to-hf --load runs/demo/transformer --output runs/demo/transformer-hf
-	$(PY_SERVE) benchmarks/bench_serving.py --model $(DEMO_HF) --baseline runs/demo/transformer-hf
+	$(PY_SERVE) benchmarks/bench_serving.py --model $(DEMO_HF)
 
 bench: setup
 	$(PY) benchmarks/bench_memory.py

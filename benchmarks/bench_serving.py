@@ -3,6 +3,7 @@ and the time to the first token with the tables in memory or memory-mapped.
 
     python benchmarks/bench_serving.py --model runs/demo/factorengram-hf [--batches 1,8,32] [--busy-cores 1]
     python benchmarks/bench_serving.py --model runs/wide-hf --make-340m-width   # a 4-layer model of the paper's width
+    python benchmarks/bench_serving.py --model runs/d512-hf --make-model 512x8  # width 512, 8 layers
 
 (``make bench-serving`` converts the demo's runs and runs this in .venv-serve.)  On the same prompts (random
 token ids, ``--prompt-tokens`` long), greedy, ``--new-tokens`` each:
@@ -16,9 +17,11 @@ token ids, ``--prompt-tokens`` long), greedy, ``--new-tokens`` each:
   safetensors file), the start-up time and the first request's (one prompt, one token), then the median of
   five more.
 
-``--make-340m-width`` first writes, in ``--model``, a random 4-layer model of the 340M preset's width
-(d=1024, 16 heads, its memory at layers 1 and 2 with ``factorengram-340m``'s branches and gates, tables of
-``--table-rows`` rows per hashed head): the memory's cost where the backbone is not tiny.
+``--make-model 512x8`` first writes, in ``--model``, a random model of that width and depth with the 340M preset's
+memory scaled to it (``s = d_m = 3 d``, its branches and gates, at 10/24 and 12/24 of the depth, tables of
+``--table-rows`` rows per hashed head); ``--make-340m-width`` is ``1024x4``, the paper's width: the memory's cost
+where the backbone is not tiny.  vLLM runs at its defaults (compiled, prefix caching on); ``--enforce-eager``
+serves eagerly.
 
 ``--busy-cores N`` keeps N cores busy the whole time (a host with other work).  Prints a JSON line per
 measurement and a Markdown table for benchmarks/RESULTS.md.
@@ -75,15 +78,18 @@ def hf_generate(model, prompts, new_tokens) -> tuple:
     return time.perf_counter() - start, out[:, width:].tolist()
 
 
-def make_340m_width_model(directory: str, table_rows: int) -> None:
-    """A random 4-layer model of the 340M preset's width, memory at layers 1 and 2, saved as fe-convert does."""
+def make_random_model(directory: str, width: int, layers: int, table_rows: int) -> None:
+    """A random model of ``width`` and ``layers`` with the 340M preset's memory scaled to it (``s = d_m = 3 d``, its
+    branches and gates, at layers ``10/24`` and ``12/24`` of the depth), saved as fe-convert does."""
     from fe_megatron.config import BackboneConfig, MemoryConfig
     from fe_megatron.hf import FactorEngramConfig, FactorEngramForCausalLM
     from fe_megatron.presets import BACKBONES, PRESETS
 
-    backbone = BackboneConfig(**dict(BACKBONES["340m"], num_layers=4, seq_length=512))
+    backbone = BackboneConfig(**dict(BACKBONES["340m"], hidden_size=width, num_layers=layers,
+                                     num_attention_heads=width // 64, ffn_hidden_size=width * 11 // 4, seq_length=512))
     preset = {key: value for key, value in PRESETS["factorengram-340m"].items() if key != "backbone"}
-    memory = MemoryConfig(backbone=backbone, **dict(preset, layers=[1, 2],
+    memory = MemoryConfig(backbone=backbone, **dict(preset, layers=[layers * 10 // 24, layers * 12 // 24],
+                                                     coeff_width=3 * width, memory_dim=3 * width,
                                                      table_capacity=[backbone.vocab_size, table_rows, table_rows]))
     torch.manual_seed(0)
     model = FactorEngramForCausalLM(FactorEngramConfig.from_fe_megatron(backbone, memory, pad_token_id=0))
@@ -157,12 +163,17 @@ def main():
     parser.add_argument("--memory-share", type=float, default=0.05, help="vLLM's gpu_memory_utilization: on a CPU "
                         "the share of host memory it takes for the model and its cache")
     parser.add_argument("--skip", default="", help="comma-separated: throughput, first_token")
-    parser.add_argument("--make-340m-width", action="store_true", help="write a random model of the paper's width "
-                        "in --model first")
-    parser.add_argument("--table-rows", type=int, default=50_000, help="with --make-340m-width: rows per hashed head")
+    parser.add_argument("--make-model", metavar="WIDTHxLAYERS", help="write a random model of that width and depth "
+                        "in --model first, e.g. 512x8")
+    parser.add_argument("--make-340m-width", action="store_true", help="--make-model 1024x4: the paper's width")
+    parser.add_argument("--table-rows", type=int, default=50_000, help="with --make-model: rows per hashed head")
+    parser.add_argument("--enforce-eager", action="store_true", help="serve eagerly (vLLM compiles by default)")
     args = parser.parse_args()
-    if args.make_340m_width:
-        make_340m_width_model(args.model, args.table_rows)
+    shape = "1024x4" if args.make_340m_width else args.make_model
+    if shape:
+        width, layers = (int(part) for part in shape.lower().split("x"))
+        make_random_model(args.model, width, layers, args.table_rows)
+    ENGINE["enforce_eager"] = args.enforce_eager
     ENGINE["gpu_memory_utilization"] = args.memory_share
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model {args.model} has no config.json: convert a run with fe-convert mcore-to-hf first")

@@ -142,6 +142,17 @@ def speculate_without_prefix_caching_on_a_cpu(vllm_config) -> None:
         cache.enable_prefix_caching = False
 
 
+def plain_without_memory(model_config) -> None:
+    """A folder served without memory (a plain Transformer, or ``--hf-overrides '{"memory": null}'``) has no layer
+    with per-request state: its layers are all attention (``layer_types``, as vLLM reads a hybrid config whose
+    layers are all attention), so vLLM serves it as a plain model (with prefix caching, vLLM's align mode would
+    otherwise look for a state to keep and stop at the first step: "no mamba layers in the model"). transformers
+    infers the same layer types when the field is absent."""
+    config = model_config.hf_config
+    if config.memory_config() is None:
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+
+
 def split_at_memory_ops(compilation_config) -> None:
     """The memory's ops join the ops at which vLLM splits its compiled graph for piecewise CUDA graphs (attention,
     Mamba, short convolutions): a captured graph must not replay one step's requests in another. Splitting ops that
@@ -160,6 +171,7 @@ class FactorEngramServingConfig(VerifyAndUpdateConfig):
         problems = refusals(vllm_config)
         if problems:
             raise ValueError("a FactorEngram model cannot be served with " + "; ".join(problems))
+        plain_without_memory(vllm_config.model_config)
         speculate_without_prefix_caching_on_a_cpu(vllm_config)
         split_at_memory_ops(vllm_config.compilation_config)
         cap_cpu_cache(vllm_config)

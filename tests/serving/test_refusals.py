@@ -42,6 +42,14 @@ def test_vllm_s_defaults_are_kept(folder):
     assert "vllm::unified_attention_with_output" in config.compilation_config.splitting_ops
 
 
+def test_a_folder_served_without_memory_is_a_plain_model(folder):
+    """No layer keeps a state, so vLLM must not look for one (its align mode stopped at the first step: "no mamba
+    layers in the model"); prefix caching stays on."""
+    config = engine_config(folder, hf_overrides={"memory": None})
+    assert config.model_config.is_hybrid is False and config.cache_config.enable_prefix_caching is True
+    assert engine_config(folder).model_config.is_hybrid is True
+
+
 def test_on_a_cpu_speculative_decoding_turns_prefix_caching_off(folder):
     config = engine_config(folder, speculative_config=NGRAM)
     assert config.speculative_config is not None and config.num_speculative_tokens == 2
