@@ -165,7 +165,8 @@ class MemoryBranch(nn.Module):
         return self.tables(lookup).to(hidden_states.dtype)  # read through the module's call (its hooks)
 
     def refine(self, values: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
-        """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``."""
+        """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``; with ``decoding`` (``generate``'s `Decoding`, or a
+        server's `fe_megatron.memory.look_back.ServedStep`), after the values of earlier steps."""
         if decoding is not None:
             return decoding.refine(self.conv, values)
         return values + self.parallel.short_conv(self.conv, values)
