@@ -20,8 +20,8 @@ token ids, ``--prompt-tokens`` long), greedy, ``--new-tokens`` each:
 ``--make-model 512x8`` first writes, in ``--model``, a random model of that width and depth with the 340M preset's
 memory scaled to it (``s = d_m = 3 d``, its branches and gates, at 10/24 and 12/24 of the depth, tables of
 ``--table-rows`` rows per hashed head); ``--make-340m-width`` is ``1024x4``, the paper's width: the memory's cost
-where the backbone is not tiny.  vLLM runs at its defaults (compiled, prefix caching on); ``--enforce-eager``
-serves eagerly.
+where the backbone is not tiny.  vLLM runs at its defaults (compiled, prefix caching on, its engine in processes
+of its own); ``--enforce-eager`` serves eagerly, ``--in-process`` runs the engine in the benchmark's process.
 
 ``--busy-cores N`` keeps N cores busy the whole time (a host with other work).  Prints a JSON line per
 measurement and a Markdown table for benchmarks/RESULTS.md.
@@ -168,12 +168,16 @@ def main():
     parser.add_argument("--make-340m-width", action="store_true", help="--make-model 1024x4: the paper's width")
     parser.add_argument("--table-rows", type=int, default=50_000, help="with --make-model: rows per hashed head")
     parser.add_argument("--enforce-eager", action="store_true", help="serve eagerly (vLLM compiles by default)")
+    parser.add_argument("--in-process", action="store_true", help="run vLLM's engine in this process "
+                        "(VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of its own processes")
     args = parser.parse_args()
     shape = "1024x4" if args.make_340m_width else args.make_model
     if shape:
         width, layers = (int(part) for part in shape.lower().split("x"))
         make_random_model(args.model, width, layers, args.table_rows)
     ENGINE["enforce_eager"] = args.enforce_eager
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     ENGINE["gpu_memory_utilization"] = args.memory_share
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         parser.error(f"--model {args.model} has no config.json: convert a run with fe-convert mcore-to-hf first")

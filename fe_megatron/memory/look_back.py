@@ -62,7 +62,8 @@ class RequestBatch:
                  ``[R, uniform]``), else None;
     read_from:   ``[R]`` int64, the offset in the slot where the look-back begins (accepted drafts - 1); None: 0;
     speculative: ``[R]`` bool, the requests whose drafts this step verifies (their state keeps the look-back
-                 after each new position); None: none.
+                 after each new position); None: none;
+    all_continue: every request has history (``has_history`` is all True; known without reading it).
     """
 
     lengths: torch.Tensor
@@ -72,6 +73,7 @@ class RequestBatch:
     uniform: Optional[int] = None
     read_from: Optional[torch.Tensor] = None
     speculative: Optional[torch.Tensor] = None
+    all_continue: bool = False
 
     @classmethod
     def of_lengths(cls, lengths: torch.Tensor, slots: torch.Tensor, has_history: torch.Tensor) -> "RequestBatch":
@@ -87,7 +89,7 @@ class RequestBatch:
         """``batch_size`` sequences of ``new_tokens`` each, sequence b in slot b, all continuing (``generate``)."""
         return cls(torch.full((batch_size,), new_tokens, dtype=torch.int64, device=device),
                    torch.arange(batch_size, device=device), torch.ones(batch_size, dtype=torch.bool, device=device),
-                   batch_size * new_tokens, new_tokens)
+                   batch_size * new_tokens, new_tokens, all_continue=True)
 
     def _look_back(self, state: torch.Tensor, history: int, empty, dtype) -> torch.Tensor:
         """``[R, history, ...]``: each request's look-back, read from its slot (at ``read_from``), ``empty`` where it
@@ -97,6 +99,8 @@ class RequestBatch:
         else:
             steps = self.read_from.unsqueeze(1) + torch.arange(history, device=state.device)
             rows = state[self.slots.unsqueeze(1), steps]
+        if self.all_continue:
+            return rows.to(dtype)
         keep = self.has_history.view(-1, *([1] * (rows.dim() - 1)))
         return torch.where(keep, rows, torch.full_like(rows, empty)).to(dtype)
 
@@ -107,6 +111,11 @@ class RequestBatch:
         positions of a result laid out as ``sequences``.  ``state`` advances in place (see the module's docstring).
         """
         look_back = self._look_back(state, history, empty, flat.dtype)
+        if self.uniform is not None and self.speculative is None:  # [R, h + T] windows, each keeping its last h
+            sequences = torch.cat([look_back, flat.view(len(self.slots), self.uniform, *flat.shape[1:])], 1)
+            if history:
+                state[self.slots, :history] = sequences[:, self.uniform:].to(state.dtype)
+            return sequences, (slice(None), slice(history, None))
         if self.uniform is not None:  # [R, h + T]: each request's window
             sequences = torch.cat([look_back, flat.view(len(self.slots), self.uniform, *flat.shape[1:])], 1)
             joined, new = sequences.flatten(0, 1), (slice(None), slice(history, None))

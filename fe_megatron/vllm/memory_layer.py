@@ -212,7 +212,8 @@ def request_batch(metadata, device) -> RequestBatch:
     if num_decodes and not num_prefills and not speculative:  # the steady state: one new token per request
         slots = _first_column(metadata.state_indices_tensor_d, num_decodes).to(device)
         return RequestBatch(torch.ones(num_decodes, dtype=torch.int64, device=device), slots,
-                            torch.ones(num_decodes, dtype=torch.bool, device=device), num_decodes, uniform=1)
+                            torch.ones(num_decodes, dtype=torch.bool, device=device), num_decodes, uniform=1,
+                            all_continue=True)
     lengths, slots, has_history, read_from, drafts = [], [], [], [], []
     if num_decodes:
         if speculative:
