@@ -102,6 +102,13 @@ def engine_settings(**overrides) -> dict:
     return settings
 
 
+def traced_without_inductor(monkeypatch) -> None:
+    """vLLM's CPU CI setting (``VLLM_CPU_CI_ENV=1``): the model is still traced by dynamo around the memory's custom
+    ops, but runs on the eager backend, without inductor's 10-25 s of code generation per engine. For tests whose
+    subject is not compilation (test_exact_against_generate and test_server run inductor, vLLM's default)."""
+    monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")
+
+
 @contextlib.contextmanager
 def engine(directory, **overrides):
     """A `vllm.LLM` over ``directory`` with `engine_settings`, shut down at the end of the block (its processes

@@ -6,19 +6,21 @@ n-gram ids and the convolution's values must cross each split), at most 4 runnin
 and join while earlier ones decode), requests added while others decode, and a KV cache of 12 blocks of 16
 tokens, too small for four long requests at once, so vLLM preempts and recomputes some.  Greedy tokens must
 equal ``generate``'s and their log-probs agree to 1e-4; the memory changes the tokens, so a lost look-back
-would show.
+would show.  Then, in the same engine, five prompts that share a 40-token prefix, one after another: the later
+ones skip the cached blocks (prefix caching), with the same tokens and log-probs as ``generate``, which has no cache.
 """
 
 import pytest
 
 from tests.helpers.serving import (counter, engine, generate_greedy, random_prompts, require_vllm,
-                                   save_tiny_model, without_memory)
+                                   save_tiny_model, traced_without_inductor, without_memory)
 
 vllm = require_vllm()
 
 PROMPT_LENGTHS = (5, 9, 90, 17, 40, 3, 70, 12, 25, 2)
 NEW_TOKENS = (24, 16, 20, 30, 12, 40, 18, 24, 8, 30)
 STEP_TOKENS = 32
+SHARING_NEW_TOKENS = (12, 20, 8, 16, 10)
 
 
 def assert_vllm_s_defaults(llm):
@@ -95,35 +97,28 @@ def test_greedy_tokens_equal_generate_under_chunks_batching_and_preemption(tmp_p
     assert any(generate_greedy(plain, prompt, new).tokens != reference.tokens
                for prompt, new, reference in zip(prompts, NEW_TOKENS, expected)), "the memory changes no token"
 
+    shared = random_prompts((40,), seed=7)[0]  # prompts that share two and a half blocks of 16
+    sharing = [shared + tail for tail in random_prompts((3, 21, 9, 30), seed=8)] + [shared[:35]]
+    sharing_expected = [generate_greedy(model, prompt, new) for prompt, new in zip(sharing, SHARING_NEW_TOKENS)]
+
     with engine(tmp_path / "model", max_num_batched_tokens=STEP_TOKENS, max_num_seqs=4, max_model_len=128,
                 block_size=16, num_gpu_blocks_override=12) as llm:
         assert_vllm_s_defaults(llm)
         served = serve_with_late_arrivals(llm, prompts, NEW_TOKENS)
         preemptions = counter(llm, "vllm:num_preemptions")
+        hits = counter(llm, "vllm:prefix_cache_hits")
+        served_sharing = serve_in_order(llm, sharing, SHARING_NEW_TOKENS)
+        hits = counter(llm, "vllm:prefix_cache_hits") - hits
     assert max(map(len, prompts)) > STEP_TOKENS  # chunked prefill
     assert preemptions > 0, "the KV cache was large enough for every request"
     assert_as_generate(served, expected)
+    # the prompts that share a prefix, one after another: the later ones skip the cached blocks, and the memory
+    # continues from the look-back vLLM's align mode kept at the block boundary
+    assert hits >= 32 * (len(sharing) - 1), f"{hits} tokens came from the prefix cache"
+    assert_as_generate(served_sharing, sharing_expected)
 
 
-def test_a_cached_prefix_gives_the_tokens_of_a_fresh_start(tmp_path):
-    """Prompts that share a 40-token prefix (two and a half blocks of 16), served one after the other: the later ones
-    skip the cached blocks, and the memory continues from the look-back vLLM's align mode kept at the boundary.
-    Tokens and log-probs equal ``generate``'s, which has no cache; the memory is placed before the FFN here."""
-    model = save_tiny_model(tmp_path / "model", "factorengram", "before_ffn")
-    shared = random_prompts((40,), seed=7)[0]
-    prompts = [shared + tail for tail in random_prompts((3, 21, 9, 30), seed=8)] + [shared[:35]]
-    new_tokens = (12, 20, 8, 16, 10)
-    expected = [generate_greedy(model, prompt, new) for prompt, new in zip(prompts, new_tokens)]
-    with engine(tmp_path / "model", max_num_batched_tokens=STEP_TOKENS, max_num_seqs=4, max_model_len=160,
-                block_size=16) as llm:
-        assert_vllm_s_defaults(llm)
-        served = serve_in_order(llm, prompts, new_tokens)
-        hits = counter(llm, "vllm:prefix_cache_hits")
-    assert hits >= 32 * (len(prompts) - 1), f"{hits} tokens came from the prefix cache"
-    assert_as_generate(served, expected)
-
-
-def test_speculative_decoding_gives_generate_s_tokens(tmp_path):
+def test_speculative_decoding_gives_generate_s_tokens(tmp_path, monkeypatch):
     """vLLM's prompt-lookup (ngram) speculation, 3 drafts a step, over prompts that repeat themselves: some drafts are
     accepted, most are rejected, and every token equals ``generate``'s (a rejected draft that stayed in the memory's
     look-back would change the next ones). On a CPU vLLM verifies drafts only without prefix caching
@@ -133,6 +128,7 @@ def test_speculative_decoding_gives_generate_s_tokens(tmp_path):
     new_tokens = (30, 24, 30, 20)
     expected = [generate_greedy(model, prompt, new) for prompt, new in zip(prompts, new_tokens)]
     speculation = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    traced_without_inductor(monkeypatch)
     with engine(tmp_path / "model", max_num_batched_tokens=64, max_num_seqs=4, max_model_len=160, block_size=16,
                 speculative_config=speculation) as llm:
         served = serve_with_late_arrivals(llm, prompts, new_tokens, first=2)

@@ -81,8 +81,10 @@ def serve_command(directory) -> list:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``vllm serve`` over a converted folder on 127.0.0.1, at vLLM's defaults but the dtype (float32, as trained):
-    ``(port, folder, the model, the server's log)``; stopped at the end of the module."""
+    """``vllm serve`` over a converted folder on 127.0.0.1, at vLLM's defaults but the dtype (float32, as trained)
+    and inductor (traced by dynamo, run on the eager backend: vLLM's CPU CI setting, ``VLLM_CPU_CI_ENV=1``;
+    test_exact_against_generate runs inductor): ``(port, folder, the model, the server's log)``; stopped at the end
+    of the module."""
     base = tmp_path_factory.mktemp("served")
     directory, model = converted_folder(base)
     port = free_port()
@@ -91,7 +93,7 @@ def server(tmp_path_factory):
         process = subprocess.Popen(
             [*serve_command(directory), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
              "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", "tiny"], stdout=out,
-            stderr=subprocess.STDOUT)
+            stderr=subprocess.STDOUT, env=dict(os.environ, VLLM_CPU_CI_ENV="1"))
     try:
         wait_until_ready(process, port, log)
         yield port, directory, model, log

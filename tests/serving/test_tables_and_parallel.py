@@ -9,7 +9,7 @@
 import pytest
 
 from tests.helpers.serving import (engine, generate_greedy, random_prompts, require_vllm, save_tiny_model,
-                                   served_tables)
+                                   served_tables, traced_without_inductor)
 
 vllm = require_vllm()
 
@@ -29,6 +29,7 @@ def test_fp8_tables_mapped_from_the_file_inside_the_ffn_over_two_tensor_parallel
     # vLLM's CPU workers bind their threads one NUMA node each, or cores given by hand: one core per rank
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model sends a function to the workers
+    traced_without_inductor(monkeypatch)
     model = save_tiny_model(tmp_path / "model", "factorengram", "inside_ffn", table_dtype="fp8")
     prompts = random_prompts((7, 33, 12, 50, 4, 21, 16, 9), seed=5)
     expected = [generate_greedy(model, prompt, 16) for prompt in prompts]
