@@ -16,14 +16,15 @@ zeros for values, exactly as the full forward treats positions before t = 0.
 Speculative decoding (a request's new tokens are its last token and draft tokens that the same step
 verifies): the state keeps the look-back after *each* new position, ``state[j] = joined[j + 1]`` for ``j <
 h + q - 1`` (``joined``: the request's look-back then its ``q`` new values), and the next step reads the
-look-back at offset ``read_from = accepted - 1`` (vLLM's ``num_accepted_tokens - 1``), so rejected drafts
+look-back at offset ``read_from``, the drafts it accepted (vLLM's ``num_accepted_tokens - 1``), so rejected drafts
 leave it as if they had never been proposed.  Every other request keeps its last ``h`` values at offset 0.
 This is the layout of vLLM's own convolution states (``conv_kernel - 1 + num_speculative_tokens`` entries,
 read from ``num_accepted_tokens - 1``), so vLLM's block copies for prefix caching move it unchanged.
 
 Everything position-wise (the lookup, the gates, ``V``) runs once over the flat batch; only the hash and the
 convolution read earlier positions, and they run over each request's look-back laid before its new tokens:
-as ``[R, h + T]`` windows when every request has the same number ``T`` of new tokens, else as one joined
+as ``[R, h + T]`` windows when the caller says every request has the same number ``T`` of new tokens
+(``generate``, and a server's step of plain decodes), else as one joined
 sequence of ``N + R h`` positions (so a long prompt's chunk beside many decodes costs no padding).  The result
 equals the branch run on each request alone, token for token (tests/unit/memory/test_look_back.py).
 """
@@ -60,7 +61,8 @@ class RequestBatch:
     num_tokens:  ``lengths.sum()``, given by the caller (no host synchronisation);
     uniform:     the number of new tokens of every request when they are all equal (their tokens then lie as
                  ``[R, uniform]``), else None;
-    read_from:   ``[R]`` int64, the offset in the slot where the look-back begins (accepted drafts - 1); None: 0;
+    read_from:   ``[R]`` int64, the offset in the slot where the look-back begins: the drafts the last step accepted
+                 (vLLM's ``num_accepted_tokens - 1``, which counts the bonus token); None: 0;
     speculative: ``[R]`` bool, the requests whose drafts this step verifies (their state keeps the look-back
                  after each new position); None: none;
     all_continue: every request has history (``has_history`` is all True; known without reading it).

@@ -1,7 +1,7 @@
 """The memory in vLLM: one router that hashes every memory layer's addresses once per step, and `ServedMemory`,
 one memory branch with each request's look-back in vLLM's state cache. Both run as vLLM custom ops, as vLLM's
 own ``short_conv`` does, so vLLM compiles the rest of the model around them (and a GPU captures piecewise CUDA
-graphs between them).
+graphs between them, never a full graph over them: `serving_config.piecewise_graphs_on_a_gpu`).
 
 vLLM keeps per-request state for layers that are not attention (Mamba, short convolutions) in "Mamba" state
 slots: a layer declares the shapes and dtypes of its state (`MambaBase`), vLLM gives each running request a
@@ -118,6 +118,9 @@ class ServedMemoryRouter(nn.Module):
             return
         batch = step_batch(metadata, token_ids.device)
         count = batch.num_tokens
+        if count == 0:  # a step with no request of this layer's state group
+            out.zero_()
+            return
         ids = self.hasher.lookup_ids(token_ids[:count].unsqueeze(0)).squeeze(0)  # checks the ids' range
         out[:count] = addresses(self.hasher, ids, batch, holder.kv_cache[0][..., 0])
         out[count:] = 0  # padding: no request
@@ -169,6 +172,9 @@ class ServedMemory(nn.Module, MambaBase):
             return
         batch = step_batch(metadata, hidden_states.device)
         count = batch.num_tokens
+        if count == 0:  # a step with no request of this layer's state group
+            out.zero_()
+            return
         hidden = hidden_states[:count].unsqueeze(0)
         lookup = branch.start_lookup(addresses[:count].unsqueeze(0), hidden.device)
         memory_out, _ = branch(hidden, lookup=lookup, decoding=ServedStep(batch, self.kv_cache[1]))  # Eq. 6-10

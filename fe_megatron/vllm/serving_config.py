@@ -12,7 +12,8 @@ server, or the script that makes a `vllm.LLM`), before any worker starts.
   - a ``table_storage`` other than ``"memory"`` or ``"mmap"``.
   Pipeline parallelism vLLM refuses itself: the model does not declare it.
 * **vLLM's defaults are kept**: the model compiles (the memory runs as custom ops, which the compiler leaves
-  whole; `MEMORY_OPS` join the ops vLLM splits its CUDA graphs at), prefix caching stays on (vLLM's align
+  whole; `MEMORY_OPS` join the ops vLLM splits its CUDA graphs at, and on a GPU the graphs are piecewise, between
+  them: `piecewise_graphs_on_a_gpu`), prefix caching stays on (vLLM's align
   mode keeps each memory layer's look-back at block boundaries), and speculative decoding verifies drafts
   against a look-back that rolls back to the accepted ones (`fe_megatron.memory.look_back`).
 * **On a CPU, speculative decoding turns prefix caching off**, saying so: vLLM's CPU build cannot run both for a
@@ -155,13 +156,34 @@ def plain_without_memory(model_config) -> None:
 
 def split_at_memory_ops(compilation_config) -> None:
     """The memory's ops join the ops at which vLLM splits its compiled graph for piecewise CUDA graphs (attention,
-    Mamba, short convolutions): a captured graph must not replay one step's requests in another. Splitting ops that
-    the user set are extended; an empty list (one whole graph, no splitting) is kept as given."""
+    Mamba, short convolutions): a captured graph must not replay one step's requests in another. Where the user set
+    no splitting ops, they join vLLM's own list (``CompilationConfig._attention_ops``, which vLLM reads when it
+    chooses its defaults, after this hook); splitting ops the user set are extended; an empty list (one whole graph,
+    no splitting) is kept as given."""
     ops = compilation_config.splitting_ops
     if ops is None:
-        compilation_config.splitting_ops = list(compilation_config._attention_ops) + list(MEMORY_OPS)
+        defaults = type(compilation_config)._attention_ops
+        defaults.extend(op for op in MEMORY_OPS if op not in defaults)
     elif ops:
         ops.extend(op for op in MEMORY_OPS if op not in ops)
+
+
+def piecewise_graphs_on_a_gpu(vllm_config) -> None:
+    """On a GPU, CUDA graphs only between the memory's ops (``PIECEWISE``): a full graph of a decoding step would
+    capture them, and they read each step's requests on the host (the ids' range check, memory-mapped tables), which
+    a replay would not repeat. vLLM's default for a model with per-request state is ``FULL_AND_PIECEWISE``; a mode
+    with full graphs that the user set is replaced, saying so. On a CPU vLLM captures no graph."""
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if current_platform.is_cpu() or (mode is not None and not mode.has_full_cudagraphs()):
+        return
+    if mode is not None:
+        logger.warning("cudagraph_mode %s captures the FactorEngram memory's ops in full graphs of a decoding step; "
+                       "this model runs PIECEWISE (graphs between them)", mode.name)
+    compilation.cudagraph_mode = CUDAGraphMode.PIECEWISE
 
 
 class FactorEngramServingConfig(VerifyAndUpdateConfig):
@@ -174,5 +196,6 @@ class FactorEngramServingConfig(VerifyAndUpdateConfig):
         plain_without_memory(vllm_config.model_config)
         speculate_without_prefix_caching_on_a_cpu(vllm_config)
         split_at_memory_ops(vllm_config.compilation_config)
+        piecewise_graphs_on_a_gpu(vllm_config)
         cap_cpu_cache(vllm_config)
         say_the_served_dtype(vllm_config.model_config)

@@ -29,7 +29,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
 
 def test_vllm_s_defaults_are_kept(folder):
     """Compiled, prefix caching on (in vLLM's align mode, which keeps the memory's look-back at block boundaries),
-    and the memory's ops among those the compiled graph is split at."""
+    and the memory's ops among those vLLM splits its compiled graph at."""
     from vllm.config import CompilationMode
 
     from fe_megatron.vllm.memory_layer import MEMORY_OPS
@@ -38,8 +38,33 @@ def test_vllm_s_defaults_are_kept(folder):
     assert config.model_config.enforce_eager is False
     assert config.compilation_config.mode != CompilationMode.NONE
     assert config.cache_config.enable_prefix_caching is True and config.cache_config.mamba_cache_mode == "align"
-    assert set(MEMORY_OPS) <= set(config.compilation_config.splitting_ops)
-    assert "vllm::unified_attention_with_output" in config.compilation_config.splitting_ops
+    # the ops vLLM splits its graphs at when it chooses them (on a GPU; a CPU captures no graph and splits none)
+    assert set(MEMORY_OPS) <= set(type(config.compilation_config)._attention_ops)
+
+
+@pytest.mark.parametrize("asked, served", [(None, "PIECEWISE"), ("FULL_AND_PIECEWISE", "PIECEWISE"),
+                                           ("FULL", "PIECEWISE"), ("PIECEWISE", "PIECEWISE"), ("NONE", "NONE")])
+def test_on_a_gpu_cuda_graphs_are_piecewise_between_the_memory_ops(monkeypatch, asked, served):
+    """A full graph of a decoding step would capture the memory's ops, which read each step's requests on the host;
+    on a CPU no graph is captured, and nothing changes."""
+    import types
+
+    from vllm.config import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    from fe_megatron.vllm.serving_config import piecewise_graphs_on_a_gpu
+
+    def config():
+        compilation = types.SimpleNamespace(cudagraph_mode=None if asked is None else CUDAGraphMode[asked])
+        return types.SimpleNamespace(compilation_config=compilation)
+
+    on_a_cpu = config()
+    piecewise_graphs_on_a_gpu(on_a_cpu)
+    assert on_a_cpu.compilation_config.cudagraph_mode == (None if asked is None else CUDAGraphMode[asked])
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda *args: False)
+    on_a_gpu = config()
+    piecewise_graphs_on_a_gpu(on_a_gpu)
+    assert on_a_gpu.compilation_config.cudagraph_mode == CUDAGraphMode[served]
 
 
 def test_a_folder_served_without_memory_is_a_plain_model(folder):
