@@ -23,8 +23,8 @@ read from ``num_accepted_tokens - 1``), so vLLM's block copies for prefix cachin
 
 Everything position-wise (the lookup, the gates, ``V``) runs once over the flat batch; only the hash and the
 convolution read earlier positions, and they run over each request's look-back laid before its new tokens:
-as ``[R, h + T]`` windows when the caller says every request has the same number ``T`` of new tokens
-(``generate``, and a server's step of plain decodes), else as one joined
+as ``[R, h + T]`` windows when the caller says every request has the same number ``T`` of new tokens and none
+verifies drafts (``generate``, and a server's step of plain decodes), else as one joined
 sequence of ``N + R h`` positions (so a long prompt's chunk beside many decodes costs no padding).  The result
 equals the branch run on each request alone, token for token (tests/unit/memory/test_look_back.py).
 """
@@ -93,6 +93,12 @@ class RequestBatch:
                    torch.arange(batch_size, device=device), torch.ones(batch_size, dtype=torch.bool, device=device),
                    batch_size * new_tokens, new_tokens, all_continue=True)
 
+    @property
+    def windows(self) -> bool:
+        """Whether the step lies as ``[R, h + T]`` windows: every request has ``uniform`` new tokens and none verifies
+        drafts (whose look-back after each position only the joined layout keeps)."""
+        return self.uniform is not None and self.speculative is None
+
     def _look_back(self, state: torch.Tensor, history: int, empty, dtype) -> torch.Tensor:
         """``[R, history, ...]``: each request's look-back, read from its slot (at ``read_from``), ``empty`` where it
         starts."""
@@ -113,21 +119,15 @@ class RequestBatch:
         positions of a result laid out as ``sequences``.  ``state`` advances in place (see the module's docstring).
         """
         look_back = self._look_back(state, history, empty, flat.dtype)
-        if self.uniform is not None and self.speculative is None:  # [R, h + T] windows, each keeping its last h
+        if self.windows:  # [R, h + T]: each request's window, keeping its last h
             sequences = torch.cat([look_back, flat.view(len(self.slots), self.uniform, *flat.shape[1:])], 1)
             if history:
                 state[self.slots, :history] = sequences[:, self.uniform:].to(state.dtype)
             return sequences, (slice(None), slice(history, None))
-        if self.uniform is not None:  # [R, h + T]: each request's window
-            sequences = torch.cat([look_back, flat.view(len(self.slots), self.uniform, *flat.shape[1:])], 1)
-            joined, new = sequences.flatten(0, 1), (slice(None), slice(history, None))
-            starts = torch.arange(len(self.slots), device=flat.device) * (history + self.uniform)
-        else:  # one sequence of the requests end to end
-            joined, places, starts = self.joined(flat, look_back)
-            sequences, new = joined.unsqueeze(0), (0, places)
+        joined, places, starts = self.joined(flat, look_back)  # one sequence of the requests end to end
         if history:
             self._keep(joined, starts, state, history)
-        return sequences, new
+        return joined.unsqueeze(0), (0, places)
 
     def _keep(self, joined: torch.Tensor, starts: torch.Tensor, state: torch.Tensor, history: int) -> None:
         """Write each request's next look-back into its slot: its last ``history`` values at offset 0, or, for a
@@ -175,9 +175,9 @@ def refine(conv, values: torch.Tensor, batch: RequestBatch, value_state: torch.T
     place."""
     history = conv.receptive_field
     sequences, new = batch.after_look_back(values, value_state, history, 0.0)
-    if batch.uniform == 1:  # each window's last position, without the convolution's call overhead
+    if batch.windows and batch.uniform == 1:  # each window's last position, without the convolution's call overhead
         return values + conv.last(sequences)
-    if batch.uniform is not None:
+    if batch.windows:
         return values + conv(sequences, history=history).flatten(0, 1)
     return values + conv(sequences)[new]
 

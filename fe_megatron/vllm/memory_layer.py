@@ -33,6 +33,7 @@ several tokens with ``query_start_loc_d`` and ``num_accepted_tokens``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -81,9 +82,20 @@ def state_dtypes(model_dtype: torch.dtype) -> tuple:
     return ID_DTYPE, model_dtype
 
 
-def _layer_metadata(prefix: str):
+def _register(prefix: str, layer: nn.Module) -> None:
+    """Enter ``layer`` in vLLM's forward context under ``prefix``, where its custom op finds it."""
+    context = get_current_vllm_config().compilation_config.static_forward_context
+    if prefix in context:
+        raise ValueError(f"duplicate layer name {prefix!r}")
+    context[prefix] = layer
+
+
+def step_requests(prefix: str, device) -> Optional[RequestBatch]:
+    """This step's requests (`request_batch`, read once per step) from the metadata of the layer ``prefix``; None in
+    vLLM's profiling run, which has no requests, only the cost of every operation."""
     metadata = get_forward_context().attn_metadata
-    return metadata.get(prefix) if isinstance(metadata, dict) else None
+    metadata = metadata.get(prefix) if isinstance(metadata, dict) else None
+    return None if metadata is None else step_batch(metadata, device)
 
 
 class ServedMemoryRouter(nn.Module):
@@ -100,10 +112,7 @@ class ServedMemoryRouter(nn.Module):
         starts = [sum(sizes[:index]) for index in range(len(sizes))]
         self.slices = {layer: (start, start + size) for layer, start, size in zip(self.hasher.layers, starts, sizes)}
         self.num_branches = sum(sizes)
-        context = get_current_vllm_config().compilation_config.static_forward_context
-        if self.prefix in context:
-            raise ValueError(f"duplicate layer name {self.prefix!r}")
-        context[self.prefix] = self
+        _register(self.prefix, self)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty(token_ids.shape[0], self.num_branches, dtype=torch.int64, device=token_ids.device)
@@ -111,19 +120,16 @@ class ServedMemoryRouter(nn.Module):
         return out
 
     def forward_native(self, token_ids: torch.Tensor, out: torch.Tensor) -> None:
-        holder = get_forward_context().no_compile_layers[self.ids_holder]
-        metadata = _layer_metadata(self.ids_holder)
-        if metadata is None:  # vLLM's profiling run: no requests, only the cost of every operation
+        batch = step_requests(self.ids_holder, token_ids.device)
+        if batch is None:  # vLLM's profiling run
             out.copy_(self.hasher.indices(token_ids.unsqueeze(0)).squeeze(0))
             return
-        batch = step_batch(metadata, token_ids.device)
         count = batch.num_tokens
-        if count == 0:  # a step with no request of this layer's state group
-            out.zero_()
-            return
-        ids = self.hasher.lookup_ids(token_ids[:count].unsqueeze(0)).squeeze(0)  # checks the ids' range
-        out[:count] = addresses(self.hasher, ids, batch, holder.kv_cache[0][..., 0])
-        out[count:] = 0  # padding: no request
+        out[count:] = 0  # padding (every position, in a step with no request of this state group)
+        if count:
+            holder = get_forward_context().no_compile_layers[self.ids_holder]
+            ids = self.hasher.lookup_ids(token_ids[:count].unsqueeze(0)).squeeze(0)  # checks the ids' range
+            out[:count] = addresses(self.hasher, ids, batch, holder.kv_cache[0][..., 0])
 
 
 class ServedMemory(nn.Module, MambaBase):
@@ -139,12 +145,8 @@ class ServedMemory(nn.Module, MambaBase):
         self.branch = branch
         self.model_dtype = model_dtype
         self.prefix = prefix
-        vllm_config = get_current_vllm_config()
-        self.speculative_tokens = vllm_config.num_speculative_tokens
-        context = vllm_config.compilation_config.static_forward_context
-        if prefix in context:
-            raise ValueError(f"duplicate layer name {prefix!r}")
-        context[prefix] = self
+        self.speculative_tokens = get_current_vllm_config().num_speculative_tokens
+        _register(prefix, self)
         self.kv_cache = (torch.tensor([]),)
 
     # ------------------------------------------------------------------ vLLM's state contract
@@ -165,21 +167,18 @@ class ServedMemory(nn.Module, MambaBase):
         return out
 
     def forward_native(self, hidden_states: torch.Tensor, addresses: torch.Tensor, out: torch.Tensor) -> None:
-        branch, metadata = self.branch, _layer_metadata(self.prefix)
-        if metadata is None:  # vLLM's profiling run
+        branch, batch = self.branch, step_requests(self.prefix, hidden_states.device)
+        if batch is None:  # vLLM's profiling run
             lookup = branch.start_lookup(addresses.unsqueeze(0), hidden_states.device)
             out.copy_(branch(hidden_states.unsqueeze(0), lookup=lookup)[0].squeeze(0))
             return
-        batch = step_batch(metadata, hidden_states.device)
         count = batch.num_tokens
-        if count == 0:  # a step with no request of this layer's state group
-            out.zero_()
-            return
-        hidden = hidden_states[:count].unsqueeze(0)
-        lookup = branch.start_lookup(addresses[:count].unsqueeze(0), hidden.device)
-        memory_out, _ = branch(hidden, lookup=lookup, decoding=ServedStep(batch, self.kv_cache[1]))  # Eq. 6-10
-        out[:count] = memory_out.squeeze(0)
-        out[count:] = 0  # padding: no request
+        out[count:] = 0  # padding (every position, in a step with no request of this state group)
+        if count:
+            hidden = hidden_states[:count].unsqueeze(0)
+            lookup = branch.start_lookup(addresses[:count].unsqueeze(0), hidden.device)
+            memory_out, _ = branch(hidden, lookup=lookup, decoding=ServedStep(batch, self.kv_cache[1]))  # Eq. 6-10
+            out[:count] = memory_out.squeeze(0)
 
 
 def _served_memory_addresses(token_ids: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
