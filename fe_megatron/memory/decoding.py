@@ -60,6 +60,7 @@ class Decoding:
     ``state`` carried over from earlier calls (None: the call starts the sequences)."""
 
     valid: Optional[torch.Tensor] = None
+    has_loss = True  # the model may add the sparsity term (Eq. 12) to a loss: generate's forward can take labels
     state: Optional[DecodingState] = None
 
     def indices(self, branch, token_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -70,7 +70,7 @@ class Engram(MemoryBranch):
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
                 lookup: Optional[StartedLookup] = None, decoding: Optional[Decoding] = None):
         embeddings = self.lookup(hidden_states, token_ids, lookup, decoding)
-        return self.refine(self.values(hidden_states, embeddings), decoding), FM.l1_per_position(embeddings)
+        return self.refine(self.values(hidden_states, embeddings), decoding), self.sparsity_term(embeddings, decoding)
 
     def values(self, hidden_states: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """``v_t = alpha_t W_v e_t`` of every position from its embeddings ``e_t``: position by position,

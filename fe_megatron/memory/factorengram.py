@@ -8,12 +8,13 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from fe_megatron import ops
 from fe_megatron.config import MemoryConfig
 from fe_megatron.memory import functional as FM
 from fe_megatron.memory.branch import MemoryBranch, Normal
 from fe_megatron.memory.decoding import Decoding
 from fe_megatron.tables.store import StartedLookup
-from fe_megatron.memory.parallel_hooks import ParallelHooks
+from fe_megatron.memory.parallel_hooks import SINGLE_PROCESS, ParallelHooks
 
 
 class FactorEngram(MemoryBranch):
@@ -21,7 +22,8 @@ class FactorEngram(MemoryBranch):
 
     ``forward(hidden_states [B, T, d], token_ids [B, T])`` returns ``(m, l1)``: the memory output
     ``m`` [B, T, output_size] (Eq. 10) that the caller adds to the residual stream (Eq. 11), and
-    the per-position L1 norm of the coefficients ``||z_t||_1`` [B, T] (Eq. 12's inner term).
+    the per-position L1 norm of the coefficients ``||z_t||_1`` [B, T] (Eq. 12's inner term; None in a server's step,
+    which has no loss).
     A started ``lookup`` (``start_lookup(addresses(token_ids))``, `fe_megatron.memory.inputs`) may replace
     ``token_ids``.
 
@@ -67,22 +69,38 @@ class FactorEngram(MemoryBranch):
     def forward(self, hidden_states: torch.Tensor, token_ids: Optional[torch.Tensor] = None, *,
                 lookup: Optional[StartedLookup] = None, decoding: Optional[Decoding] = None):
         coefficients = self.lookup(hidden_states, token_ids, lookup, decoding)  # z_t, Eq. 6
-        l1 = FM.l1_per_position(coefficients)  # Eq. 12
+        l1 = self.sparsity_term(coefficients, decoding)  # Eq. 12
         return self.refine(self.values(hidden_states, coefficients), decoding), l1  # m_t, Eq. 10
 
     def values(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
         """``v_t = V e_t`` (Eq. 9) of every position from its coefficients ``z_t`` (Eq. 6): position by
         position, so a server may compute it for a batch of requests at once (`fe_megatron.vllm`)."""
+        if self._values_in_one_call():  # Eq. 7-9 and V: one kernel call (fe_megatron.ops.basis_memory_values)
+            values = ops.basis_memory_values(
+                hidden_states.flatten(0, -2), coefficients.flatten(0, -2), self.query_proj.weight,
+                self.query_norm.weight, self.query_norm.eps, self.dictionary.flatten(0, 1), self.value_proj.weight,
+                self.config.hidden_size)
+            return values.view(*hidden_states.shape[:-1], values.shape[-1])
         return self.value_proj(self.gated_memory(hidden_states, coefficients))  # e_t: Eq. 7-9 (or Eq. 14)
+
+    def _values_in_one_call(self) -> bool:
+        """Whether `values` runs as one call: the basis gate in one process (no communication between the products),
+        with nothing to differentiate (``generate``, a server), and plain modules (no hook, no replaced layer), whose
+        parameters are all there is to their forward."""
+        if self.config.gate != "basis" or self.parallel is not SINGLE_PROCESS or torch.is_grad_enabled() \
+                or not ops.fused_branch_enabled():
+            return False
+        modules = ((self.query_proj, nn.Linear), (self.query_norm, nn.RMSNorm), (self.value_proj, nn.Linear))
+        return all(type(module) is kind and not (module._forward_hooks or module._forward_pre_hooks)
+                   for module, kind in modules) and self.query_norm.eps is not None
 
     def gated_memory(self, hidden_states: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
         """``e_t``: Eq. 7-9 for the basis gate, Eq. 14 for the scalar gate, ``D^T z_t`` for none."""
         gate, hidden_size, parallel = self.config.gate, self.config.hidden_size, self.parallel
         dictionary = self.dictionary.flatten(0, 1)  # [s (this rank's rows), d_m]
-        if gate == "basis":
+        if gate == "basis":  # Eq. 7-9 in one kernel where the backend has it (fe_megatron.ops.gated_reconstruction)
             query = parallel.replicate_for_partial_use(self.query(hidden_states))
-            alpha = FM.basis_gate(query, dictionary, hidden_size)  # Eq. 7
-            return parallel.sum_partial_results(FM.reconstruct(coefficients * alpha, dictionary))  # Eq. 8, 9
+            return parallel.sum_partial_results(ops.gated_reconstruction(coefficients, query, dictionary, hidden_size))
         memory = parallel.sum_partial_results(FM.reconstruct(coefficients, dictionary))
         if gate == "scalar":
             return FM.scalar_gate(memory, self.query(hidden_states), hidden_size) * memory  # Eq. 14

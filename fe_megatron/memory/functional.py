@@ -8,13 +8,9 @@ import math
 
 import torch
 
-
-def basis_gate(query: torch.Tensor, dictionary: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """Eq. 7 (second half): ``alpha_t = sigmoid(D q_t / sqrt(d))``, one gate per dictionary row.
-
-    query: [..., d_m]; dictionary: [s, d_m] (or a slice of its rows). Returns [..., s].
-    """
-    return torch.sigmoid(torch.matmul(query, dictionary.t()) / math.sqrt(hidden_size))
+# Eq. 7's gate and Eq. 7-9 whole (``D^T (z * alpha)``) are written once, in the kernels' reference; the branch runs
+# the latter through `fe_megatron.ops.gated_reconstruction`, fused where a backend has the kernel
+from fe_megatron.ops.reference import basis_gate, gated_reconstruction  # noqa: F401
 
 
 def reconstruct(coefficients: torch.Tensor, dictionary: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from fe_megatron import ops
+
 
 def history_lengths(memory_config) -> tuple:
     """``(ids, values)``: how far back a branch reads, ``max_order - 1`` ids and ``(K-1) r`` values."""
@@ -98,6 +100,12 @@ class RequestBatch:
         """Whether the step lies as ``[R, h + T]`` windows: every request has ``uniform`` new tokens and none verifies
         drafts (whose look-back after each position only the joined layout keeps)."""
         return self.uniform is not None and self.speculative is None
+
+    @property
+    def plain_decodes(self) -> bool:
+        """Whether every request has one new token, continues, and verifies no draft: a decoding step, which the fused
+        kernels take in one pass per request (`fe_megatron.ops.ngram_hash_decode_`, ``short_conv_decode_``)."""
+        return self.windows and self.uniform == 1 and self.all_continue
 
     def _look_back(self, state: torch.Tensor, history: int, empty, dtype) -> torch.Tensor:
         """``[R, history, ...]``: each request's look-back, read from its slot (at ``read_from``), ``empty`` where it
@@ -165,6 +173,8 @@ def addresses(hasher, lookup_ids: torch.Tensor, batch: RequestBatch, id_state: t
     (``[slots, >= max_order - 1]``), which advances in place.  ``position_ids`` (``[R, T]``, a uniform batch only):
     no n-gram reaches before its document (`fe_megatron.ngram.hashing.within_documents`)."""
     history = hasher.config.max_order - 1
+    if batch.plain_decodes and position_ids is None and ops.fused_branch_enabled():  # one pass per request
+        return hasher.indices_of_next_ids(lookup_ids, id_state, batch.slots)
     sequences, new = batch.after_look_back(lookup_ids, id_state, history, hasher.pad_id)
     return hasher.indices_of_lookup_ids(sequences, position_ids)[new].reshape(batch.num_tokens, -1)
 
@@ -174,6 +184,9 @@ def refine(conv, values: torch.Tensor, batch: RequestBatch, value_state: torch.T
     convolution reading its earlier values from ``value_state`` (``[slots, >= (K-1) r, C]``), which advances in
     place."""
     history = conv.receptive_field
+    if batch.plain_decodes and ops.fused_branch_enabled():
+        return ops.short_conv_decode_(values, value_state, batch.slots, conv.norm.weight, conv.weight, conv.dilation,
+                                      conv.norm.eps)  # one pass per request where the backend has the kernel
     sequences, new = batch.after_look_back(values, value_state, history, 0.0)
     if batch.windows and batch.uniform == 1:  # each window's last position, without the convolution's call overhead
         return values + conv.last(sequences)
@@ -190,6 +203,7 @@ class ServedStep:
     batch: RequestBatch
     value_state: torch.Tensor
     valid = None
+    has_loss = False  # a server's step: no sparsity term (Eq. 12) to compute
 
     def refine(self, conv, values: torch.Tensor) -> torch.Tensor:
         return refine(conv, values.flatten(0, 1), self.batch, self.value_state).view_as(values)

@@ -252,6 +252,13 @@ class NgramHasher:
         return within_documents(ids, indices, position_ids, self.config.max_order - 1, self.pad_id,
                                 lambda windows: ops.ngram_hash(windows, mult, mod, off, self.pad_id)[:, -1])
 
+    def indices_of_next_ids(self, ids: torch.Tensor, id_state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Eq. 1 at one new position of each of R continuing sequences: ids ``[R]`` from `lookup_ids` after the last
+        ``max_order - 1`` ids in ``id_state[slots]``, which advances in place (`fe_megatron.ops.ngram_hash_decode_`).
+        Returns ``[R, branches]``."""
+        mult, mod, off, _ = self._device_constants(ids.device)
+        return ops.ngram_hash_decode_(ids, id_state, slots, mult, mod, off, self.pad_id)
+
     def indices_per_layer(self, token_ids: torch.Tensor, validate: bool = True,
                           position_ids: Optional[torch.Tensor] = None) -> dict:
         """``{layer: [batch, seq, branches]}``, hashed in one launch for all layers."""

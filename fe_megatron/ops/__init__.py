@@ -1,5 +1,6 @@
 """One dispatch for every kernel: ``ngram_hash``, ``gather_rows`` (forward and backward), the
-table optimizer's fused update ``table_adamw_`` and the sparse rule's ``rowwise_adagrad_rows_``.
+table optimizer's fused update ``table_adamw_``, the sparse rule's ``rowwise_adagrad_rows_``, and
+FactorEngram's fused basis-gated reconstruction ``gated_reconstruction`` (Eq. 7-9, forward and backward).
 
 Backends: ``torch`` (`fe_megatron.ops.reference`, always present: it defines the
 semantics), ``cpp`` (OpenMP C++ built by setup.py on every machine), ``cuda`` (built
@@ -8,16 +9,18 @@ where CUDA torch is installed) and ``triton`` (where Triton can launch: a GPU, o
 routes each operator call to its CPU or CUDA kernel, which runs the fastest backend built for
 that device, or the one ``set_backend(name)`` (``training.kernel_backend``) or a
 ``use_backend(name)`` block chose for the whole process, every thread included (autograd's
-backward thread, the host tier's worker).  The hash and the gather are ``torch.library``
+backward thread, the host tier's worker).  The hash, the gather and the gated reconstruction are ``torch.library``
 operators (``torch.ops.fe_megatron.*``) with fake implementations and an autograd formula, so
 that torch.compile traces a model through them without graph breaks.
 
-Two run-time switches, both off the hot path:
+Three run-time switches, all off the hot path:
 
 * ``set_deterministic_backward(False)`` lets the table backward use atomic adds (cuda,
   triton) into fp32 gradients instead of the sorted, deterministic reduction (bf16 and fp16
   gradients keep the sorted one, which sums in fp32 and rounds once per row, where an atomic add
   would round once per duplicate).  ``torch.use_deterministic_algorithms`` overrides it back to sorted.
+* ``use_fused_branch(False)`` (or ``FE_MEGATRON_FUSED_BRANCH=0``) runs the memory branch's equations as separate
+  torch operations instead of the fused kernels (below, "the fused branch"), every other kernel unchanged.
 * ``debug_checks()`` (or ``FE_MEGATRON_DEBUG_KERNELS=1``) range-checks every row index on
   the host before a kernel reads it, and names the offending value and position.  The
   C++ backend checks ranges always, before it allocates anything (one min/max pass over the
@@ -40,6 +43,7 @@ BACKEND_NAMES = ("torch", "cpp", "cuda", "triton")
 # fastest first, per device type
 _PREFERENCE = {"cuda": ("cuda", "triton", "torch"), "cpu": ("cpp", "torch")}
 DEBUG_ENV = "FE_MEGATRON_DEBUG_KERNELS"
+FUSED_BRANCH_ENV = "FE_MEGATRON_FUSED_BRANCH"  # 0: the branch's equations run unfused (`use_fused_branch`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +58,8 @@ _backends = {"torch": Backend("torch", reference, ("cpu", "cuda"), dtypes=(torch
 _discovered = False
 # the process's settings: the chosen backend (None: the fastest per device), the table backward's order
 # and the index checks; read by every thread
-_settings = {"backend": None, "deterministic": True, "debug": os.environ.get(DEBUG_ENV, "0") not in ("", "0")}
+_settings = {"backend": None, "deterministic": True, "debug": os.environ.get(DEBUG_ENV, "0") not in ("", "0"),
+             "fused_branch": os.environ.get(FUSED_BRANCH_ENV, "1") not in ("", "0")}
 DEVICE_TYPES = ("cpu", "cuda")  # the devices the operators have kernels for
 
 
@@ -133,6 +138,24 @@ def use_backend(name: str):
 def set_deterministic_backward(enabled: bool) -> None:
     """Sorted, run-to-run reproducible table gradients (default) or atomic adds."""
     _settings["deterministic"] = bool(enabled)
+
+
+def fused_branch_enabled() -> bool:
+    """Whether the fused branch's kernels run (`use_fused_branch`)."""
+    return _settings["fused_branch"]
+
+
+@contextlib.contextmanager
+def use_fused_branch(enabled: bool = True):
+    """Run the fused branch's kernels (`gated_reconstruction`, `basis_memory_values`, `short_conv_decode_`) where a
+    backend has them (the default; ``FE_MEGATRON_FUSED_BRANCH=0`` starts a process without), or, with False, their
+    torch compositions, while every other kernel keeps its backend: to measure the fusion, or to rule it out."""
+    previous = _settings["fused_branch"]
+    _settings["fused_branch"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _settings["fused_branch"] = previous
 
 
 @contextlib.contextmanager
@@ -396,5 +419,161 @@ def gather_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"gather_rows: indices on {indices.device} but weight on {weight.device}")
     if _settings["debug"] and not torch.compiler.is_compiling():  # the position in the caller's shape
         check_row_indices(indices.reshape(-1), weight.shape[0], tuple(indices.shape))
-    rows = torch.ops.fe_megatron.gather_rows(weight.contiguous(), indices.reshape(-1))
+    if not (torch.is_grad_enabled() and weight.requires_grad) and not torch.compiler.is_compiling():
+        rows = gather_rows_forward(weight, indices.reshape(-1))  # inference: no operator, no autograd record
+    else:
+        rows = torch.ops.fe_megatron.gather_rows(weight.contiguous(), indices.reshape(-1))
     return rows.view(*indices.shape, weight.shape[1])
+
+
+
+# --- the fused branch --------------------------------------------------------------------------------------------
+# FactorEngram's basis-gated reconstruction (Eq. 7-9) for training and inference, the whole position-wise memory of
+# a served step (Eq. 7-9 and ``V``), and the refinement of a decoding step (Eq. 10); design: docs/kernels.md, "The
+# fused branch". A backend has a kernel when its module has the function (``gated_reconstruction_forward`` and
+# ``_backward``: cpp, triton; ``basis_memory_values``, ``ngram_hash_decode_`` and ``short_conv_decode_``: cpp).
+# Elsewhere, under the torch backend and under ``use_fused_branch(False)``, the reference composition runs, operation
+# by operation: the branch as it was before the kernels.
+GATED_RECONSTRUCTION_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (others: the reference)
+
+
+def fused_backend(function: str, device: torch.device, dtype: torch.dtype = None) -> str:
+    """The backend whose ``function`` runs for operands on ``device`` in ``dtype``: the current one (`ops.current_
+    backend`) when it has the kernel, else the device's fastest that has it, else ``"torch"`` (the reference: for
+    float64 and float16, for the torch backend, under ``ops.use_fused_branch(False)``, and where no kernel is built)."""
+    if (dtype is not None and dtype not in GATED_RECONSTRUCTION_DTYPES) or not fused_branch_enabled():
+        return "torch"
+    name = current_backend(device, dtype)
+    if name == "torch" or hasattr(get_backend(name).module, function):
+        return name
+    name = fastest_backend(device, dtype, op=function)
+    return name if hasattr(get_backend(name).module, function) else "torch"
+
+
+def gated_reconstruction_backend(device: torch.device, dtype: torch.dtype) -> str:
+    """The backend `gated_reconstruction` runs for operands on ``device`` in ``dtype`` (`fused_backend`)."""
+    return fused_backend("gated_reconstruction_forward", device, dtype)
+
+
+def _operands_on_one_device_in_one_dtype(*tensors) -> bool:
+    return len({(tensor.device, tensor.dtype) for tensor in tensors}) == 1
+
+
+# --- the basis-gated reconstruction, an operator with an autograd formula (training, and under torch.compile) ---
+@torch.library.custom_op("fe_megatron::gated_reconstruction", mutates_args=(), device_types=DEVICE_TYPES)
+def _gated_reconstruction_op(coefficients: torch.Tensor, query: torch.Tensor, dictionary: torch.Tensor,
+                             hidden_size: int, backend: str) -> torch.Tensor:
+    return get_backend(backend).module.gated_reconstruction_forward(coefficients, query, dictionary, hidden_size)
+
+
+@_gated_reconstruction_op.register_fake
+def _gated_reconstruction_shape(coefficients, query, dictionary, hidden_size, backend):
+    return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("fe_megatron::gated_reconstruction_backward", mutates_args=(),
+                         device_types=DEVICE_TYPES)
+def _gated_reconstruction_backward_op(grad_memory: torch.Tensor, coefficients: torch.Tensor, query: torch.Tensor,
+                                      dictionary: torch.Tensor, hidden_size: int,
+                                      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(get_backend(backend).module.gated_reconstruction_backward(grad_memory, coefficients, query,
+                                                                               dictionary, hidden_size))
+
+
+@_gated_reconstruction_backward_op.register_fake
+def _gated_reconstruction_backward_shape(grad_memory, coefficients, query, dictionary, hidden_size, backend):
+    return coefficients.new_empty(coefficients.shape), query.new_empty(query.shape), dictionary.new_empty(
+        dictionary.shape)
+
+
+def _gated_reconstruction_setup(ctx, inputs, output) -> None:
+    coefficients, query, dictionary, ctx.hidden_size, ctx.backend = inputs
+    ctx.save_for_backward(coefficients, query, dictionary)  # no [M, s] intermediate: the backward recomputes the gate
+
+
+def _gated_reconstruction_grad(ctx, grad_memory):
+    coefficients, query, dictionary = ctx.saved_tensors
+    grads = torch.ops.fe_megatron.gated_reconstruction_backward(grad_memory.contiguous(), coefficients, query,
+                                                                dictionary, ctx.hidden_size, ctx.backend)
+    return (*grads, None, None)
+
+
+_gated_reconstruction_op.register_autograd(_gated_reconstruction_grad, setup_context=_gated_reconstruction_setup)
+
+
+def _needs_autograd(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors)
+
+
+def gated_reconstruction(coefficients: torch.Tensor, query: torch.Tensor, dictionary: torch.Tensor,
+                         hidden_size: int) -> torch.Tensor:
+    """FactorEngram's memory before ``V`` (Eq. 7-9): ``e_t = D^T (z_t * sigmoid(D q_t / sqrt(d)))``.
+
+    coefficients ``z`` [..., s], query ``q`` [..., d_m] (``RMSNorm(Q^T h)``), dictionary ``D`` [s, d_m] (a tensor-
+    parallel rank's rows: the result is that rank's share of the sum). Returns [..., d_m].  A backend with the fused
+    kernel (`gated_reconstruction_backend`) runs it as two GEMMs with the gate between them, and its backward
+    recomputes the gate, so autograd saves ``z``, ``q`` and ``D`` and no ``[..., s]`` intermediate; the torch backend
+    runs `fe_megatron.ops.reference.gated_reconstruction`, operation by operation."""
+    width, memory_dim = dictionary.shape if dictionary.dim() == 2 else (None, None)
+    if width is None or coefficients.shape[-1] != width or query.shape[-1] != memory_dim \
+            or coefficients.shape[:-1] != query.shape[:-1]:
+        raise ValueError(f"gated_reconstruction: coefficients [..., s], query [..., d_m] and dictionary [s, d_m], got "
+                         f"{tuple(coefficients.shape)}, {tuple(query.shape)} and {tuple(dictionary.shape)}")
+    backend = "torch"
+    if _operands_on_one_device_in_one_dtype(coefficients, query, dictionary):
+        backend = gated_reconstruction_backend(coefficients.device, coefficients.dtype)
+    if backend == "torch":
+        return reference.gated_reconstruction(coefficients, query, dictionary, hidden_size)
+    lead = coefficients.shape[:-1]
+    operands = coefficients.reshape(-1, width).contiguous(), query.reshape(-1, memory_dim).contiguous(), \
+        dictionary.contiguous()
+    if not _needs_autograd(*operands) and not torch.compiler.is_compiling():  # inference: no operator, no record
+        memory = get_backend(backend).module.gated_reconstruction_forward(*operands, int(hidden_size))
+    else:
+        memory = torch.ops.fe_megatron.gated_reconstruction(*operands, int(hidden_size), backend)
+    return memory.view(*lead, memory_dim)
+
+
+# --- inference only: a served step's position-wise memory, and a decoding step's refinement ----------------------
+def basis_memory_values(hidden: torch.Tensor, coefficients: torch.Tensor, query_weight: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float, dictionary: torch.Tensor, value_weight: torch.Tensor,
+                        hidden_size: int) -> torch.Tensor:
+    """``v_t = V D^T (z_t * sigmoid(D RMSNorm(Q^T h_t) / sqrt(d)))`` (Eq. 7-9) of [N, d] hidden states and [N, s]
+    coefficients, in one call where the backend has the kernel: for a branch in one process with nothing to
+    differentiate (``generate``, vLLM), where no communication sits between the products. Returns [N, out]. With
+    autograd, under torch.compile, or where no kernel is built: `fe_megatron.ops.reference.basis_memory_values`."""
+    operands = (hidden, coefficients, query_weight, norm_weight, dictionary, value_weight)
+    backend = "torch"
+    if _operands_on_one_device_in_one_dtype(*operands) and not _needs_autograd(*operands) \
+            and not torch.compiler.is_compiling() and hidden.dim() == 2:
+        backend = fused_backend("basis_memory_values", hidden.device, hidden.dtype)
+    module = get_backend(backend).module if backend != "torch" else reference
+    return module.basis_memory_values(*(tensor.contiguous() for tensor in operands[:4]), float(eps),
+                                      dictionary.contiguous(), value_weight.contiguous(), int(hidden_size))
+
+
+def ngram_hash_decode_(ids: torch.Tensor, id_state: torch.Tensor, slots: torch.Tensor, multipliers: torch.Tensor,
+                       moduli: torch.Tensor, offsets: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """One decoding step of Eq. 1 for R sequences of one new position each, every one continuing (its look-back holds
+    its last ``K - 1`` ids, or ``pad_id`` before its start): the row indices [R, branches] of ``ids`` [R] int64 after
+    ``id_state[slots[r], :K - 1]`` (int32 or int64, ``[slots, >= K - 1]``), which advances by one position in place.
+    One pass per sequence where the backend has the kernel (not under torch.compile), else the reference."""
+    backend = "torch" if torch.compiler.is_compiling() else fused_backend("ngram_hash_decode_", ids.device)
+    module = get_backend(backend).module if backend != "torch" else reference
+    return module.ngram_hash_decode_(ids.to(torch.int64).contiguous(), id_state, slots.to(torch.int64).contiguous(),
+                                     multipliers.contiguous(), moduli.contiguous(), offsets.contiguous(), int(pad_id))
+
+
+def short_conv_decode_(values: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, norm_weight: torch.Tensor,
+                       conv_weight: torch.Tensor, dilation: int, eps: float) -> torch.Tensor:
+    """One decoding step of Eq. 10 for R sequences of one new position each: ``m = v + SiLU(Conv1D(RMSNorm(v_{<=t})))``
+    at the new position, sequence r's earlier values in ``state[slots[r], :(K-1) r]`` (``[slots, >= (K-1) r, C]``),
+    which advances by one position in place. values [R, C]; conv_weight [C, K]. Returns [R, C]. One pass per sequence
+    where the backend has the kernel (no autograd, not under torch.compile), else the reference."""
+    backend = "torch"
+    if _operands_on_one_device_in_one_dtype(values, state, norm_weight, conv_weight) \
+            and not _needs_autograd(values, norm_weight, conv_weight) and not torch.compiler.is_compiling():
+        backend = fused_backend("short_conv_decode_", values.device, values.dtype)
+    module = get_backend(backend).module if backend != "torch" else reference
+    return module.short_conv_decode_(values.contiguous(), state, slots.to(torch.int64).contiguous(),
+                                     norm_weight.contiguous(), conv_weight.contiguous(), int(dilation), float(eps))

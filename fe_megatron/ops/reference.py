@@ -28,7 +28,19 @@ and a fifth, the sparse rule's fused row update (`fe_megatron.ops.rowwise_adagra
 * ``rowwise_adagrad_rows_(param, momentum, ids, grad, global_width, lr, eps, weight_decay)``: row-wise
   AdaGrad of an fp32 table's touched rows ``ids`` (sorted, unique) in place. A compiled backend sums a row's
   squares in its own order: within 1e-6 relative of the reference.
+
+and the basis-gated reconstruction of FactorEngram's branch (Eq. 7-9; `fe_megatron.ops.gated_reconstruction`),
+as a forward and a backward that recomputes the gate instead of saving it:
+
+* ``gated_reconstruction_forward(coefficients, query, dictionary, hidden_size) -> [M, d_m]``;
+* ``gated_reconstruction_backward(grad_memory, coefficients, query, dictionary, hidden_size)
+  -> (grad_coefficients, grad_query, grad_dictionary)``.
+
+A compiled backend computes the two products through a GEMM library and the gate around them, so its sums run in
+the library's order: within 1e-5 of the largest value in fp32 (tests/unit/ops/test_fused_branch.py).
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -163,3 +175,81 @@ def rowwise_adagrad_rows_(param: torch.Tensor, momentum: torch.Tensor, ids: torc
         rows.mul_(1.0 - lr * weight_decay)
     rows.addcdiv_(grad, (accumulated.sqrt() + eps).unsqueeze(1), value=-lr)
     param.index_copy_(0, ids, rows)
+
+
+# ----------------------------------------------------------------------------- the basis-gated reconstruction
+def basis_gate(query: torch.Tensor, dictionary: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """Eq. 7 (second half): ``alpha_t = sigmoid(D q_t / sqrt(d))``, one gate per dictionary row.
+
+    query: [..., d_m]; dictionary: [s, d_m] (or a slice of its rows). Returns [..., s].
+    """
+    return torch.sigmoid(torch.matmul(query, dictionary.t()) / math.sqrt(hidden_size))
+
+
+def gated_reconstruction(coefficients: torch.Tensor, query: torch.Tensor, dictionary: torch.Tensor,
+                         hidden_size: int) -> torch.Tensor:
+    """Eq. 7-9: ``e_t = D^T (z_t * alpha_t)``, ``alpha_t = sigmoid(D q_t / sqrt(d))``, as separate torch operations
+    (the unfused branch: autograd saves the gate and the gated coefficients, ``[..., s]`` each).
+
+    coefficients: [..., s]; query: [..., d_m]; dictionary: [s, d_m] (a tensor-parallel rank's rows: the result is
+    then that rank's share of the sum over rows). Returns [..., d_m]."""
+    return torch.matmul(coefficients * basis_gate(query, dictionary, hidden_size), dictionary)
+
+
+def gated_reconstruction_forward(coefficients: torch.Tensor, query: torch.Tensor, dictionary: torch.Tensor,
+                                 hidden_size: int) -> torch.Tensor:
+    """`gated_reconstruction` of [M, s] coefficients and [M, d_m] queries, without autograd."""
+    return gated_reconstruction(coefficients, query, dictionary, hidden_size)
+
+
+def gated_reconstruction_backward(grad_memory: torch.Tensor, coefficients: torch.Tensor, query: torch.Tensor,
+                                  dictionary: torch.Tensor, hidden_size: int) -> tuple:
+    """The gradients of `gated_reconstruction` from its inputs alone, the gate recomputed. With ``g = D q / sqrt(d)``,
+    ``alpha = sigmoid(g)``, ``u = z * alpha`` and ``G = dL/de D^T`` (dL/du):
+
+        dL/dz = G * alpha,   dL/dg = G * z * alpha (1 - alpha) / sqrt(d),
+        dL/dq = dL/dg D,     dL/dD = dL/dg^T q + u^T dL/de.
+
+    Returns ``(grad_coefficients [M, s], grad_query [M, d_m], grad_dictionary [s, d_m])``."""
+    divisor = math.sqrt(hidden_size)
+    alpha = torch.sigmoid(torch.matmul(query, dictionary.t()) / divisor)
+    grad_gated = torch.matmul(grad_memory, dictionary.t())
+    grad_logits = grad_gated * coefficients * alpha * (1 - alpha) / divisor
+    grad_dictionary = torch.matmul(grad_logits.t(), query) + torch.matmul((coefficients * alpha).t(), grad_memory)
+    return grad_gated * alpha, torch.matmul(grad_logits, dictionary), grad_dictionary
+
+
+def basis_memory_values(hidden: torch.Tensor, coefficients: torch.Tensor, query_weight: torch.Tensor,
+                        norm_weight: torch.Tensor, eps: float, dictionary: torch.Tensor, value_weight: torch.Tensor,
+                        hidden_size: int) -> torch.Tensor:
+    """``v = V D^T (z * sigmoid(D RMSNorm(Q^T h) / sqrt(d)))`` (Eq. 7-9): the branch's position-wise memory, as its
+    modules compute it (``query_proj``, ``query_norm``, `gated_reconstruction`, ``value_proj``)."""
+    query = F.rms_norm(F.linear(hidden, query_weight), (query_weight.shape[0],), norm_weight, eps)
+    return F.linear(gated_reconstruction(coefficients, query, dictionary, hidden_size), value_weight)
+
+
+def short_conv_decode_(values: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, norm_weight: torch.Tensor,
+                       conv_weight: torch.Tensor, dilation: int, eps: float) -> torch.Tensor:
+    """Eq. 10 at one new position of each sequence: ``m = v + SiLU(sum_k w_k * RMSNorm(v_{t - (K-1-k) r}))``, the
+    earlier values ``state[slots, :(K-1) r]``, which then holds the last ``(K-1) r`` values (values [R, C], state
+    [slots, >= (K-1) r, C], conv_weight [C, K]). Returns [R, C]."""
+    history = (conv_weight.shape[1] - 1) * dilation
+    window = torch.cat([state[slots, :history].to(values.dtype), values.unsqueeze(1)], 1)  # [R, h + 1, C]
+    taps = F.rms_norm(window[:, ::dilation], (values.shape[1],), norm_weight, eps)  # t-(K-1)r, .., t
+    refined = values + F.silu((taps * conv_weight.t()).sum(1))
+    if history:
+        state[slots, :history] = window[:, 1:].to(state.dtype)
+    return refined
+
+
+def ngram_hash_decode_(ids: torch.Tensor, id_state: torch.Tensor, slots: torch.Tensor, multipliers: torch.Tensor,
+                       moduli: torch.Tensor, offsets: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Eq. 1 at one new position of each sequence (`ngram_hash` of its window's last position): the ids ``ids`` [R]
+    after the last ``K - 1`` ids in ``id_state[slots, :K - 1]`` (``[slots, >= K - 1]``), which then holds the last
+    ``K - 1`` ids. Returns [R, branches]."""
+    history = multipliers.shape[1] - 1
+    window = torch.cat([id_state[slots, :history].to(torch.int64), ids.unsqueeze(1)], 1)  # [R, K]
+    indices = ngram_hash(window, multipliers, moduli, offsets, pad_id)[:, -1]
+    if history:
+        id_state[slots, :history] = window[:, 1:].to(id_state.dtype)
+    return indices

@@ -244,3 +244,94 @@ def table_adamw_(param, grad, exp_avg, exp_avg_sq, global_rows, column_offset, g
         1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, bias_correction2_sqrt, eps, -lr / bias_correction1,
         PARAM_BF16=param.dtype == torch.bfloat16, STATE_BF16=exp_avg.dtype == torch.bfloat16, BLOCK=UPDATE_BLOCK,
         **extra)
+
+
+# ----------------------------------------------------------------------------- the basis-gated reconstruction
+# Eq. 7-9, e = D^T (z * sigmoid(D q / sqrt(d))): the gate is the epilogue of the D q GEMM, a tile of logits at a
+# time in registers, so the [M, s] gate never reaches memory; the reconstruction and the backward's products are
+# cuBLAS GEMMs (torch.mm). The backward's kernel recomputes the logits beside dL/du = dL/de D^T, two GEMMs into
+# one tile, and writes dL/dz, dL/dg and u from it.
+@triton.jit
+def _logits_tile(a_ptr, d_ptr, rows, cols, M, S, DM, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``a[rows] @ D[cols]^T`` in fp32: [BLOCK_M, BLOCK_S]."""
+    acc = tl.zeros([BLOCK_M, BLOCK_S], dtype=tl.float32)
+    for k0 in range(0, DM, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr + rows[:, None] * DM + ks[None, :], mask=(rows < M)[:, None] & (ks < DM)[None, :],
+                    other=0.0)
+        b = tl.load(d_ptr + cols[None, :] * DM + ks[:, None], mask=(ks < DM)[:, None] & (cols < S)[None, :],
+                    other=0.0)
+        if UPCAST:  # Triton's interpreter computes bf16 dots wrongly (numpy has no bf16): there they take fp32
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _gate_coefficients_kernel(query_ptr, dictionary_ptr, coefficients_ptr, out_ptr, M, S, DM, divisor,
+                              BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    logits = _logits_tile(query_ptr, dictionary_ptr, rows, cols, M, S, DM, BLOCK_M, BLOCK_S, BLOCK_K, PRECISION,
+                          UPCAST)
+    mask = (rows < M)[:, None] & (cols < S)[None, :]
+    where = rows[:, None] * S + cols[None, :]
+    z = tl.load(coefficients_ptr + where, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + where, (z * tl.sigmoid(logits / divisor)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_backward_kernel(query_ptr, grad_memory_ptr, dictionary_ptr, coefficients_ptr, grad_coefficients_ptr,
+                          grad_logits_ptr, gated_ptr, M, S, DM, divisor, BLOCK_M: tl.constexpr,
+                          BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                          UPCAST: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    logits = _logits_tile(query_ptr, dictionary_ptr, rows, cols, M, S, DM, BLOCK_M, BLOCK_S, BLOCK_K, PRECISION,
+                          UPCAST)
+    grad_gated = _logits_tile(grad_memory_ptr, dictionary_ptr, rows, cols, M, S, DM, BLOCK_M, BLOCK_S, BLOCK_K,
+                              PRECISION, UPCAST)  # dL/du
+    mask = (rows < M)[:, None] & (cols < S)[None, :]
+    where = rows[:, None] * S + cols[None, :]
+    z = tl.load(coefficients_ptr + where, mask=mask, other=0.0).to(tl.float32)
+    alpha = tl.sigmoid(logits / divisor)
+    kind = grad_coefficients_ptr.dtype.element_ty
+    tl.store(grad_coefficients_ptr + where, (grad_gated * alpha).to(kind), mask=mask)
+    tl.store(grad_logits_ptr + where, (grad_gated * z * alpha * (1.0 - alpha) / divisor).to(kind), mask=mask)
+    tl.store(gated_ptr + where, (z * alpha).to(kind), mask=mask)
+
+
+def _gate_launch(rows: int, width: int, memory_dim: int, dtype: torch.dtype) -> tuple:
+    """``(grid, block sizes, precision)`` of the gate's kernels: tiles of 64 x 64 on a GPU (32 x 32 in the
+    interpreter, whose dot wants at least 16), fp32 dots in IEEE precision unless torch allows TF32 for matmuls."""
+    interpreted = not torch.cuda.is_available()
+    block_m = block_s = 32 if interpreted else 64
+    block_k = 32 if memory_dim >= 32 or interpreted else 16
+    tf32 = dtype == torch.float32 and not interpreted and torch.backends.cuda.matmul.allow_tf32
+    precision = "tf32" if tf32 else "ieee"
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(width, block_s))
+    return grid, dict(BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_K=block_k, PRECISION=precision, UPCAST=interpreted)
+
+
+def gated_reconstruction_forward(coefficients, query, dictionary, hidden_size):
+    rows, width = coefficients.shape
+    gated = torch.empty_like(coefficients)  # z * alpha, [M, s]: the reconstruction GEMM's input
+    if rows:
+        grid, blocks = _gate_launch(rows, width, dictionary.shape[1], coefficients.dtype)
+        _gate_coefficients_kernel[grid](query, dictionary, coefficients, gated, rows, width, dictionary.shape[1],
+                                        float(hidden_size) ** 0.5, **blocks)
+    return torch.mm(gated, dictionary)
+
+
+def gated_reconstruction_backward(grad_memory, coefficients, query, dictionary, hidden_size):
+    rows, width = coefficients.shape
+    grad_coefficients = torch.empty_like(coefficients)
+    grad_logits, gated = torch.empty_like(coefficients), torch.empty_like(coefficients)
+    if rows:
+        grid, blocks = _gate_launch(rows, width, dictionary.shape[1], coefficients.dtype)
+        _gate_backward_kernel[grid](query, grad_memory, dictionary, coefficients, grad_coefficients, grad_logits, gated,
+                                    rows, width, dictionary.shape[1], float(hidden_size) ** 0.5, **blocks)
+    grad_dictionary = torch.addmm(torch.mm(grad_logits.t(), query), gated.t(), grad_memory)
+    return grad_coefficients, torch.mm(grad_logits, dictionary), grad_dictionary

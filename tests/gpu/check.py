@@ -41,7 +41,7 @@ BF16_CURVE_RTOL = 0.01
 # initialization: a sanity bound
 BF16_TE_CURVE_RTOL = 0.05
 # the kernel tests a dry run runs (every CUDA and compiled-Triton case skips without a GPU)
-KERNEL_TESTS = "tests/unit/ops/test_kernels.py"
+KERNEL_TESTS = ("tests/unit/ops/test_kernels.py", "tests/unit/ops/test_fused_branch.py")
 DRY_KERNEL_TESTS = "test_the_operators_pass_torch_library_opcheck"
 
 
@@ -293,7 +293,7 @@ def kernel_tests(c: Checker, t: Target) -> dict:
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") and not t.dry else []
     select = ["-k", DRY_KERNEL_TESTS] if t.dry else []
     rc, output = c.run("kernel-tests", [PY, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *workers, *select,
-                                        KERNEL_TESTS], 1800)
+                                        *KERNEL_TESTS], 1800)
     totals = [line for line in output.splitlines() if " passed" in line or " failed" in line]
     crashed = [line.strip() for line in output.splitlines() if "crashed while running" in line]
     return c.record("kernel-tests", rc == 0, time.perf_counter() - start,
@@ -317,6 +317,24 @@ def kernel_bench(c: Checker, t: Target) -> dict:
         numbers[dtype] = {"copy_gbs": header.get("copy_gbs"), "kernels": [r for r in rows if "backend" in r]}
         c.progress("kernel-bench", numbers)
     return c.record("kernel-bench", ok, time.perf_counter() - start, numbers)
+
+
+def fused_branch_bench(c: Checker, t: Target) -> dict:
+    """bench_memory.py --kernel: the fused gated reconstruction (Triton on a GPU) against its unfused composition at
+    the 340M preset's widths, forward and backward, in bf16 and fp32, and the fraction of the measured matmul rate
+    each reaches."""
+    start = time.perf_counter()
+    size = ["--sizes", "small", "--steps", "2", "--device", "cpu"] if t.dry else \
+        ["--sizes", "medium", "--steps", "20", "--device", "cuda"]
+    numbers, ok = {}, True
+    for dtype in ("bfloat16", "float32"):
+        rc, output = c.run("fused-branch-bench", [PY, "benchmarks/bench_memory.py", "--kernel", *size, "--dtype", dtype],
+                           600, t.gpu_env)
+        rows = [row for row in json_lines(output) if "fwd_bwd_speedup" in row]
+        ok = ok and rc == 0 and bool(rows)
+        numbers[dtype] = rows[-1] if rows else {}
+        c.progress("fused-branch-bench", numbers)
+    return c.record("fused-branch-bench", ok, time.perf_counter() - start, numbers)
 
 
 def train_bench(c: Checker, t: Target, size: str) -> dict:

@@ -63,6 +63,11 @@ def test_kernel_bandwidth_in_fp32_and_bf16(checker, target, kernels):
     require(outcome(checker, "kernel-bench", lambda: check.kernel_bench(checker, target)))
 
 
+def test_the_fused_branch_against_its_unfused_equations(checker, target, kernels):
+    """bench_memory.py --kernel: the Triton gated reconstruction's time and matmul-rate fraction at 340M widths."""
+    require(outcome(checker, "fused-branch-bench", lambda: check.fused_branch_bench(checker, target)))
+
+
 def test_pretraining_curves_on_the_gpu_follow_the_cpu_reference(pretrain_runs):
     """bf16 (local spec), bf16 with host-tier bf16 tables, and fp32 with the CUDA kernels, against fp32 on
     the CPU from the same initial weights: fp32 within 1e-3, bf16 within 1e-2 (5e-2 with Transformer Engine's

@@ -503,6 +503,12 @@ def test_the_operators_pass_torch_library_opcheck(backend):
         torch.library.opcheck(torch.ops.fe_megatron.ngram_hash.default, (token_ids, multipliers, moduli, offsets, 0))
         torch.library.opcheck(torch.ops.fe_megatron.gather_rows_grad_into.default,
                               (torch.randn(37, 8), flat, torch.randn(50, 8), backend, True))
+    if backend != "torch":  # the torch backend runs the unfused composition, not these operators
+        gated = (torch.randn(11, 12, requires_grad=True), torch.randn(11, 8, requires_grad=True),
+                 torch.randn(12, 8, requires_grad=True), 16, backend)
+        torch.library.opcheck(torch.ops.fe_megatron.gated_reconstruction.default, gated)
+        torch.library.opcheck(torch.ops.fe_megatron.gated_reconstruction_backward.default,
+                              (torch.randn(11, 8), *(t.detach() for t in gated[:3]), 16, backend))
 
 
 @pytest.mark.parametrize("weight_decay, width", [(0.0, 64), (0.1, 64), (0.0, 2048)])
