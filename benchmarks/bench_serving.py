@@ -23,6 +23,11 @@ memory scaled to it (``s = d_m = 3 d``, its branches and gates, at 10/24 and 12/
 where the backbone is not tiny.  vLLM runs at its defaults (compiled, prefix caching on, its engine in processes
 of its own); ``--enforce-eager`` serves eagerly, ``--in-process`` runs the engine in the benchmark's process.
 
+``--fusion`` adds an engine whose processes run the branch's equations unfused (``FE_MEGATRON_FUSED_BRANCH=0``,
+`fe_megatron.ops.use_fused_branch`): the memory's cost with the fused kernels and without them, in the same run.
+
+``--op-times`` (with ``--in-process``) adds the time spent in the memory's custom ops per step, per engine.
+
 ``--busy-cores N`` keeps N cores busy the whole time (a host with other work).  Prints a JSON line per
 measurement and a Markdown table for benchmarks/RESULTS.md.
 """
@@ -34,11 +39,13 @@ import json
 import os
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from host_load import busy_cores  # this folder is on the path when the script runs
 
+FUSED_BRANCH_ENV = "FE_MEGATRON_FUSED_BRANCH"  # fe_megatron.ops.FUSED_BRANCH_ENV: 0 runs the branch unfused
 ENGINE = dict(dtype="float32", gpu_memory_utilization=0.05, skip_tokenizer_init=True, seed=0)
 # vLLM's workers keep polling for work for a second after their last step (its shared-memory queue's busy
 # loop); each measurement waits that out, so that an idle engine takes no core from the one being timed
@@ -109,28 +116,85 @@ def throughput(args, report):
 
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     vocab = model.config.vocab_size
-    with_memory = vllm.LLM(args.model, **ENGINE)
-    without_memory = vllm.LLM(args.model, hf_overrides={"memory": None}, **ENGINE)
+    from fe_megatron import ops
+
+    engines = {"vllm": vllm.LLM(args.model, **ENGINE),
+               "vllm_no_memory": vllm.LLM(args.model, hf_overrides={"memory": None}, **ENGINE)}
+    unfused = {}  # how each engine's steps run: the unfused engine's without the fused kernels
+    if args.fusion:  # an engine whose processes start with the branch's equations unfused
+        os.environ[FUSED_BRANCH_ENV] = "0"
+        try:
+            engines["vllm_unfused"] = vllm.LLM(args.model, **ENGINE)
+        finally:
+            del os.environ[FUSED_BRANCH_ENV]
+        unfused["vllm_unfused"] = True  # in the benchmark's process (--in-process), the environment came too late
+    timer = OpTimer() if args.op_times else None
     for batch in args.batches:
         prompts = prompts_of(vocab, batch, args.prompt_tokens, seed=batch)
-        vllm_generate(with_memory, prompts, 2), vllm_generate(without_memory, prompts, 2)  # warm
+        for engine in engines.values():
+            vllm_generate(engine, prompts, 2)  # warm
         hf_generate(model, prompts, 2)
-        times = {"vllm": [], "vllm_no_memory": [], "generate": []}
+        times = {name: [] for name in (*engines, "generate")}
         same = True
         for _ in range(args.repeats):
-            seconds, served = vllm_generate(with_memory, prompts, args.new_tokens)
-            times["vllm"].append(seconds)
-            times["vllm_no_memory"].append(vllm_generate(without_memory, prompts, args.new_tokens)[0])
+            served = {}
+            for name, engine in engines.items():  # the engines take turns: all see the same load
+                fusion = ops.use_fused_branch(False) if name in unfused else nullcontext()
+                with fusion, (timer.of(name) if timer else nullcontext()):
+                    seconds, served[name] = vllm_generate(engine, prompts, args.new_tokens)
+                times[name].append(seconds)
             seconds, generated = hf_generate(model, prompts, args.new_tokens)
             times["generate"].append(seconds)
-            same = same and served == generated
+            same = same and served["vllm"] == generated and served.get("vllm_unfused", generated) == generated
         tokens = batch * args.new_tokens
         rate = {name: tokens / statistics.median(values) for name, values in times.items()}
-        report({"measure": "throughput", "batch": batch, "busy_cores": args.busy_cores,
-                "tokens_per_s": {name: round(value, 1) for name, value in rate.items()},
-                "vllm_over_generate": round(rate["vllm"] / rate["generate"], 2),
-                "memory_cost": round(1 - rate["vllm"] / rate["vllm_no_memory"], 3),
-                "same_tokens_as_generate": same})
+        row = {"measure": "throughput", "batch": batch, "busy_cores": args.busy_cores,
+               "tokens_per_s": {name: round(value, 1) for name, value in rate.items()},
+               "vllm_over_generate": round(rate["vllm"] / rate["generate"], 2),
+               "memory_cost": round(1 - rate["vllm"] / rate["vllm_no_memory"], 3),
+               "same_tokens_as_generate": same}
+        if args.fusion:
+            row["unfused_memory_cost"] = round(1 - rate["vllm_unfused"] / rate["vllm_no_memory"], 3)
+        if timer:  # the memory's custom ops, per step (a step decodes one token of every request)
+            steps = args.repeats * args.new_tokens
+            row["memory_ops_ms_per_step"] = {name: {op: round(seconds / steps * 1e3, 3) for op, seconds in ops_.items()}
+                                             for name, ops_ in timer.take().items()}
+        report(row)
+
+
+class OpTimer:
+    """The seconds spent in the memory's custom ops (`fe_megatron.vllm.memory_layer`: the router's, every layer's),
+    per engine, in the benchmark's process (``--in-process``, where the ops run)."""
+
+    def __init__(self):
+        from fe_megatron.vllm import memory_layer
+
+        self.engine, self.seconds = None, {}
+        for cls, op in ((memory_layer.ServedMemoryRouter, "router"), (memory_layer.ServedMemory, "layers")):
+            cls.forward_native = self._timed(cls.forward_native, op)
+
+    def _timed(self, function, op):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self.engine is not None:
+                    spent = self.seconds.setdefault(self.engine, {"router": 0.0, "layers": 0.0})
+                    spent[op] += time.perf_counter() - start
+        return timed
+
+    @contextmanager
+    def of(self, engine: str):
+        self.engine = engine
+        try:
+            yield
+        finally:
+            self.engine = None
+
+    def take(self) -> dict:
+        seconds, self.seconds = self.seconds, {}
+        return seconds
 
 
 def first_token(args, report):
@@ -167,6 +231,10 @@ def main():
                         "in --model first, e.g. 512x8")
     parser.add_argument("--make-340m-width", action="store_true", help="--make-model 1024x4: the paper's width")
     parser.add_argument("--table-rows", type=int, default=50_000, help="with --make-model: rows per hashed head")
+    parser.add_argument("--fusion", action="store_true", help="a third engine with the branch's equations unfused "
+                        f"({FUSED_BRANCH_ENV}=0): the memory's cost with and without the fused kernels, in one run")
+    parser.add_argument("--op-times", action="store_true", help="with --in-process: the time in the memory's "
+                        "custom ops per step, per engine")
     parser.add_argument("--enforce-eager", action="store_true", help="serve eagerly (vLLM compiles by default)")
     parser.add_argument("--in-process", action="store_true", help="run vLLM's engine in this process "
                         "(VLLM_ENABLE_V1_MULTIPROCESSING=0) instead of its own processes")
@@ -175,6 +243,8 @@ def main():
     if shape:
         width, layers = (int(part) for part in shape.lower().split("x"))
         make_random_model(args.model, width, layers, args.table_rows)
+    if args.op_times and not args.in_process:
+        parser.error("--op-times times the memory's ops where they run: add --in-process")
     ENGINE["enforce_eager"] = args.enforce_eager
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
