@@ -3,7 +3,8 @@
 // fe_megatron/ops/reference.py.
 #pragma once
 
-#include <ATen/ATen.h>  // not torch/extension.h: the Python binding is ngram_ops_cpu.cpp's, and its headers are slow to compile
+// ATen only, not torch/extension.h: the Python binding is ngram_ops_cpu.cpp's, and its headers are slow to compile
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 

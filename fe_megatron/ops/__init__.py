@@ -1,6 +1,7 @@
 """One dispatch for every kernel: ``ngram_hash``, ``gather_rows`` (forward and backward), the
 table optimizer's fused update ``table_adamw_``, the sparse rule's ``rowwise_adagrad_rows_``, and
-FactorEngram's fused basis-gated reconstruction ``gated_reconstruction`` (Eq. 7-9, forward and backward).
+FactorEngram's fused basis-gated reconstruction ``gated_reconstruction`` (Eq. 7-9, forward and backward), with the
+inference kernels of a decoding step (``basis_memory_values``, ``ngram_hash_decode_``, ``short_conv_decode_``).
 
 Backends: ``torch`` (`fe_megatron.ops.reference`, always present: it defines the
 semantics), ``cpp`` (OpenMP C++ built by setup.py on every machine), ``cuda`` (built
@@ -147,9 +148,10 @@ def fused_branch_enabled() -> bool:
 
 @contextlib.contextmanager
 def use_fused_branch(enabled: bool = True):
-    """Run the fused branch's kernels (`gated_reconstruction`, `basis_memory_values`, `short_conv_decode_`) where a
-    backend has them (the default; ``FE_MEGATRON_FUSED_BRANCH=0`` starts a process without), or, with False, their
-    torch compositions, while every other kernel keeps its backend: to measure the fusion, or to rule it out."""
+    """Run the fused branch's kernels (`gated_reconstruction`, `basis_memory_values`, `ngram_hash_decode_`,
+    `short_conv_decode_`) where a backend has them (the default; ``FE_MEGATRON_FUSED_BRANCH=0`` starts a process
+    without), or, with False, their torch compositions, while every other kernel keeps its backend: to measure the
+    fusion, or to rule it out."""
     previous = _settings["fused_branch"]
     _settings["fused_branch"] = bool(enabled)
     try:
@@ -534,7 +536,7 @@ def gated_reconstruction(coefficients: torch.Tensor, query: torch.Tensor, dictio
     return memory.view(*lead, memory_dim)
 
 
-# --- inference only: a served step's position-wise memory, and a decoding step's refinement ----------------------
+# --- inference only: a served step's position-wise memory, and a decoding step's addresses and refinement --------
 def basis_memory_values(hidden: torch.Tensor, coefficients: torch.Tensor, query_weight: torch.Tensor,
                         norm_weight: torch.Tensor, eps: float, dictionary: torch.Tensor, value_weight: torch.Tensor,
                         hidden_size: int) -> torch.Tensor:

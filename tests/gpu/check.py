@@ -328,8 +328,8 @@ def fused_branch_bench(c: Checker, t: Target) -> dict:
         ["--sizes", "medium", "--steps", "20", "--device", "cuda"]
     numbers, ok = {}, True
     for dtype in ("bfloat16", "float32"):
-        rc, output = c.run("fused-branch-bench", [PY, "benchmarks/bench_memory.py", "--kernel", *size, "--dtype", dtype],
-                           600, t.gpu_env)
+        command = [PY, "benchmarks/bench_memory.py", "--kernel", *size, "--dtype", dtype]
+        rc, output = c.run("fused-branch-bench", command, 600, t.gpu_env)
         rows = [row for row in json_lines(output) if "fwd_bwd_speedup" in row]
         ok = ok and rc == 0 and bool(rows)
         numbers[dtype] = rows[-1] if rows else {}
