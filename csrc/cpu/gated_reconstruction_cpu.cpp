@@ -20,10 +20,11 @@ namespace {
 // Elements of the logits one task of the gate's pass handles.
 constexpr int64_t kGrain = 1 << 14;
 
-// exp(x) for float x, within 2 ulp of expf over the range where sigmoid is not saturated, written so that the
-// compiler vectorizes the loops that call it (no branch, no call): Cephes' expf, range-reduced by ln 2, a degree-5
-// polynomial, and the power of two built in the exponent's bits.  expf itself is a library call that GCC does not
-// vectorize without -ffast-math, which would change the rest of the file's arithmetic.
+// exp(x) for float x, within a few ulp of expf (the gate then meets the kernels' fp32 bound, 1e-5 of the largest
+// value, with room), written so that the compiler can vectorize the loops that call it (no branch, no call):
+// Cephes' expf, range-reduced by ln 2, a degree-5 polynomial, and the power of two built in the exponent's bits.
+// expf itself is a library call that GCC does not vectorize without -ffast-math, which would change the rest of
+// the file's arithmetic. Past the clamp the result is 2^-126 or +inf, where the sigmoid is 1 or 0 to fp32.
 inline float fast_exp(float x) {
   x = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);  // a NaN stays a NaN
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer
