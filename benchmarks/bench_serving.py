@@ -120,14 +120,14 @@ def throughput(args, report):
 
     engines = {"vllm": vllm.LLM(args.model, **ENGINE),
                "vllm_no_memory": vllm.LLM(args.model, hf_overrides={"memory": None}, **ENGINE)}
-    unfused = {}  # how each engine's steps run: the unfused engine's without the fused kernels
+    unfused = set()  # the engines whose steps run without the fused kernels
     if args.fusion:  # an engine whose processes start with the branch's equations unfused
         os.environ[FUSED_BRANCH_ENV] = "0"
         try:
             engines["vllm_unfused"] = vllm.LLM(args.model, **ENGINE)
         finally:
             del os.environ[FUSED_BRANCH_ENV]
-        unfused["vllm_unfused"] = True  # in the benchmark's process (--in-process), the environment came too late
+        unfused.add("vllm_unfused")  # in the benchmark's process (--in-process), the environment came too late
     timer = OpTimer() if args.op_times else None
     for batch in args.batches:
         prompts = prompts_of(vocab, batch, args.prompt_tokens, seed=batch)

@@ -16,8 +16,6 @@ namespace {
 
 // Sequences one task handles: a step of a few dozen runs in the calling thread.
 constexpr int64_t kRequestGrain = 64;
-// Largest n-gram order the hash takes (as ngram_hash's kernel).
-constexpr int64_t kMaxWindow = 16;
 
 void check_slots(const at::Tensor& slots, int64_t requests, int64_t capacity, const char* op) {
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.device().is_cpu() &&
@@ -43,23 +41,12 @@ void hash_decode(const int64_t* ids, I* state, const int64_t* slots, const int64
         recent[k] = static_cast<uint64_t>(k == 0 ? ids[r] : static_cast<int64_t>(look_back[(history - k) *
                                                                                              position_stride]));
       }
-      for (int64_t b = 0; b < branches; ++b) {
-        uint64_t mix = 0;  // unsigned: wraps like torch's int64 multiply (as ngram_hash)
-        for (int64_t k = 0; k < window; ++k) mix ^= recent[k] * static_cast<uint64_t>(mult[b * window + k]);
-        int64_t row = static_cast<int64_t>(mix) % mod[b];
-        if (row < 0) row += mod[b];  // torch.remainder takes the divisor's sign
-        out[r * branches + b] = row + off[b];
-      }
+      hash_branches(recent, mult, mod, off, branches, window, out + r * branches);
       for (int64_t place = 0; place + 1 < history; ++place) look_back[place * position_stride] =
           look_back[(place + 1) * position_stride];
       if (history > 0) look_back[(history - 1) * position_stride] = static_cast<I>(ids[r]);
     }
   });
-}
-
-template <typename T>
-T round_to(float value) {
-  return static_cast<T>(value);
 }
 
 template <typename T>
@@ -80,15 +67,15 @@ void decode(const T* values, T* state, const int64_t* slots, const T* norm_weigh
         const float scale = 1.0f / std::sqrt(squares / static_cast<float>(channels) + eps);
         for (int64_t c = 0; c < channels; ++c) {
           // as the composition rounds: the normed tap, then its product with the tap's weight, in T
-          const float normed = static_cast<float>(round_to<T>(static_cast<float>(tap[c]) * scale *
+          const float normed = static_cast<float>(static_cast<T>(static_cast<float>(tap[c]) * scale *
                                                               static_cast<float>(norm_weight[c])));
-          sums[c] += static_cast<float>(round_to<T>(normed * static_cast<float>(conv_weight[c * kernel + k])));
+          sums[c] += static_cast<float>(static_cast<T>(normed * static_cast<float>(conv_weight[c * kernel + k])));
         }
       }
       for (int64_t c = 0; c < channels; ++c) {
-        const float x = static_cast<float>(round_to<T>(sums[c]));
-        const float silu = static_cast<float>(round_to<T>(x / (1.0f + std::exp(-x))));
-        out[r * channels + c] = round_to<T>(static_cast<float>(value[c]) + silu);
+        const float x = static_cast<float>(static_cast<T>(sums[c]));
+        const float silu = static_cast<float>(static_cast<T>(x / (1.0f + std::exp(-x))));
+        out[r * channels + c] = static_cast<T>(static_cast<float>(value[c]) + silu);
       }
       for (int64_t place = 0; place < history; ++place) {  // the look-back advances: its last h values
         const T* next = place + 1 < history ? look_back + (place + 1) * position_stride : value;

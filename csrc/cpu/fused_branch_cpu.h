@@ -1,6 +1,6 @@
 // The fused branch on the CPU: FactorEngram's basis-gated reconstruction (Eq. 7-9, gated_reconstruction_cpu.cpp)
-// and a decoding step's addresses and refinement (Eq. 1 and 10, decoding_cpu.cpp). Semantics:
-// fe_megatron/ops/reference.py.
+// and a decoding step's addresses and refinement (Eq. 1 and 10, decoding_cpu.cpp), with the hash of one position
+// that the decoding step shares with ngram_ops_cpu.cpp's ngram_hash. Semantics: fe_megatron/ops/reference.py.
 #pragma once
 
 // ATen only, not torch/extension.h: the Python binding is ngram_ops_cpu.cpp's, and its headers are slow to compile
@@ -9,6 +9,22 @@
 #include <ATen/Parallel.h>
 
 #include <vector>
+
+// Largest n-gram order the hash kernels accept (the paper uses 3).
+constexpr int64_t kMaxWindow = 16;
+
+// Eq. 1 for one position: out[b] = (XOR_k recent[k] * m[b, k]) mod p_b + offset_b, recent[k] = x_{t-k}. The hash of
+// ngram_hash (a whole batch) and of ngram_hash_decode_ (a decoding step), written once.
+inline void hash_branches(const uint64_t* recent, const int64_t* mult, const int64_t* mod, const int64_t* off,
+                          int64_t branches, int64_t window, int64_t* out) {
+  for (int64_t b = 0; b < branches; ++b) {
+    uint64_t mix = 0;  // unsigned: wraps like torch's int64 multiply, with no undefined behaviour
+    for (int64_t k = 0; k < window; ++k) mix ^= recent[k] * static_cast<uint64_t>(mult[b * window + k]);
+    int64_t r = static_cast<int64_t>(mix) % mod[b];
+    if (r < 0) r += mod[b];  // torch.remainder: the sign of the divisor
+    out[b] = r + off[b];
+  }
+}
 
 // One thread for a problem too small to share: a decoding step's products of a few rows cost less than waking a
 // second thread for each of them (a served step of 8 requests at the demo's width: 100 us on 2 threads, 50 on one).

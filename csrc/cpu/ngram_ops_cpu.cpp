@@ -17,8 +17,6 @@ namespace {
 
 // Positions of the sorted index array reduced by one task; also the CUDA/Triton chunk.
 constexpr int64_t kChunk = 32;
-// Largest n-gram order the hash kernels accept (the paper uses 3).
-constexpr int64_t kMaxWindow = 16;
 // Gathered rows ahead of the current one whose first cache line is prefetched.
 constexpr int64_t kPrefetchDistance = 8;
 
@@ -56,13 +54,7 @@ torch::Tensor ngram_hash(torch::Tensor token_ids, torch::Tensor multipliers, tor
       const int64_t t = token % seq;
       const int64_t* row = ids + (token - t);
       for (int64_t k = 0; k < window; ++k) history[k] = static_cast<uint64_t>(t >= k ? row[t - k] : pad_id);
-      for (int64_t b = 0; b < branches; ++b) {
-        uint64_t mix = 0;  // unsigned: wraps like torch's int64 multiply, with no undefined behaviour
-        for (int64_t k = 0; k < window; ++k) mix ^= history[k] * static_cast<uint64_t>(mult[b * window + k]);
-        int64_t r = static_cast<int64_t>(mix) % mod[b];
-        if (r < 0) r += mod[b];  // torch.remainder: the sign of the divisor
-        dst[token * branches + b] = r + off[b];
-      }
+      hash_branches(history, mult, mod, off, branches, window, dst + token * branches);
     }
   });
   return out;

@@ -422,7 +422,8 @@ def gather_rows(weight: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     if _settings["debug"] and not torch.compiler.is_compiling():  # the position in the caller's shape
         check_row_indices(indices.reshape(-1), weight.shape[0], tuple(indices.shape))
     if not (torch.is_grad_enabled() and weight.requires_grad) and not torch.compiler.is_compiling():
-        rows = gather_rows_forward(weight, indices.reshape(-1))  # inference: no operator, no autograd record
+        # inference: no operator, no autograd record (the indices were range-checked above in debug mode)
+        rows = _backend_for(weight.device, weight.dtype).gather_rows_forward(weight.contiguous(), indices.reshape(-1))
     else:
         rows = torch.ops.fe_megatron.gather_rows(weight.contiguous(), indices.reshape(-1))
     return rows.view(*indices.shape, weight.shape[1])
@@ -448,8 +449,7 @@ def fused_backend(function: str, device: torch.device, dtype: torch.dtype = None
     name = current_backend(device, dtype)
     if name == "torch" or hasattr(get_backend(name).module, function):
         return name
-    name = fastest_backend(device, dtype, op=function)
-    return name if hasattr(get_backend(name).module, function) else "torch"
+    return fastest_backend(device, dtype, op=function)  # "torch" where none has it: the reference has them all
 
 
 def gated_reconstruction_backend(device: torch.device, dtype: torch.dtype) -> str:
